@@ -1,0 +1,57 @@
+//! The error type of the core crate.
+
+/// Errors raised by the Unit of Work, event (de)serialization and migrations.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A database operation failed (connection, statement or commit).
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+
+    /// An event could not be serialized to its JSON payload.
+    #[error("could not serialize event `{event_type}` to JSON: {source}")]
+    Serialize {
+        /// The event type that failed.
+        event_type: String,
+        /// What serde_json reported.
+        #[source]
+        source: serde_json::Error,
+    },
+
+    /// A payload could not be decoded into the requested event type.
+    #[error("could not decode payload of event `{event_type}`: {source}")]
+    Deserialize {
+        /// The event type named by the message.
+        event_type: String,
+        /// What serde_json reported.
+        #[source]
+        source: serde_json::Error,
+    },
+
+    /// The event type named by a message is not one the Rust type carries.
+    #[error("unknown event type `{event_type}` for `{rust_type}` (expected one of: {expected})")]
+    UnknownEventType {
+        /// The event type named by the message.
+        event_type: String,
+        /// The Rust type that was asked to decode it.
+        rust_type: &'static str,
+        /// The event types the Rust type carries, comma separated.
+        expected: String,
+    },
+
+    /// The payload decoded, but into a different event type than the message named.
+    #[error("payload of event `{event_type}` decoded as `{decoded}`")]
+    EventTypeMismatch {
+        /// The event type named by the message.
+        event_type: String,
+        /// The event type of the decoded value.
+        decoded: &'static str,
+    },
+
+    /// Applying the embedded migrations failed.
+    #[error("migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+/// `Result` with this crate's [`Error`] as the default error type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,237 @@
+//! The Unit of Work: one PostgreSQL transaction that carries the domain change
+//! and the events it produced, written to `outbox_event` at commit.
+
+use std::ops::{Deref, DerefMut};
+
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+use uuid::Uuid;
+
+use crate::aggregate::AggregateRoot;
+use crate::error::{Error, Result};
+use crate::event::DomainEvent;
+use crate::message::{Headers, OutboxMessage};
+
+/// The one statement that writes a whole batch of events. `WITH ORDINALITY`
+/// and `ORDER BY` keep the identity (`id`) in record order.
+const INSERT_BATCH: &str = "\
+INSERT INTO outbox_event
+    (event_id, aggregate_type, aggregate_id, event_type, event_version,
+     topic, partition_key, payload, headers)
+SELECT e, at, ai, et, ev, t, pk, p::jsonb, h::jsonb
+FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int4[],
+            $6::text[], $7::text[], $8::text[], $9::text[])
+     WITH ORDINALITY AS u(e, at, ai, et, ev, t, pk, p, h, n)
+ORDER BY n";
+
+/// One database transaction plus the events recorded during it.
+///
+/// Run domain queries on it the usual sqlx way (it derefs to the
+/// transaction's [`PgConnection`]: `query.execute(&mut *uow)`), record events
+/// with [`record`](Self::record) or [`collect`](Self::collect), then
+/// [`commit`](Self::commit): the events are inserted into `outbox_event` with
+/// one statement, inside the same transaction, just before `COMMIT`.
+///
+/// Dropping a Unit of Work without committing rolls the transaction back and
+/// discards its events. `commit(self)` consumes it, so nothing can be
+/// recorded after commit.
+pub struct UnitOfWork {
+    tx: Transaction<'static, Postgres>,
+    messages: Vec<OutboxMessage>,
+    error: Option<Error>,
+    headers: Headers,
+}
+
+/// What a successful [`UnitOfWork::commit`] wrote to the outbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Committed {
+    /// Ids of the events written, in record order.
+    pub event_ids: Vec<Uuid>,
+}
+
+impl std::fmt::Debug for UnitOfWork {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnitOfWork")
+            .field("pending_events", &self.messages.len())
+            .field("headers", &self.headers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl UnitOfWork {
+    /// Begins a transaction on `pool`.
+    ///
+    /// The Unit of Work gets a fresh correlation id, inherited by every event
+    /// it records unless [`set_correlation_id`](Self::set_correlation_id)
+    /// replaces it.
+    pub async fn begin(pool: &PgPool) -> Result<Self> {
+        Ok(Self::from_transaction(pool.begin().await?))
+    }
+
+    /// Wraps a transaction the application already began.
+    pub fn from_transaction(tx: Transaction<'static, Postgres>) -> Self {
+        Self {
+            tx,
+            messages: Vec::new(),
+            error: None,
+            headers: Headers {
+                correlation_id: Some(Uuid::now_v7()),
+                ..Headers::default()
+            },
+        }
+    }
+
+    /// The transaction's connection, for domain queries.
+    pub fn connection(&mut self) -> &mut PgConnection {
+        &mut self.tx
+    }
+
+    /// Records `event` for the outbox; returns its event id.
+    ///
+    /// The event is serialized now; if that fails, the error is returned by
+    /// [`commit`](Self::commit), which then writes nothing.
+    pub fn record<E: DomainEvent>(&mut self, event: E) -> Uuid {
+        match OutboxMessage::from_event(&event) {
+            Ok(message) => {
+                let id = message.event_id;
+                self.messages.push(message);
+                id
+            }
+            Err(error) => {
+                self.error.get_or_insert(error);
+                event.event_id().unwrap_or_else(Uuid::now_v7)
+            }
+        }
+    }
+
+    /// Records a message that is already serialized (e.g. built by a relay
+    /// tool or forwarded from elsewhere); returns its event id.
+    pub fn record_message(&mut self, message: OutboxMessage) -> Uuid {
+        let id = message.event_id;
+        self.messages.push(message);
+        id
+    }
+
+    /// Takes every event the aggregate root recorded, in record order.
+    pub fn collect<R: AggregateRoot + ?Sized>(&mut self, root: &mut R) {
+        let (messages, error) = root.pending_events().take();
+        self.messages.extend(messages);
+        if let Some(error) = error {
+            self.error.get_or_insert(error);
+        }
+    }
+
+    /// Number of events that `commit` will write.
+    pub fn pending_events(&self) -> usize {
+        self.messages.len()
+    }
+
+    /// The headers every recorded event inherits (entries an event sets
+    /// itself win).
+    pub fn headers(&self) -> &Headers {
+        &self.headers
+    }
+
+    /// Mutable access to the inherited headers (trace context, custom entries).
+    pub fn headers_mut(&mut self) -> &mut Headers {
+        &mut self.headers
+    }
+
+    /// Sets the correlation id the recorded events carry.
+    pub fn set_correlation_id(&mut self, id: Uuid) {
+        self.headers.correlation_id = Some(id);
+    }
+
+    /// Sets the causation id (the message that caused this work).
+    pub fn set_causation_id(&mut self, id: Uuid) {
+        self.headers.causation_id = Some(id);
+    }
+
+    /// Writes the recorded events to `outbox_event` (one statement) and
+    /// commits the transaction.
+    ///
+    /// On any error the transaction is rolled back: neither the domain change
+    /// nor the events are written.
+    pub async fn commit(mut self) -> Result<Committed> {
+        if let Some(error) = self.error.take() {
+            // Dropping `tx` rolls back.
+            return Err(error);
+        }
+        let event_ids = insert_messages(&mut self.tx, &self.messages, &self.headers).await?;
+        self.tx.commit().await?;
+        Ok(Committed { event_ids })
+    }
+
+    /// Rolls the transaction back explicitly, discarding the events.
+    pub async fn rollback(self) -> Result<()> {
+        self.tx.rollback().await?;
+        Ok(())
+    }
+}
+
+impl Deref for UnitOfWork {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        &self.tx
+    }
+}
+
+impl DerefMut for UnitOfWork {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.tx
+    }
+}
+
+/// Inserts `messages` with one statement; each inherits `defaults` headers.
+async fn insert_messages(
+    conn: &mut PgConnection,
+    messages: &[OutboxMessage],
+    defaults: &Headers,
+) -> Result<Vec<Uuid>> {
+    if messages.is_empty() {
+        return Ok(Vec::new());
+    }
+    let n = messages.len();
+    let mut event_ids = Vec::with_capacity(n);
+    let mut aggregate_types = Vec::with_capacity(n);
+    let mut aggregate_ids = Vec::with_capacity(n);
+    let mut event_types = Vec::with_capacity(n);
+    let mut versions = Vec::with_capacity(n);
+    let mut topics = Vec::with_capacity(n);
+    let mut keys = Vec::with_capacity(n);
+    let mut payloads = Vec::with_capacity(n);
+    let mut headers = Vec::with_capacity(n);
+    // Most events carry no headers of their own: serialize the defaults once.
+    let default_json = defaults.to_json();
+    for m in messages {
+        event_ids.push(m.event_id);
+        aggregate_types.push(m.aggregate_type.as_str());
+        aggregate_ids.push(m.aggregate_id.as_str());
+        event_types.push(m.event_type.as_str());
+        versions.push(i32::try_from(m.event_version).unwrap_or(i32::MAX));
+        topics.push(m.topic.as_str());
+        keys.push(m.partition_key.as_str());
+        payloads.push(m.payload.as_str());
+        headers.push(if m.headers.is_empty() {
+            default_json.clone()
+        } else {
+            let mut own = m.headers.clone();
+            own.fill_from(defaults);
+            own.to_json()
+        });
+    }
+    sqlx::query(INSERT_BATCH)
+        .bind(&event_ids)
+        .bind(&aggregate_types)
+        .bind(&aggregate_ids)
+        .bind(&event_types)
+        .bind(&versions)
+        .bind(&topics)
+        .bind(&keys)
+        .bind(&payloads)
+        .bind(&headers)
+        .execute(conn)
+        .await?;
+    Ok(event_ids)
+}

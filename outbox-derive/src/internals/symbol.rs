@@ -1,0 +1,64 @@
+//! The names of the attributes and keys the macros understand.
+
+use std::fmt::{self, Display};
+
+use syn::{Ident, Path};
+
+/// An attribute or key name, comparable with the `Path`s and `Ident`s syn
+/// parses.
+#[derive(Copy, Clone, PartialEq, Eq)]
+pub struct Symbol(&'static str);
+
+/// `#[event(...)]`.
+pub const EVENT: Symbol = Symbol("event");
+/// `#[aggregate(...)]`.
+pub const AGGREGATE: Symbol = Symbol("aggregate");
+
+/// Container: the Kafka topic.
+pub const TOPIC: Symbol = Symbol("topic");
+/// Container: the aggregate type.
+pub const AGGREGATE_TYPE: Symbol = Symbol("aggregate_type");
+/// Container (struct) or variant: the event type name.
+pub const EVENT_TYPE: Symbol = Symbol("event_type");
+/// Container or variant: the schema version.
+pub const VERSION: Symbol = Symbol("version");
+
+/// Field: the aggregate id.
+pub const AGGREGATE_ID: Symbol = Symbol("aggregate_id");
+/// Field: the Kafka partition key.
+pub const PARTITION_KEY: Symbol = Symbol("partition_key");
+/// Field: the event id.
+pub const EVENT_ID: Symbol = Symbol("event_id");
+
+/// `#[aggregate(root = Name)]`: the name of the generated root type.
+pub const ROOT: Symbol = Symbol("root");
+
+impl PartialEq<Symbol> for Ident {
+    fn eq(&self, word: &Symbol) -> bool {
+        self == word.0
+    }
+}
+
+impl PartialEq<Symbol> for &Ident {
+    fn eq(&self, word: &Symbol) -> bool {
+        *self == word.0
+    }
+}
+
+impl PartialEq<Symbol> for Path {
+    fn eq(&self, word: &Symbol) -> bool {
+        self.is_ident(word.0)
+    }
+}
+
+impl PartialEq<Symbol> for &Path {
+    fn eq(&self, word: &Symbol) -> bool {
+        self.is_ident(word.0)
+    }
+}
+
+impl Display for Symbol {
+    fn fmt(&self, formatter: &mut fmt::Formatter) -> fmt::Result {
+        formatter.write_str(self.0)
+    }
+}

@@ -1,0 +1,453 @@
+//! Relay benchmark: drain a preloaded outbox to the broker, and in the same
+//! run the two limits it works against: (a) the same claim + mark SQL with no
+//! broker, (b) the raw idempotent producer with the same messages and no
+//! database. Then commit→consumed latency at a steady rate, and the relay
+//! process's peak RSS.
+//!
+//! `cargo bench -p outbox-runtime --bench relay -- [--events N] [--batch N] [--rate N] [--seconds S] [--json PATH]`
+//!
+//! Needs PostgreSQL (DATABASE_URL names the server; the benchmark creates
+//! its own database `outbox_bench_relay`) and a broker (KAFKA_BROKERS).
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use outbox_core::{OutboxMessage, UnitOfWork};
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+use uuid::Uuid;
+
+struct Args {
+    events: i64,
+    batch: i64,
+    rate: u64,
+    seconds: u64,
+    json: Option<String>,
+}
+
+fn args() -> Result<Args, String> {
+    let mut a = Args {
+        events: 200_000,
+        batch: 2000,
+        rate: 1000,
+        seconds: 10,
+        json: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut value = || it.next().ok_or(format!("{arg} needs a value"));
+        match arg.as_str() {
+            "--events" => a.events = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--batch" => a.batch = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--rate" => a.rate = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--seconds" => a.seconds = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--json" => a.json = Some(value()?),
+            "--bench" => {}
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    Ok(a)
+}
+
+const PRELOAD: &str = "\
+INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, topic, partition_key, payload, headers)
+SELECT gen_random_uuid(), 'Order', 'order-' || (g % 1000), 'OrderPlaced', $2, 'order-' || (g % 1000),
+       jsonb_build_object('order_id', 'order-' || (g % 1000), 'seq', g, 'amount_cents', 1999,
+                          'note', repeat('x', 120)),
+       jsonb_build_object('correlation_id', gen_random_uuid())
+FROM generate_series(1, $1) AS g";
+
+async fn preload(pool: &PgPool, n: i64, topic: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("TRUNCATE outbox_event").execute(pool).await?;
+    sqlx::query(PRELOAD)
+        .bind(n)
+        .bind(topic)
+        .execute(pool)
+        .await?;
+    sqlx::query("VACUUM ANALYZE outbox_event")
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+/// (a) The relay's claim + mark statements alone, no broker.
+async fn sql_only(pool: &PgPool, batch: i64) -> Result<f64, sqlx::Error> {
+    let start = Instant::now();
+    let mut total = 0_usize;
+    loop {
+        let mut tx = pool.begin().await?;
+        let rows: Vec<(
+            i64,
+            Uuid,
+            String,
+            String,
+            String,
+            String,
+            i32,
+            String,
+            String,
+            String,
+            i32,
+        )> = sqlx::query_as(
+            "SELECT id, event_id, aggregate_type, aggregate_id, event_type, topic, event_version,
+                    partition_key, payload::text, headers::text, attempts
+             FROM outbox_event
+             WHERE published_at IS NULL AND parked_at IS NULL
+               AND partition_key <> ALL($2::text[]) AND topic <> ALL($3::text[])
+             ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+        )
+        .bind(batch)
+        .bind(Vec::<String>::new())
+        .bind(Vec::<String>::new())
+        .fetch_all(&mut *tx)
+        .await?;
+        if rows.is_empty() {
+            break;
+        }
+        total += rows.len();
+        let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
+        sqlx::query("UPDATE outbox_event SET published_at = now(), last_attempt_at = now() WHERE id = ANY($1)")
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+    }
+    Ok(total as f64 / start.elapsed().as_secs_f64())
+}
+
+/// (b) The raw idempotent producer, same messages, no database.
+async fn producer_only(
+    brokers: &str,
+    topic: &str,
+    pool: &PgPool,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let rows: Vec<(Uuid, String, String)> = sqlx::query_as(
+        "SELECT event_id, partition_key, payload::text FROM outbox_event ORDER BY id",
+    )
+    .fetch_all(pool)
+    .await?;
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "1")
+        .set("queue.buffering.max.messages", "1000000")
+        .set("queue.buffering.max.kbytes", "1048576")
+        .set("batch.num.messages", "10000")
+        .create()?;
+    let start = Instant::now();
+    let mut pending = Vec::with_capacity(rows.len());
+    for (id, key, payload) in &rows {
+        let event_id = id.to_string();
+        let headers = OwnedHeaders::new_with_capacity(7)
+            .insert(Header {
+                key: "event_id",
+                value: Some(event_id.as_bytes()),
+            })
+            .insert(Header {
+                key: "event_type",
+                value: Some("OrderPlaced".as_bytes()),
+            })
+            .insert(Header {
+                key: "event_version",
+                value: Some("1".as_bytes()),
+            })
+            .insert(Header {
+                key: "aggregate_type",
+                value: Some("Order".as_bytes()),
+            })
+            .insert(Header {
+                key: "aggregate_id",
+                value: Some(key.as_bytes()),
+            })
+            .insert(Header {
+                key: "content-type",
+                value: Some("application/json".as_bytes()),
+            })
+            .insert(Header {
+                key: "correlation_id",
+                value: Some(event_id.as_bytes()),
+            });
+        let record = FutureRecord::to(topic)
+            .key(key.as_bytes())
+            .payload(payload.as_bytes())
+            .headers(headers);
+        match producer.send_result(record) {
+            Ok(d) => pending.push(d),
+            Err((e, _)) => return Err(e.into()),
+        }
+    }
+    for d in pending {
+        if let Ok(Err((e, _))) = d.await {
+            return Err(e.into());
+        }
+    }
+    Ok(rows.len() as f64 / start.elapsed().as_secs_f64())
+}
+
+fn rss_peak_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+struct RelayProcess {
+    child: tokio::process::Child,
+}
+
+impl RelayProcess {
+    fn start(url: &str, brokers: &str, batch: i64) -> std::io::Result<Self> {
+        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox"))
+            .args(["relay", "--batch-size", &batch.to_string()])
+            .env("DATABASE_URL", url)
+            .env("KAFKA_BROKERS", brokers)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()?;
+        Ok(Self { child })
+    }
+    fn pid(&self) -> u32 {
+        self.child.id().unwrap_or(0)
+    }
+    async fn stop(mut self) -> Option<u64> {
+        let pid = self.pid();
+        let peak = rss_peak_kib(pid);
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status();
+        let _ = tokio::time::timeout(Duration::from_secs(20), self.child.wait()).await;
+        peak
+    }
+}
+
+async fn published(pool: &PgPool) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE published_at IS NOT NULL")
+        .fetch_one(pool)
+        .await
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let a = args()?;
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+    let admin: PgConnectOptions = url.parse()?;
+    let mut conn = admin.connect().await?;
+    sqlx::query("DROP DATABASE IF EXISTS outbox_bench_relay WITH (FORCE)")
+        .execute(&mut conn)
+        .await?;
+    sqlx::query("CREATE DATABASE outbox_bench_relay")
+        .execute(&mut conn)
+        .await?;
+    let bench_opts = admin.clone().database("outbox_bench_relay");
+    let bench_url = format!(
+        "postgres://{}@{}:{}/outbox_bench_relay",
+        bench_opts.get_username(),
+        bench_opts.get_host(),
+        bench_opts.get_port()
+    );
+    let pool = PgPoolOptions::new()
+        .max_connections(8)
+        .connect_with(bench_opts)
+        .await?;
+    outbox_core::migrate(&pool).await?;
+
+    let run = Uuid::new_v4().simple().to_string();
+    let topic_sql = format!("bench-relay-{run}");
+    let topic_raw = format!("bench-raw-{run}");
+    let topic_relay = format!("bench-relay-drain-{run}");
+    let topic_latency = format!("bench-latency-{run}");
+    outbox_runtime::kafka::create_topics(
+        &brokers,
+        &[],
+        &[
+            topic_raw.clone(),
+            topic_relay.clone(),
+            topic_latency.clone(),
+        ],
+        4,
+        1,
+    )
+    .await?;
+
+    println!(
+        "relay benchmark: {} events of ~200 bytes, batch {}",
+        a.events, a.batch
+    );
+    // (a) SQL only.
+    preload(&pool, a.events, &topic_sql).await?;
+    let sql_rate = sql_only(&pool, a.batch).await?;
+    println!("(a) claim + mark SQL only     {sql_rate:>10.0} rows/s");
+    // (b) raw producer.
+    preload(&pool, a.events, &topic_raw).await?;
+    let raw_rate = producer_only(&brokers, &topic_raw, &pool).await?;
+    println!("(b) raw idempotent producer   {raw_rate:>10.0} msg/s");
+    // The relay process.
+    preload(&pool, a.events, &topic_relay).await?;
+    let relay = RelayProcess::start(&bench_url, &brokers, a.batch)?;
+    let mut first: Option<Instant> = None;
+    let spawned = Instant::now();
+    loop {
+        let n = published(&pool).await?;
+        if n > 0 && first.is_none() {
+            first = Some(Instant::now());
+        }
+        if n >= a.events {
+            break;
+        }
+        if spawned.elapsed() > Duration::from_secs(300) {
+            return Err("relay did not drain the outbox within 300 s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let drain = first.map_or(spawned.elapsed(), |f| f.elapsed());
+    let relay_rate = a.events as f64 / drain.as_secs_f64();
+    let limit = sql_rate.min(raw_rate);
+    println!(
+        "relay (outbox relay process)  {relay_rate:>10.0} events/s   = {:.2} x min(a, b)",
+        relay_rate / limit
+    );
+
+    // Latency at a steady rate, relay still running (NOTIFY on).
+    sqlx::query("TRUNCATE outbox_event").execute(&pool).await?;
+    let committed: Arc<Mutex<HashMap<Uuid, Instant>>> = Arc::default();
+    let latencies: Arc<Mutex<Vec<f64>>> = Arc::default();
+    let expected = a.rate * a.seconds;
+    let consumer_thread = {
+        let (committed, latencies, brokers, topic) = (
+            committed.clone(),
+            latencies.clone(),
+            brokers.clone(),
+            topic_latency.clone(),
+        );
+        std::thread::spawn(move || {
+            let consumer: BaseConsumer = ClientConfig::new()
+                .set("bootstrap.servers", &brokers)
+                .set("group.id", format!("bench-{}", Uuid::new_v4().simple()))
+                .set("enable.auto.commit", "false")
+                .set("fetch.wait.max.ms", "5")
+                .set("fetch.min.bytes", "1")
+                .create()
+                .expect("consumer");
+            let mut tpl = rdkafka::TopicPartitionList::new();
+            for p in 0..4 {
+                tpl.add_partition_offset(&topic, p, rdkafka::Offset::Beginning)
+                    .expect("tpl");
+            }
+            consumer.assign(&tpl).expect("assign");
+            let deadline = Instant::now() + Duration::from_secs(a.seconds + 30);
+            let mut seen = 0;
+            while seen < expected && Instant::now() < deadline {
+                if let Some(Ok(m)) = consumer.poll(Duration::from_millis(50)) {
+                    let now = Instant::now();
+                    let id = m.headers().and_then(|h| {
+                        h.iter()
+                            .find(|x| x.key == "event_id")
+                            .and_then(|x| x.value)
+                            .map(|v| String::from_utf8_lossy(v).into_owned())
+                    });
+                    if let Some(id) = id.and_then(|s| s.parse::<Uuid>().ok()) {
+                        // The commit time may be recorded a moment after the
+                        // message arrives; wait for it.
+                        for _ in 0..100 {
+                            if let Some(t) = committed.lock().unwrap().get(&id) {
+                                latencies
+                                    .lock()
+                                    .unwrap()
+                                    .push(now.saturating_duration_since(*t).as_secs_f64() * 1000.0);
+                                break;
+                            }
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                        seen += 1;
+                    }
+                }
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let interval = Duration::from_secs_f64(1.0 / a.rate as f64);
+    let start = Instant::now();
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    for i in 0..expected {
+        ticker.tick().await;
+        let mut uow = UnitOfWork::begin(&pool).await?;
+        let key = format!("order-{}", i % 100);
+        let id = uow.record_message(OutboxMessage {
+            event_id: Uuid::now_v7(),
+            aggregate_type: "Order".into(),
+            aggregate_id: key.clone(),
+            event_type: "OrderPlaced".into(),
+            event_version: 1,
+            topic: topic_latency.clone(),
+            partition_key: key,
+            payload: serde_json::json!({ "seq": i, "note": "x".repeat(150) }).to_string(),
+            headers: Default::default(),
+        });
+        uow.commit().await?;
+        committed.lock().unwrap().insert(id, Instant::now());
+    }
+    let achieved = expected as f64 / start.elapsed().as_secs_f64();
+    consumer_thread
+        .join()
+        .map_err(|_| "consumer thread panicked")?;
+    let rss = relay.stop().await;
+    let mut lat = latencies.lock().unwrap().clone();
+    lat.sort_by(f64::total_cmp);
+    let (p50, p99) = (percentile(&lat, 0.5), percentile(&lat, 0.99));
+    println!(
+        "latency commit→consumed at {achieved:.0} events/s ({} samples): p50 {p50:.1} ms, p99 {p99:.1} ms",
+        lat.len()
+    );
+    let rss_mib = rss.map(|k| k as f64 / 1024.0);
+    println!(
+        "relay peak RSS: {}",
+        rss_mib.map_or("n/a".into(), |m| format!("{m:.1} MiB"))
+    );
+
+    let json = serde_json::json!({
+        "benchmark": "relay",
+        "events": a.events,
+        "batch": a.batch,
+        "sql_only_rows_per_s": sql_rate.round(),
+        "raw_producer_msgs_per_s": raw_rate.round(),
+        "relay_events_per_s": relay_rate.round(),
+        "relay_over_min_limit": ((relay_rate / limit) * 1000.0).round() / 1000.0,
+        "latency_rate_per_s": achieved.round(),
+        "latency_samples": lat.len(),
+        "latency_p50_ms": (p50 * 10.0).round() / 10.0,
+        "latency_p99_ms": (p99 * 10.0).round() / 10.0,
+        "relay_peak_rss_mib": rss_mib.map(|m| (m * 10.0).round() / 10.0),
+    });
+    println!("{json}");
+    if let Some(path) = a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
+    }
+    pool.close().await;
+    sqlx::query("DROP DATABASE IF EXISTS outbox_bench_relay WITH (FORCE)")
+        .execute(&mut conn)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,18 @@
+//! Runtime of the outbox framework: the [`relay`] that publishes the outbox
+//! to Kafka, the operations queries behind the `outbox` CLI ([`ops`]), and
+//! the shared Kafka settings ([`kafka`]).
+//!
+//! The relay's producer is private to it: nothing in this crate hands a
+//! Kafka producer to application code.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod error;
+pub mod kafka;
+pub mod ops;
+pub mod relay;
+
+pub use error::{Error, Result};
+pub use relay::{Relay, RelayBuilder, RelayConfig, RelayCounts, RelayHandle};
+pub use tokio_util::sync::CancellationToken;

@@ -1,0 +1,57 @@
+//! Exponential back-off, capped.
+
+use std::time::Duration;
+
+/// The delay before retry number `attempt` (1-based): `first * 2^(attempt-1)`,
+/// capped at `max`.
+pub(crate) fn delay(first: Duration, max: Duration, attempt: u32) -> Duration {
+    let factor = 1_u32
+        .checked_shl(attempt.saturating_sub(1).min(20))
+        .unwrap_or(u32::MAX);
+    first.saturating_mul(factor).min(max)
+}
+
+/// A back-off sequence: `next()` grows, `reset()` starts over.
+#[derive(Debug, Clone)]
+pub(crate) struct Backoff {
+    first: Duration,
+    max: Duration,
+    attempt: u32,
+}
+
+impl Backoff {
+    pub fn new(first: Duration, max: Duration) -> Self {
+        Self {
+            first,
+            max,
+            attempt: 0,
+        }
+    }
+
+    pub fn next(&mut self) -> Duration {
+        self.attempt = self.attempt.saturating_add(1);
+        delay(self.first, self.max, self.attempt)
+    }
+
+    pub fn reset(&mut self) {
+        self.attempt = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn doubles_then_caps_and_resets() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(500));
+        let seen: Vec<u128> = (0..5).map(|_| b.next().as_millis()).collect();
+        assert_eq!(seen, vec![100, 200, 400, 500, 500]);
+        b.reset();
+        assert_eq!(b.next(), Duration::from_millis(100));
+        assert_eq!(
+            delay(Duration::from_secs(1), Duration::from_secs(60), 1000),
+            Duration::from_secs(60)
+        );
+    }
+}

@@ -1,0 +1,689 @@
+//! The relay: publishes `outbox_event` rows to Kafka, at least once, in id
+//! order per partition key, and marks them published. Several relays may run
+//! at once (`FOR UPDATE SKIP LOCKED`); it never deletes rows.
+//!
+//! One loop per relay overlaps the database and the broker: while batch *n*
+//! is being delivered, batch *n+1* is claimed; while batch *n+1* is being
+//! delivered, batch *n* is marked published and committed. Batch *n+1* is
+//! handed to the producer only after every delivery of batch *n* is known, so
+//! a key that failed in batch *n* sends nothing of batch *n+1*.
+//!
+//! Submodules: [`claim`](self::claim) (the SQL), [`publish`](self::publish)
+//! (the producer), [`wake`](self::wake) (LISTEN/NOTIFY and polling),
+//! [`backoff`](self::backoff).
+
+mod backoff;
+mod claim;
+mod publish;
+mod wake;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use sqlx::PgPool;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use self::backoff::Backoff;
+use self::claim::{Batch, Failure, Row};
+use self::publish::{FailureKind, Outcome, Publisher};
+use self::wake::Waker;
+use crate::error::{Error, Result};
+use crate::kafka;
+
+/// Relay settings. Build with [`Relay::builder`].
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    /// Kafka bootstrap servers.
+    pub brokers: String,
+    /// Extra librdkafka settings (TLS, SASL, tuning). `enable.idempotence`
+    /// and `acks=all` are always enforced.
+    pub kafka_settings: Vec<(String, String)>,
+    /// Rows claimed per batch.
+    pub batch_size: usize,
+    /// Fallback poll interval when no NOTIFY arrives.
+    pub poll_interval: Duration,
+    /// LISTEN for the commit-time NOTIFY of new rows.
+    pub listen: bool,
+    /// Message-level failures after which a row is parked.
+    pub max_attempts: u32,
+    /// First retry delay of a failed key or topic; doubles up to `retry_backoff_max`.
+    pub retry_backoff: Duration,
+    /// Cap of the per-key and per-topic retry delay.
+    pub retry_backoff_max: Duration,
+    /// First back-off when the broker or the database is unavailable.
+    pub outage_backoff: Duration,
+    /// Cap of the outage back-off.
+    pub outage_backoff_max: Duration,
+    /// How long librdkafka keeps trying one message (`message.timeout.ms`).
+    pub delivery_timeout: Duration,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        Self {
+            brokers: kafka::DEFAULT_BROKERS.to_owned(),
+            kafka_settings: Vec::new(),
+            batch_size: 2000,
+            poll_interval: Duration::from_millis(500),
+            listen: true,
+            max_attempts: 5,
+            retry_backoff: Duration::from_millis(250),
+            retry_backoff_max: Duration::from_secs(30),
+            outage_backoff: Duration::from_millis(100),
+            outage_backoff_max: Duration::from_secs(5),
+            delivery_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl RelayConfig {
+    fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(m));
+        if self.brokers.trim().is_empty() {
+            return bad("brokers must not be empty".into());
+        }
+        if self.batch_size == 0 || self.batch_size > 100_000 {
+            return bad(format!(
+                "batch size must be 1..=100000, got {}",
+                self.batch_size
+            ));
+        }
+        if self.max_attempts == 0 {
+            return bad("max attempts must be >= 1".into());
+        }
+        if self.poll_interval.is_zero() {
+            return bad("poll interval must be > 0".into());
+        }
+        if self.delivery_timeout < Duration::from_millis(100) {
+            return bad("delivery timeout must be >= 100 ms".into());
+        }
+        Ok(())
+    }
+
+    fn producer_config(&self) -> rdkafka::ClientConfig {
+        let mut defaults: Vec<(String, String)> = vec![
+            ("linger.ms".into(), "1".into()),
+            ("queue.buffering.max.messages".into(), "1000000".into()),
+            ("queue.buffering.max.kbytes".into(), "1048576".into()),
+            ("batch.num.messages".into(), "10000".into()),
+            (
+                "message.timeout.ms".into(),
+                self.delivery_timeout.as_millis().to_string(),
+            ),
+        ];
+        defaults.extend(self.kafka_settings.iter().cloned());
+        kafka::client_config(&self.brokers, &defaults)
+    }
+}
+
+/// Builder of a [`Relay`].
+#[derive(Debug, Clone)]
+pub struct RelayBuilder {
+    pool: PgPool,
+    config: RelayConfig,
+}
+
+impl RelayBuilder {
+    /// Kafka bootstrap servers (default `127.0.0.1:9092`).
+    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
+        self.config.brokers = brokers.into();
+        self
+    }
+    /// One librdkafka setting (`key`, `value`), e.g. SASL or TLS options.
+    pub fn kafka_setting(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.config.kafka_settings.push((key.into(), value.into()));
+        self
+    }
+    /// Rows per batch (default 2000).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.config.batch_size = n;
+        self
+    }
+    /// Poll interval when idle (default 500 ms).
+    pub fn poll_interval(mut self, d: Duration) -> Self {
+        self.config.poll_interval = d;
+        self
+    }
+    /// LISTEN for NOTIFY wake-ups (default on).
+    pub fn listen(mut self, on: bool) -> Self {
+        self.config.listen = on;
+        self
+    }
+    /// Message-level failures before a row is parked (default 5).
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.config.max_attempts = n;
+        self
+    }
+    /// First and maximum retry delay of a failing key or topic.
+    pub fn retry_backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.config.retry_backoff = first;
+        self.config.retry_backoff_max = max;
+        self
+    }
+    /// First and maximum back-off during a broker or database outage.
+    pub fn outage_backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.config.outage_backoff = first;
+        self.config.outage_backoff_max = max;
+        self
+    }
+    /// librdkafka's `message.timeout.ms` (default 30 s).
+    pub fn delivery_timeout(mut self, d: Duration) -> Self {
+        self.config.delivery_timeout = d;
+        self
+    }
+    /// Replaces the whole configuration.
+    pub fn config(mut self, config: RelayConfig) -> Self {
+        self.config = config;
+        self
+    }
+    /// Validates the configuration and runs the relay on a tokio task.
+    pub fn spawn(self) -> Result<RelayHandle> {
+        Ok(self.build()?.spawn())
+    }
+
+    /// Validates the configuration.
+    pub fn build(self) -> Result<Relay> {
+        self.config.validate()?;
+        Ok(Relay {
+            pool: self.pool,
+            config: self.config,
+            stats: Arc::default(),
+        })
+    }
+}
+
+/// Counters of one relay, readable while it runs.
+#[derive(Debug, Default)]
+pub struct RelayStats {
+    published: AtomicU64,
+    failed: AtomicU64,
+    parked: AtomicU64,
+    withheld: AtomicU64,
+    batches: AtomicU64,
+    order_violations: AtomicU64,
+}
+
+/// A snapshot of [`RelayStats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayCounts {
+    /// Rows delivered and marked published.
+    pub published: u64,
+    /// Delivery failures (each attempt).
+    pub failed: u64,
+    /// Rows parked after too many failures.
+    pub parked: u64,
+    /// Rows claimed but held back behind a failed event of the same key.
+    pub withheld: u64,
+    /// Non-empty batches processed.
+    pub batches: u64,
+    /// Events delivered although an earlier event of their key in the same
+    /// batch failed asynchronously (see the ordering notes in the README).
+    pub order_violations: u64,
+}
+
+impl RelayStats {
+    /// The current counts.
+    pub fn snapshot(&self) -> RelayCounts {
+        RelayCounts {
+            published: self.published.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+            parked: self.parked.load(Ordering::Relaxed),
+            withheld: self.withheld.load(Ordering::Relaxed),
+            batches: self.batches.load(Ordering::Relaxed),
+            order_violations: self.order_violations.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Publishes the outbox to Kafka. See the module docs.
+#[derive(Debug)]
+pub struct Relay {
+    pool: PgPool,
+    config: RelayConfig,
+    stats: Arc<RelayStats>,
+}
+
+/// A relay running in the background ([`Relay::spawn`]).
+#[derive(Debug)]
+pub struct RelayHandle {
+    token: CancellationToken,
+    stats: Arc<RelayStats>,
+    task: JoinHandle<Result<()>>,
+}
+
+impl RelayHandle {
+    /// The relay's counters.
+    pub fn counts(&self) -> RelayCounts {
+        self.stats.snapshot()
+    }
+    /// A token that stops the relay when cancelled.
+    pub fn cancellation_token(&self) -> CancellationToken {
+        self.token.clone()
+    }
+    /// True once the relay task has ended.
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+    /// Stops the relay gracefully: the batch in flight is delivered and
+    /// marked, the producer flushed. Returns the relay's result.
+    pub async fn shutdown(self) -> Result<()> {
+        self.token.cancel();
+        self.join().await
+    }
+    /// Waits for the relay to end (after its token is cancelled or on error).
+    pub async fn join(self) -> Result<()> {
+        self.task.await.map_err(|e| Error::Task(e.to_string()))?
+    }
+}
+
+impl Relay {
+    /// Starts building a relay on `pool` (which needs at least 3 connections:
+    /// one claiming, one marking, one spare; LISTEN uses its own).
+    pub fn builder(pool: PgPool) -> RelayBuilder {
+        RelayBuilder {
+            pool,
+            config: RelayConfig::default(),
+        }
+    }
+
+    /// The relay's counters.
+    pub fn stats(&self) -> Arc<RelayStats> {
+        self.stats.clone()
+    }
+
+    /// Runs the relay on a tokio task until [`RelayHandle::shutdown`].
+    pub fn spawn(self) -> RelayHandle {
+        let token = CancellationToken::new();
+        let stats = self.stats.clone();
+        let task = tokio::spawn(self.run(token.clone()));
+        RelayHandle { token, stats, task }
+    }
+
+    /// Runs the relay until `shutdown` is cancelled. Returns an error only for
+    /// problems a retry cannot fix (e.g. an invalid producer configuration).
+    pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+        let mut publisher = Publisher::new(self.config.producer_config())?;
+        tracing::info!(
+            brokers = %self.config.brokers,
+            settings = ?kafka::redacted(&self.config.kafka_settings),
+            batch_size = self.config.batch_size,
+            "relay started"
+        );
+        let mut relay = Loop {
+            pool: &self.pool,
+            config: &self.config,
+            stats: &self.stats,
+            blocked: Blocked::default(),
+            waker: Waker::new(&self.pool, self.config.listen, self.config.poll_interval),
+            broker: Health::new("broker", &self.config),
+            database: Health::new("database", &self.config),
+            in_flight: None,
+            marking: None,
+        };
+        relay.run(&mut publisher, &shutdown).await;
+        publisher.flush(Duration::from_secs(10));
+        tracing::info!(counts = ?self.stats.snapshot(), "relay stopped");
+        Ok(())
+    }
+}
+
+/// A batch handed to the producer, awaiting its deliveries.
+struct InFlight {
+    batch: Batch,
+    outcomes: Vec<Option<Outcome>>,
+    pending: Vec<(usize, rdkafka::producer::DeliveryFuture)>,
+}
+
+impl InFlight {
+    async fn deliveries(mut self) -> (Batch, Vec<Outcome>) {
+        for (i, delivery) in std::mem::take(&mut self.pending) {
+            self.outcomes[i] = Some(match delivery.await {
+                Ok(Ok(_)) => Outcome::Delivered,
+                Ok(Err((error, _))) => Outcome::Failed(
+                    publish::classify(&error),
+                    publish::describe(&error, &self.batch.rows[i].topic),
+                ),
+                Err(_) => Outcome::Failed(FailureKind::Transient, "producer was dropped".into()),
+            });
+        }
+        let outcomes = self
+            .outcomes
+            .into_iter()
+            .map(|o| o.unwrap_or(Outcome::Withheld))
+            .collect();
+        (self.batch, outcomes)
+    }
+}
+
+/// Keys and topics held back after failures, until a deadline.
+#[derive(Default)]
+struct Blocked {
+    keys: HashMap<String, Instant>,
+    topics: HashMap<String, (Instant, u32)>,
+}
+
+impl Blocked {
+    fn current(&mut self) -> (Vec<String>, Vec<String>) {
+        let now = Instant::now();
+        self.keys.retain(|_, until| *until > now);
+        self.topics.retain(|_, (until, _)| *until > now);
+        (
+            self.keys.keys().cloned().collect(),
+            self.topics.keys().cloned().collect(),
+        )
+    }
+
+    fn is_blocked(&self, row: &Row) -> bool {
+        let now = Instant::now();
+        self.keys.get(&row.partition_key).is_some_and(|u| *u > now)
+            || self.topics.get(&row.topic).is_some_and(|(u, _)| *u > now)
+    }
+}
+
+/// Up/down state of a dependency, with logging on state changes only.
+struct Health {
+    what: &'static str,
+    down_since: Option<Instant>,
+    backoff: Backoff,
+}
+
+impl Health {
+    fn new(what: &'static str, config: &RelayConfig) -> Self {
+        Self {
+            what,
+            down_since: None,
+            backoff: Backoff::new(config.outage_backoff, config.outage_backoff_max),
+        }
+    }
+
+    fn down(&mut self, error: &str) -> Duration {
+        if self.down_since.is_none() {
+            self.down_since = Some(Instant::now());
+            tracing::warn!(error, "{} unavailable: backing off and retrying", self.what);
+        }
+        self.backoff.next()
+    }
+
+    fn up(&mut self) {
+        if let Some(since) = self.down_since.take() {
+            tracing::info!(
+                after_ms = since.elapsed().as_millis() as u64,
+                "{} available again: resuming",
+                self.what
+            );
+        }
+        self.backoff.reset();
+    }
+
+    fn is_down(&self) -> bool {
+        self.down_since.is_some()
+    }
+}
+
+struct Loop<'a> {
+    pool: &'a PgPool,
+    config: &'a RelayConfig,
+    stats: &'a RelayStats,
+    blocked: Blocked,
+    waker: Waker,
+    broker: Health,
+    database: Health,
+    in_flight: Option<InFlight>,
+    marking: Option<JoinHandle<Result<()>>>,
+}
+
+impl Loop<'_> {
+    async fn run(&mut self, publisher: &mut Publisher, shutdown: &CancellationToken) {
+        loop {
+            let stopping = shutdown.is_cancelled();
+            if stopping && self.in_flight.is_none() {
+                break;
+            }
+            let claim_next = !stopping && !self.broker.is_down();
+            let (keys, topics) = self.blocked.current();
+            let limit = self.config.batch_size as i64;
+            let pool = self.pool;
+            let in_flight = self.in_flight.take();
+            let (claimed, delivered) = tokio::join!(
+                async move {
+                    if claim_next {
+                        Some(claim::claim(pool, limit, &keys, &topics).await)
+                    } else {
+                        None
+                    }
+                },
+                async move {
+                    match in_flight {
+                        Some(f) => Some(f.deliveries().await),
+                        None => None,
+                    }
+                }
+            );
+
+            let mut failed_keys = Vec::new();
+            let mut transient: Option<String> = None;
+            if let Some((batch, outcomes)) = delivered {
+                let (published, failures, keys, first_transient) = self.evaluate(&batch, outcomes);
+                failed_keys = keys;
+                transient = first_transient;
+                self.finish_marking().await;
+                self.marking = Some(tokio::spawn(batch.finish_owned(published, failures)));
+            }
+
+            let mut idle = false;
+            match claimed {
+                Some(Ok(batch)) if batch.rows.is_empty() => idle = true,
+                Some(Ok(batch)) => {
+                    self.database.up();
+                    self.in_flight = Some(self.send(publisher, batch, &failed_keys));
+                }
+                Some(Err(error)) => {
+                    let wait = self.database.down(&error.to_string());
+                    self.sleep(wait, shutdown).await;
+                }
+                None => {}
+            }
+
+            if let Some(error) = transient {
+                if publisher.recover_if_fatal() {
+                    tracing::info!("producer recreated after a fatal error");
+                }
+                self.wait_for_broker(publisher, &error, shutdown).await;
+            } else if self.broker.is_down() && self.in_flight.is_none() {
+                self.wait_for_broker(publisher, "", shutdown).await;
+            }
+
+            if idle && self.in_flight.is_none() && !shutdown.is_cancelled() {
+                self.finish_marking().await;
+                self.waker.wait(shutdown).await;
+            }
+        }
+        self.finish_marking().await;
+    }
+
+    /// Hands a claimed batch to the producer, holding back rows of keys that
+    /// just failed or are blocked.
+    fn send(&mut self, publisher: &Publisher, batch: Batch, failed_keys: &[String]) -> InFlight {
+        let mut outcomes: Vec<Option<Outcome>> = Vec::with_capacity(batch.rows.len());
+        for row in &batch.rows {
+            let hold = failed_keys.contains(&row.partition_key) || self.blocked.is_blocked(row);
+            outcomes.push(hold.then_some(Outcome::Withheld));
+        }
+        let pending = if outcomes.iter().all(Option::is_none) {
+            publisher.send(&batch.rows, &mut outcomes)
+        } else {
+            // Send only the rows not held back, keeping indices.
+            let keep: Vec<usize> = (0..batch.rows.len())
+                .filter(|i| outcomes[*i].is_none())
+                .collect();
+            let rows: Vec<Row> = keep.iter().map(|i| batch.rows[*i].clone()).collect();
+            let mut sub: Vec<Option<Outcome>> = (0..rows.len()).map(|_| None).collect();
+            let pending = publisher.send(&rows, &mut sub);
+            for (j, outcome) in sub.into_iter().enumerate() {
+                outcomes[keep[j]] = outcome;
+            }
+            pending.into_iter().map(|(j, d)| (keep[j], d)).collect()
+        };
+        InFlight {
+            batch,
+            outcomes,
+            pending,
+        }
+    }
+
+    /// Turns the outcomes of a batch into the rows to mark and the failures
+    /// to record; updates blocked keys and topics and the counters.
+    fn evaluate(
+        &mut self,
+        batch: &Batch,
+        outcomes: Vec<Outcome>,
+    ) -> (Vec<i64>, Vec<Failure>, Vec<String>, Option<String>) {
+        let mut published = Vec::with_capacity(batch.rows.len());
+        let mut failures = Vec::new();
+        let mut failed_keys: Vec<String> = Vec::new();
+        let mut transient = None;
+        let (mut withheld, mut parked) = (0_u64, 0_u64);
+        let now = Instant::now();
+        for (row, outcome) in batch.rows.iter().zip(outcomes) {
+            let key_failed = failed_keys.contains(&row.partition_key);
+            match outcome {
+                Outcome::Delivered => {
+                    if key_failed {
+                        self.stats.order_violations.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(
+                            id = row.id,
+                            key = %row.partition_key,
+                            "event delivered after an earlier event of its key failed"
+                        );
+                    }
+                    published.push(row.id);
+                }
+                Outcome::Withheld => withheld += 1,
+                Outcome::Failed(kind, error) => {
+                    self.stats.failed.fetch_add(1, Ordering::Relaxed);
+                    if !key_failed {
+                        failed_keys.push(row.partition_key.clone());
+                    }
+                    match kind {
+                        FailureKind::Transient => {
+                            transient.get_or_insert(error);
+                        }
+                        FailureKind::Message => {
+                            let attempts = u32::try_from(row.attempts).unwrap_or(0) + 1;
+                            let park = attempts >= self.config.max_attempts;
+                            if park {
+                                parked += 1;
+                                tracing::error!(
+                                    id = row.id, event_id = %row.event_id, attempts, error,
+                                    "event parked after repeated failures (requeue with `outbox parked requeue`)"
+                                );
+                            } else {
+                                let delay = backoff::delay(
+                                    self.config.retry_backoff,
+                                    self.config.retry_backoff_max,
+                                    attempts,
+                                );
+                                self.blocked
+                                    .keys
+                                    .insert(row.partition_key.clone(), now + delay);
+                            }
+                            failures.push(Failure {
+                                id: row.id,
+                                error,
+                                counted: true,
+                                park,
+                            });
+                        }
+                        FailureKind::Topic => {
+                            let entry = self
+                                .blocked
+                                .topics
+                                .entry(row.topic.clone())
+                                .or_insert((now, 0));
+                            if entry.0 <= now {
+                                entry.1 += 1;
+                                let delay = backoff::delay(
+                                    self.config.retry_backoff,
+                                    self.config.retry_backoff_max,
+                                    entry.1,
+                                );
+                                entry.0 = now + delay;
+                                tracing::error!(topic = %row.topic, error, "cannot publish to topic: holding its events back");
+                            }
+                            failures.push(Failure {
+                                id: row.id,
+                                error,
+                                counted: true,
+                                park: false,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        if transient.is_none() {
+            self.broker.up();
+        }
+        self.stats
+            .published
+            .fetch_add(published.len() as u64, Ordering::Relaxed);
+        self.stats.withheld.fetch_add(withheld, Ordering::Relaxed);
+        self.stats.parked.fetch_add(parked, Ordering::Relaxed);
+        self.stats.batches.fetch_add(1, Ordering::Relaxed);
+        (published, failures, failed_keys, transient)
+    }
+
+    /// Waits for the previous batch's mark-and-commit.
+    async fn finish_marking(&mut self) {
+        if let Some(task) = self.marking.take() {
+            let result = task
+                .await
+                .map_err(|e| Error::Task(e.to_string()))
+                .and_then(|r| r);
+            match result {
+                Ok(()) => self.database.up(),
+                Err(error) => {
+                    // The batch's transaction rolled back: its rows stay
+                    // unpublished and are sent again (at least once).
+                    self.database.down(&error.to_string());
+                }
+            }
+        }
+    }
+
+    /// Backs off until the broker answers again.
+    async fn wait_for_broker(
+        &mut self,
+        publisher: &mut Publisher,
+        error: &str,
+        shutdown: &CancellationToken,
+    ) {
+        let wait = self.broker.down(error);
+        self.sleep(wait, shutdown).await;
+        if shutdown.is_cancelled() {
+            return;
+        }
+        publisher.recover_if_fatal();
+        if publisher.probe(Duration::from_secs(2)).await {
+            // Deliveries will tell whether it is really back.
+            self.broker.up();
+        }
+    }
+
+    async fn sleep(&self, d: Duration, shutdown: &CancellationToken) {
+        tokio::select! {
+            _ = tokio::time::sleep(d) => {}
+            _ = shutdown.cancelled() => {}
+        }
+    }
+}
+
+impl Batch {
+    async fn finish_owned(self, published: Vec<i64>, failures: Vec<Failure>) -> Result<()> {
+        self.finish(&published, &failures).await
+    }
+}

@@ -1,0 +1,207 @@
+//! Handing a claimed batch to the Kafka producer and collecting the
+//! deliveries: the whole batch is enqueued before any delivery is awaited;
+//! within a batch a key whose event failed to enqueue sends nothing after it.
+//! Also owns the producer itself, which nothing outside the relay can reach.
+
+use std::collections::HashSet;
+
+use rdkafka::ClientConfig;
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
+use rdkafka::types::RDKafkaErrorCode;
+
+use super::claim::Row;
+use crate::kafka::header;
+
+/// How a failed delivery is treated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FailureKind {
+    /// Wrong for this message only (too large, invalid): counted, parked after
+    /// `max_attempts`.
+    Message,
+    /// Wrong for the whole topic (missing, not authorized): counted, the topic
+    /// is held back for a while, never parked.
+    Topic,
+    /// The broker or the network (outage, timeout, full queue): the row is
+    /// left untouched and the relay backs off.
+    Transient,
+}
+
+/// Classifies a librdkafka error.
+pub(crate) fn classify(error: &KafkaError) -> FailureKind {
+    use RDKafkaErrorCode as C;
+    match error.rdkafka_error_code() {
+        Some(
+            C::MessageSizeTooLarge
+            | C::InvalidMessageSize
+            | C::InvalidMessage
+            | C::InvalidRecord
+            | C::PolicyViolation
+            | C::InvalidTopic
+            | C::BadMessage
+            | C::InvalidArgument,
+        ) => FailureKind::Message,
+        Some(C::UnknownTopicOrPartition | C::UnknownTopic | C::TopicAuthorizationFailed) => {
+            FailureKind::Topic
+        }
+        _ => FailureKind::Transient,
+    }
+}
+
+/// A human-readable reason for a failure, stored in `last_error`.
+pub(crate) fn describe(error: &KafkaError, topic: &str) -> String {
+    match classify(error) {
+        FailureKind::Topic => format!(
+            "topic `{topic}` is missing or not writable ({error}); create it, e.g. `outbox topics create {topic}`"
+        ),
+        _ => error.to_string(),
+    }
+}
+
+/// What happened to one row of a batch.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    /// The broker acknowledged it.
+    Delivered,
+    /// It failed; the error and its kind.
+    Failed(FailureKind, String),
+    /// Not sent: an earlier event of its key failed in this batch, or the
+    /// producer queue refused it.
+    Withheld,
+}
+
+/// The relay's producer (idempotent, `acks=all`), recreated after a fatal error.
+pub(crate) struct Publisher {
+    config: ClientConfig,
+    producer: FutureProducer,
+}
+
+/// Settings the relay always applies; user overrides cannot weaken them.
+const ENFORCED: &[(&str, &str)] = &[("enable.idempotence", "true"), ("acks", "all")];
+
+impl Publisher {
+    pub fn new(mut config: ClientConfig) -> Result<Self, KafkaError> {
+        for (key, value) in ENFORCED {
+            config.set(*key, *value);
+        }
+        let producer = config.create()?;
+        Ok(Self { config, producer })
+    }
+
+    /// Recreates the producer if librdkafka raised a fatal error; returns
+    /// whether it did.
+    pub fn recover_if_fatal(&mut self) -> bool {
+        let Some((code, reason)) = self.producer.client().fatal_error() else {
+            return false;
+        };
+        tracing::error!(%code, %reason, "fatal producer error: recreating the producer");
+        match self.config.create() {
+            Ok(producer) => {
+                self.producer = producer;
+                true
+            }
+            Err(error) => {
+                tracing::error!(%error, "could not recreate the producer");
+                false
+            }
+        }
+    }
+
+    /// Checks, off the async threads, that the cluster answers a metadata request.
+    pub async fn probe(&self, timeout: std::time::Duration) -> bool {
+        let producer = self.producer.clone();
+        tokio::task::spawn_blocking(move || producer.client().fetch_metadata(None, timeout).is_ok())
+            .await
+            .unwrap_or(false)
+    }
+
+    /// Flushes what librdkafka still holds (shutdown).
+    pub fn flush(&self, timeout: std::time::Duration) {
+        if let Err(error) = self.producer.flush(timeout) {
+            tracing::warn!(%error, "producer flush did not complete");
+        }
+    }
+
+    /// Enqueues every row (in order) without waiting; returns the pending
+    /// deliveries. `outcomes` receives immediate failures and withheld rows.
+    pub fn send(
+        &self,
+        rows: &[Row],
+        outcomes: &mut [Option<Outcome>],
+    ) -> Vec<(usize, DeliveryFuture)> {
+        let mut pending = Vec::with_capacity(rows.len());
+        let mut failed_keys: HashSet<&str> = HashSet::new();
+        let mut queue_full = false;
+        for (i, row) in rows.iter().enumerate() {
+            if queue_full || failed_keys.contains(row.partition_key.as_str()) {
+                outcomes[i] = Some(Outcome::Withheld);
+                continue;
+            }
+            let record = FutureRecord::to(&row.topic)
+                .key(row.partition_key.as_bytes())
+                .payload(row.payload.as_bytes())
+                .headers(headers_of(row));
+            match self.producer.send_result(record) {
+                Ok(delivery) => pending.push((i, delivery)),
+                Err((error, _)) => {
+                    let kind = classify(&error);
+                    if error.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull) {
+                        queue_full = true;
+                        outcomes[i] = Some(Outcome::Withheld);
+                        continue;
+                    }
+                    failed_keys.insert(row.partition_key.as_str());
+                    outcomes[i] = Some(Outcome::Failed(kind, describe(&error, &row.topic)));
+                }
+            }
+        }
+        pending
+    }
+}
+
+/// Kafka headers of a row: the event's identity and the stored headers.
+fn headers_of(row: &Row) -> OwnedHeaders {
+    let version = row.event_version.to_string();
+    let event_id = row.event_id.to_string();
+    let mut headers = OwnedHeaders::new_with_capacity(10)
+        .insert(Header {
+            key: header::EVENT_ID,
+            value: Some(event_id.as_bytes()),
+        })
+        .insert(Header {
+            key: header::EVENT_TYPE,
+            value: Some(row.event_type.as_bytes()),
+        })
+        .insert(Header {
+            key: header::EVENT_VERSION,
+            value: Some(version.as_bytes()),
+        })
+        .insert(Header {
+            key: header::AGGREGATE_TYPE,
+            value: Some(row.aggregate_type.as_bytes()),
+        })
+        .insert(Header {
+            key: header::AGGREGATE_ID,
+            value: Some(row.aggregate_id.as_bytes()),
+        })
+        .insert(Header {
+            key: header::CONTENT_TYPE,
+            value: Some(header::JSON.as_bytes()),
+        });
+    if row.headers.len() > 2 {
+        if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(&row.headers) {
+            for (key, value) in map {
+                let text = match value {
+                    serde_json::Value::String(s) => s,
+                    other => other.to_string(),
+                };
+                headers = headers.insert(Header {
+                    key: &key,
+                    value: Some(text.as_bytes()),
+                });
+            }
+        }
+    }
+    headers
+}

@@ -1,0 +1,303 @@
+//! Shared helpers of the runtime's integration tests: the broker address,
+//! unique topics, committing messages through a Unit of Work, reading a
+//! topic back, a cuttable TCP proxy, and a private broker process.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use outbox_core::{OutboxMessage, UnitOfWork};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use sqlx::PgPool;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+use uuid::Uuid;
+
+pub const PARTITIONS: i32 = 4;
+
+pub fn brokers() -> String {
+    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+pub fn unique_topic(prefix: &str) -> String {
+    format!("{prefix}-{}", Uuid::new_v4().simple())
+}
+
+pub async fn create_topic(brokers: &str, topic: &str) {
+    outbox_runtime::kafka::create_topics(brokers, &[], &[topic.to_owned()], PARTITIONS, 1)
+        .await
+        .expect("create topic");
+}
+
+pub fn message(topic: &str, key: &str, seq: usize) -> OutboxMessage {
+    OutboxMessage {
+        event_id: Uuid::now_v7(),
+        aggregate_type: "Order".into(),
+        aggregate_id: key.into(),
+        event_type: "OrderPlaced".into(),
+        event_version: 1,
+        topic: topic.into(),
+        partition_key: key.into(),
+        payload: serde_json::json!({ "key": key, "seq": seq, "pad": "x".repeat(120) }).to_string(),
+        headers: outbox_core::Headers::default(),
+    }
+}
+
+/// Commits `n` messages over `keys` keys, `per_commit` per Unit of Work;
+/// returns their event ids in commit order.
+pub async fn commit_messages(
+    pool: &PgPool,
+    topic: &str,
+    n: usize,
+    keys: usize,
+    per_commit: usize,
+) -> Vec<Uuid> {
+    let mut ids = Vec::with_capacity(n);
+    let mut seq = 0;
+    while seq < n {
+        let mut uow = UnitOfWork::begin(pool).await.expect("begin");
+        for _ in 0..per_commit.min(n - seq) {
+            ids.push(uow.record_message(message(topic, &format!("k{}", seq % keys), seq)));
+            seq += 1;
+        }
+        uow.commit().await.expect("commit");
+    }
+    ids
+}
+
+/// One message read back from Kafka.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub partition: i32,
+    pub offset: i64,
+    pub key: String,
+    pub payload: serde_json::Value,
+    pub headers: HashMap<String, String>,
+}
+
+impl Received {
+    pub fn event_id(&self) -> Uuid {
+        self.headers["event_id"]
+            .parse()
+            .expect("event_id header is a UUID")
+    }
+    pub fn seq(&self) -> u64 {
+        self.payload["seq"].as_u64().expect("seq")
+    }
+}
+
+/// Reads `topic` from the beginning until `expected` distinct event ids were
+/// seen (or `timeout`); returns every message, duplicates included, in
+/// partition/offset order. Runs off the async threads.
+pub async fn read_topic(
+    brokers: &str,
+    topic: &str,
+    expected: usize,
+    timeout: Duration,
+) -> Vec<Received> {
+    let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || read_topic_blocking(&brokers, &topic, expected, timeout))
+        .await
+        .expect("reader thread")
+}
+
+fn read_topic_blocking(
+    brokers: &str,
+    topic: &str,
+    expected: usize,
+    timeout: Duration,
+) -> Vec<Received> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", format!("verify-{}", Uuid::new_v4().simple()))
+        .set("enable.auto.commit", "false")
+        .set("fetch.wait.max.ms", "50")
+        .create()
+        .expect("consumer");
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..PARTITIONS {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)
+            .expect("partition");
+    }
+    consumer.assign(&tpl).expect("assign");
+    let deadline = Instant::now() + timeout;
+    let mut out = Vec::new();
+    let mut distinct = std::collections::HashSet::new();
+    while distinct.len() < expected && Instant::now() < deadline {
+        match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(m)) => {
+                let mut headers = HashMap::new();
+                if let Some(h) = m.headers() {
+                    for header in h.iter() {
+                        let value = header
+                            .value
+                            .map(|v| String::from_utf8_lossy(v).into_owned());
+                        headers.insert(header.key.to_owned(), value.unwrap_or_default());
+                    }
+                }
+                let r = Received {
+                    partition: m.partition(),
+                    offset: m.offset(),
+                    key: String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned(),
+                    payload: serde_json::from_slice(m.payload().unwrap_or_default())
+                        .expect("JSON payload"),
+                    headers,
+                };
+                distinct.insert(r.event_id());
+                out.push(r);
+            }
+            Some(Err(e)) => eprintln!("consumer error (retrying): {e}"),
+            None => {}
+        }
+    }
+    out.sort_by_key(|r| (r.partition, r.offset));
+    out
+}
+
+/// Checks every committed id arrived, nothing else did, and per key the
+/// first deliveries follow commit order. Returns the duplicate count.
+pub fn verify(committed: &[Uuid], received: &[Received]) -> usize {
+    let position: HashMap<Uuid, usize> = committed
+        .iter()
+        .enumerate()
+        .map(|(i, id)| (*id, i))
+        .collect();
+    let mut seen = std::collections::HashSet::new();
+    let mut last_by_key: HashMap<&str, usize> = HashMap::new();
+    let mut duplicates = 0;
+    for r in received {
+        let id = r.event_id();
+        let pos = *position
+            .get(&id)
+            .unwrap_or_else(|| panic!("phantom event {id}"));
+        if !seen.insert(id) {
+            duplicates += 1;
+            continue;
+        }
+        if let Some(prev) = last_by_key.insert(r.key.as_str(), pos) {
+            assert!(
+                prev < pos,
+                "key {} out of order: {} after {}",
+                r.key,
+                pos,
+                prev
+            );
+        }
+    }
+    let missing: Vec<_> = committed.iter().filter(|id| !seen.contains(id)).collect();
+    assert!(
+        missing.is_empty(),
+        "{} events lost, e.g. {:?}",
+        missing.len(),
+        &missing[..missing.len().min(5)]
+    );
+    duplicates
+}
+
+pub async fn unpublished(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE published_at IS NULL")
+        .fetch_one(pool)
+        .await
+        .expect("count")
+}
+
+pub async fn wait_until_published(pool: &PgPool, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if unpublished(pool).await == 0 {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// A TCP proxy whose connections can be cut and restored.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    cut: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    accept: JoinHandle<()>,
+}
+
+impl Proxy {
+    pub async fn start(upstream: SocketAddr) -> Self {
+        Self::start_on(0, upstream).await
+    }
+
+    pub async fn start_on(port: u16, upstream: SocketAddr) -> Self {
+        let listener = TcpListener::bind(("127.0.0.1", port))
+            .await
+            .expect("bind proxy");
+        let addr = listener.local_addr().expect("addr");
+        let cut = Arc::new(AtomicBool::new(false));
+        let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let (c, k) = (cut.clone(), conns.clone());
+        let accept = tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    continue;
+                };
+                if c.load(Ordering::SeqCst) {
+                    drop(inbound);
+                    continue;
+                }
+                let task = tokio::spawn(async move {
+                    if let Ok(mut outbound) = TcpStream::connect(upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+                k.lock().unwrap().push(task);
+            }
+        });
+        Self {
+            addr,
+            cut,
+            conns,
+            accept,
+        }
+    }
+
+    /// Drops every connection and refuses new ones.
+    pub fn cut(&self) {
+        self.cut.store(true, Ordering::SeqCst);
+        for task in self.conns.lock().unwrap().drain(..) {
+            task.abort();
+        }
+    }
+
+    pub fn restore(&self) {
+        self.cut.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut();
+    }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// Logs of the code under test, shown for failing tests (`RUST_LOG` filters).
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("outbox_runtime=info")),
+        )
+        .with_test_writer()
+        .try_init();
+}

@@ -1,0 +1,377 @@
+//! The relay against a real PostgreSQL (fresh database per test) and a real
+//! Kafka-protocol broker.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use outbox_core::UnitOfWork;
+use outbox_runtime::{Relay, ops};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+fn relay(pool: &PgPool) -> outbox_runtime::RelayBuilder {
+    Relay::builder(pool.clone())
+        .brokers(brokers())
+        .delivery_timeout(Duration::from_secs(10))
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn committed_events_arrive_once_with_key_headers_payload_and_order(pool: PgPool) {
+    let topic = unique_topic("relay-basic");
+    create_topic(&brokers(), &topic).await;
+    let committed = commit_messages(&pool, &topic, 3_000, 50, 100).await;
+    // One event with custom headers.
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let correlation = uuid::Uuid::now_v7();
+    uow.set_correlation_id(correlation);
+    uow.headers_mut()
+        .extra
+        .insert("tenant".into(), "acme".into());
+    let mut m = message(&topic, "special", 9_999);
+    m.event_version = 3;
+    let special = uow.record_message(m);
+    uow.commit().await.unwrap();
+    let mut all = committed.clone();
+    all.push(special);
+
+    let handle = relay(&pool).batch_size(500).spawn().unwrap();
+    assert!(
+        wait_until_published(&pool, Duration::from_secs(60)).await,
+        "relay drained the outbox"
+    );
+    handle.shutdown().await.unwrap();
+
+    let received = read_topic(&brokers(), &topic, all.len(), Duration::from_secs(60)).await;
+    let duplicates = verify(&all, &received);
+    assert_eq!(duplicates, 0, "one relay, no failure: no duplicates");
+    assert_eq!(received.len(), all.len());
+
+    for r in &received {
+        let seq = r.seq() as usize;
+        if r.event_id() == special {
+            assert_eq!(r.key, "special");
+            assert_eq!(r.headers["event_version"], "3");
+            assert_eq!(r.headers["correlation_id"], correlation.to_string());
+            assert_eq!(r.headers["tenant"], "acme");
+        } else {
+            assert_eq!(r.key, format!("k{}", seq % 50), "key = partition key");
+            assert_eq!(r.payload["key"], r.key.as_str());
+            assert_eq!(r.headers["event_version"], "1");
+            assert!(r.headers.contains_key("correlation_id"));
+        }
+        assert_eq!(r.headers["event_type"], "OrderPlaced");
+        assert_eq!(r.headers["aggregate_type"], "Order");
+        assert_eq!(r.headers["aggregate_id"], r.key);
+        assert_eq!(r.headers["content-type"], "application/json");
+    }
+    // Same key → same partition.
+    let mut partition_of = std::collections::HashMap::new();
+    for r in &received {
+        assert_eq!(
+            *partition_of.entry(r.key.clone()).or_insert(r.partition),
+            r.partition
+        );
+    }
+    // Published rows stay in the table.
+    let kept: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE published_at IS NOT NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(kept as usize, all.len());
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn notify_wakes_an_idle_relay_in_milliseconds(pool: PgPool) {
+    let topic = unique_topic("relay-notify");
+    create_topic(&brokers(), &topic).await;
+    // A poll interval far longer than the assertion: only NOTIFY can be fast.
+    let handle = relay(&pool)
+        .poll_interval(Duration::from_secs(30))
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut worst = Duration::ZERO;
+    for i in 0..5 {
+        let start = Instant::now();
+        commit_messages(&pool, &topic, 1, 1, 1).await;
+        assert!(wait_until_published(&pool, Duration::from_secs(10)).await);
+        worst = worst.max(start.elapsed());
+        assert_eq!(handle.counts().published, i + 1);
+    }
+    handle.shutdown().await.unwrap();
+    assert!(
+        worst < Duration::from_secs(5),
+        "commit→published took {worst:?} with a 30 s poll interval"
+    );
+    eprintln!("worst commit→published with NOTIFY: {worst:?}");
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn notify_can_be_switched_off_and_polling_still_delivers(pool: PgPool) {
+    assert!(ops::notify_enabled(&pool).await.unwrap());
+    ops::set_notify(&pool, false).await.unwrap();
+    assert!(!ops::notify_enabled(&pool).await.unwrap());
+    let topic = unique_topic("relay-poll");
+    create_topic(&brokers(), &topic).await;
+    let handle = relay(&pool)
+        .poll_interval(Duration::from_millis(100))
+        .spawn()
+        .unwrap();
+    let committed = commit_messages(&pool, &topic, 10, 3, 5).await;
+    assert!(wait_until_published(&pool, Duration::from_secs(30)).await);
+    handle.shutdown().await.unwrap();
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(30)).await;
+    verify(&committed, &received);
+    ops::set_notify(&pool, true).await.unwrap();
+    assert!(ops::notify_enabled(&pool).await.unwrap());
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn three_relays_over_fifty_thousand_events_lose_nothing(pool: PgPool) {
+    let topic = unique_topic("relay-three");
+    create_topic(&brokers(), &topic).await;
+    let committed = commit_messages(&pool, &topic, 50_000, 1_000, 1_000).await;
+    let handles: Vec<_> = (0..3)
+        .map(|_| relay(&pool).batch_size(1000).spawn().unwrap())
+        .collect();
+    assert!(
+        wait_until_published(&pool, Duration::from_secs(120)).await,
+        "drained"
+    );
+    let mut published = 0;
+    for h in handles {
+        published += h.counts().published;
+        h.shutdown().await.unwrap();
+    }
+    // SKIP LOCKED: no row is claimed by two relays at once.
+    assert_eq!(published as usize, committed.len());
+    let received = read_topic(
+        &brokers(),
+        &topic,
+        committed.len(),
+        Duration::from_secs(120),
+    )
+    .await;
+    let mut ids: Vec<_> = received.iter().map(|r| r.event_id()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), committed.len(), "every event arrived");
+    let duplicates = received.len() - ids.len();
+    eprintln!(
+        "3 relays, {} events: {duplicates} duplicates",
+        committed.len()
+    );
+    assert_eq!(duplicates, 0);
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_poison_event_is_parked_and_holds_back_only_its_key(pool: PgPool) {
+    let topic = unique_topic("relay-poison");
+    create_topic(&brokers(), &topic).await;
+    // k0: a normal event, then the poison (too large for the producer), then
+    // two more; other keys in between.
+    let mut committed = Vec::new();
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    committed.push(uow.record_message(message(&topic, "k0", 0)));
+    let mut poison = message(&topic, "k0", 1);
+    poison.payload = serde_json::json!({ "seq": 1, "blob": "x".repeat(300_000) }).to_string();
+    let poison_id = uow.record_message(poison);
+    for seq in 2..40 {
+        let key = if seq % 4 == 0 {
+            "k0".to_owned()
+        } else {
+            format!("k{}", seq % 4)
+        };
+        committed.push(uow.record_message(message(&topic, &key, seq)));
+    }
+    uow.commit().await.unwrap();
+
+    let handle = relay(&pool)
+        .kafka_setting("message.max.bytes", "100000")
+        .max_attempts(3)
+        .retry_backoff(Duration::from_millis(100), Duration::from_millis(400))
+        .batch_size(10)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let status = ops::status(&pool).await.unwrap();
+        if status.unpublished == 0 && status.parked == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "poison not parked / others not drained: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let counts = handle.counts();
+    handle.shutdown().await.unwrap();
+    assert_eq!(counts.parked, 1);
+    assert!(
+        counts.withheld > 0,
+        "later k0 events were held back behind the poison"
+    );
+
+    let (attempts, last_error, parked): (i32, Option<String>, bool) = sqlx::query_as(
+        "SELECT attempts, last_error, parked_at IS NOT NULL FROM outbox_event WHERE event_id = $1",
+    )
+    .bind(poison_id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(attempts, 3);
+    assert!(parked);
+    assert!(
+        last_error
+            .unwrap_or_default()
+            .to_lowercase()
+            .contains("too large")
+    );
+    assert_eq!(ops::parked(&pool, 10).await.unwrap()[0].event_id, poison_id);
+
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(30)).await;
+    verify(&committed, &received);
+    assert!(received.iter().all(|r| r.event_id() != poison_id));
+
+    // Requeue: it fails again (still too large) — but it is back in the queue.
+    assert_eq!(ops::requeue_parked(&pool, None).await.unwrap(), 1);
+    assert_eq!(ops::status(&pool).await.unwrap().parked, 0);
+    assert_eq!(ops::status(&pool).await.unwrap().unpublished, 1);
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_missing_topic_is_reported_on_its_rows_and_does_not_stall_others(pool: PgPool) {
+    init_tracing();
+    let good = unique_topic("relay-good");
+    let missing = unique_topic("relay-missing");
+    create_topic(&brokers(), &good).await;
+    let mut committed_missing = commit_messages(&pool, &missing, 5, 2, 5).await;
+    let committed_good = commit_messages(&pool, &good, 200, 10, 50).await;
+
+    let handle = relay(&pool)
+        .kafka_setting("topic.metadata.propagation.max.ms", "1000")
+        .retry_backoff(Duration::from_millis(200), Duration::from_millis(500))
+        .spawn()
+        .unwrap();
+    // The good topic drains although the missing topic's rows come first.
+    let received = read_topic(
+        &brokers(),
+        &good,
+        committed_good.len(),
+        Duration::from_secs(60),
+    )
+    .await;
+    verify(&committed_good, &received);
+    // The missing topic's rows carry a clear error.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let error = loop {
+        let e: Option<String> = sqlx::query_scalar(
+            "SELECT last_error FROM outbox_event WHERE topic = $1 AND last_error IS NOT NULL LIMIT 1",
+        )
+        .bind(&missing)
+        .fetch_optional(&pool)
+        .await
+        .unwrap()
+        .flatten();
+        if let Some(e) = e {
+            break e;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no error recorded for the missing topic"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        error.contains(&missing) && error.contains("outbox topics create"),
+        "{error}"
+    );
+    assert_eq!(
+        ops::status(&pool).await.unwrap().parked,
+        0,
+        "a missing topic never parks rows"
+    );
+
+    // Create the topic: the held-back rows follow, without a restart.
+    create_topic(&brokers(), &missing).await;
+    assert!(wait_until_published(&pool, Duration::from_secs(60)).await);
+    handle.shutdown().await.unwrap();
+    let received = read_topic(
+        &brokers(),
+        &missing,
+        committed_missing.len(),
+        Duration::from_secs(30),
+    )
+    .await;
+    verify(&committed_missing, &received);
+    committed_missing.clear();
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn the_relay_survives_a_database_outage(pool: PgPool) {
+    let topic = unique_topic("relay-dbdown");
+    create_topic(&brokers(), &topic).await;
+    let options = pool.connect_options().as_ref().clone();
+    let upstream = format!("127.0.0.1:{}", options.get_port()).parse().unwrap();
+    let proxy = Proxy::start(upstream).await;
+    let relay_pool = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_with(options.port(proxy.addr.port()))
+        .await
+        .unwrap();
+    let handle = relay(&relay_pool)
+        .outage_backoff(Duration::from_millis(50), Duration::from_millis(500))
+        .poll_interval(Duration::from_millis(100))
+        .spawn()
+        .unwrap();
+    let mut committed = commit_messages(&pool, &topic, 100, 5, 10).await;
+    assert!(wait_until_published(&pool, Duration::from_secs(30)).await);
+
+    proxy.cut();
+    // Writers use their own connections: commits keep succeeding.
+    committed.extend(commit_messages(&pool, &topic, 100, 5, 10).await);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        unpublished(&pool).await > 0,
+        "nothing can be marked while the relay's database is cut"
+    );
+    proxy.restore();
+    assert!(
+        wait_until_published(&pool, Duration::from_secs(60)).await,
+        "backlog published after the outage"
+    );
+    assert!(!handle.is_finished(), "the relay kept running");
+    handle.shutdown().await.unwrap();
+
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(60)).await;
+    let duplicates = verify(&committed, &received);
+    eprintln!("database outage: {duplicates} duplicates");
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn invalid_configuration_is_a_clear_error(pool: PgPool) {
+    let err = Relay::builder(pool.clone())
+        .batch_size(0)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("batch size"), "{err}");
+    let err = Relay::builder(pool.clone())
+        .brokers(" ")
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("brokers"), "{err}");
+    let relay = Relay::builder(pool)
+        .kafka_setting("no.such.setting", "1")
+        .build()
+        .unwrap();
+    let err = relay
+        .run(outbox_runtime::CancellationToken::new())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("no.such.setting"), "{err}");
+}

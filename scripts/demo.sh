@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Runs the demo against real services, starting them as needed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+scripts/services.sh start
+export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
+cargo run --quiet -p quickstart

@@ -1,0 +1,15 @@
+use outbox::DomainEvent;
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize, Deserialize, DomainEvent)]
+#[event(topic = "orders")]
+struct OrderPlaced {
+    #[event(aggregate_id)]
+    order_id: u64,
+    #[event(partition_key)]
+    a: String,
+    #[event(partition_key)]
+    b: String,
+}
+
+fn main() {}
