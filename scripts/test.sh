@@ -6,4 +6,5 @@ cd "$ROOT"
 scripts/services.sh start
 export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
 export KAFKA_BROKERS="${KAFKA_BROKERS:-127.0.0.1:9092}"
+export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
 cargo test --workspace "$@"

@@ -4,8 +4,8 @@
 //! code only names items through `::outbox`, never this crate or
 //! `outbox-core`.
 //!
-//! Each macro parses its input into a typed form ([`internals::ast`]),
-//! validates it ([`internals::check`]) collecting every mistake at once, then
+//! Each macro parses its input into a typed form (`internals::ast`),
+//! validates it (`internals::check`) collecting every mistake at once, then
 //! expands. When the input has errors the macros still emit a stub
 //! implementation (and `#[aggregate]` the user's struct), so one mistake does
 //! not cascade into unrelated ones.

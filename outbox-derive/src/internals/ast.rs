@@ -36,21 +36,8 @@ pub struct Event<'a> {
     pub ident: &'a Ident,
     /// Its event type and version; for a struct, those of the container.
     pub attrs: attr::Variant,
-    /// Whether it has named, unnamed or no fields.
-    pub style: Style,
     /// Its fields.
     pub fields: Vec<Field<'a>>,
-}
-
-/// The shape of a struct's or variant's fields.
-#[derive(Copy, Clone, PartialEq, Eq)]
-pub enum Style {
-    /// `{ a: A }`.
-    Named,
-    /// `(A)`.
-    Tuple,
-    /// No fields.
-    Unit,
 }
 
 /// One field of an event type.
@@ -143,11 +130,6 @@ impl<'a> Container<'a> {
 
 impl<'a> Event<'a> {
     fn from_fields(cx: &Ctxt, ident: &'a Ident, attrs: attr::Variant, fields: &'a Fields) -> Self {
-        let style = match fields {
-            Fields::Named(_) => Style::Named,
-            Fields::Unnamed(_) => Style::Tuple,
-            Fields::Unit => Style::Unit,
-        };
         let fields = fields
             .iter()
             .enumerate()
@@ -166,7 +148,6 @@ impl<'a> Event<'a> {
         Event {
             ident,
             attrs,
-            style,
             fields,
         }
     }

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use syn::{Ident, LitInt};
 
 use crate::internals::Ctxt;
-use crate::internals::ast::{Container, Event, Style};
+use crate::internals::ast::{Container, Event};
 use crate::internals::attr;
 use crate::internals::symbol::{AGGREGATE_ID, EVENT_ID, PARTITION_KEY, Symbol};
 
@@ -76,7 +76,7 @@ fn check_event(cx: &Ctxt, event: &Event) {
         }
     }
 
-    if event.style == Style::Unit || event.fields.is_empty() {
+    if event.fields.is_empty() {
         let msg = format!(
             "`{}` has no fields, but an event needs one marked `#[event(aggregate_id)]`: the id \
              of the aggregate the event belongs to",

@@ -109,6 +109,9 @@ impl RelayConfig {
             ("queue.buffering.max.messages".into(), "1000000".into()),
             ("queue.buffering.max.kbytes".into(), "1048576".into()),
             ("batch.num.messages".into(), "10000".into()),
+            // Reconnect within a second once the broker is back (the
+            // librdkafka default waits up to 10 s).
+            ("reconnect.backoff.max.ms".into(), "1000".into()),
             (
                 "message.timeout.ms".into(),
                 self.delivery_timeout.as_millis().to_string(),
@@ -323,6 +326,7 @@ impl Relay {
             database: Health::new("database", &self.config),
             in_flight: None,
             marking: None,
+            producer_unusable: false,
         };
         relay.run(&mut publisher, &shutdown).await;
         publisher.flush(Duration::from_secs(10));
@@ -434,6 +438,7 @@ struct Loop<'a> {
     database: Health,
     in_flight: Option<InFlight>,
     marking: Option<JoinHandle<Result<()>>>,
+    producer_unusable: bool,
 }
 
 impl Loop<'_> {
@@ -489,8 +494,11 @@ impl Loop<'_> {
             }
 
             if let Some(error) = transient {
-                if publisher.recover_if_fatal() {
-                    tracing::info!("producer recreated after a fatal error");
+                if std::mem::take(&mut self.producer_unusable) {
+                    self.finish_in_flight_before_recreate().await;
+                    publisher.recreate(&error);
+                } else {
+                    publisher.recover_if_fatal();
                 }
                 self.wait_for_broker(publisher, &error, shutdown).await;
             } else if self.broker.is_down() && self.in_flight.is_none() {
@@ -572,6 +580,10 @@ impl Loop<'_> {
                         FailureKind::Transient => {
                             transient.get_or_insert(error);
                         }
+                        FailureKind::Fatal => {
+                            self.producer_unusable = true;
+                            transient.get_or_insert(error);
+                        }
                         FailureKind::Message => {
                             let attempts = u32::try_from(row.attempts).unwrap_or(0) + 1;
                             let park = attempts >= self.config.max_attempts;
@@ -635,6 +647,18 @@ impl Loop<'_> {
         self.stats.parked.fetch_add(parked, Ordering::Relaxed);
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
         (published, failures, failed_keys, transient)
+    }
+
+    /// Before the producer is replaced, the batch sent through the old one is
+    /// settled: its deliveries are awaited and recorded like any other.
+    async fn finish_in_flight_before_recreate(&mut self) {
+        if let Some(in_flight) = self.in_flight.take() {
+            let (batch, outcomes) = in_flight.deliveries().await;
+            let (published, failures, _, _) = self.evaluate(&batch, outcomes);
+            self.finish_marking().await;
+            self.marking = Some(tokio::spawn(batch.finish_owned(published, failures)));
+        }
+        self.producer_unusable = false;
     }
 
     /// Waits for the previous batch's mark-and-commit.

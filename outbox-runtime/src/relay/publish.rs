@@ -26,6 +26,10 @@ pub(crate) enum FailureKind {
     /// The broker or the network (outage, timeout, full queue): the row is
     /// left untouched and the relay backs off.
     Transient,
+    /// The producer itself is unusable (fatal error, fenced or unknown
+    /// producer id after an outage): handled like `Transient`, and the
+    /// producer is recreated.
+    Fatal,
 }
 
 /// Classifies a librdkafka error.
@@ -45,6 +49,14 @@ pub(crate) fn classify(error: &KafkaError) -> FailureKind {
         Some(C::UnknownTopicOrPartition | C::UnknownTopic | C::TopicAuthorizationFailed) => {
             FailureKind::Topic
         }
+        Some(
+            C::Fatal
+            | C::ProducerFenced
+            | C::InvalidProducerEpoch
+            | C::InvalidProducerIdMapping
+            | C::OutOfOrderSequenceNumber
+            | C::UnknownProducerId,
+        ) => FailureKind::Fatal,
         _ => FailureKind::Transient,
     }
 }
@@ -95,7 +107,12 @@ impl Publisher {
         let Some((code, reason)) = self.producer.client().fatal_error() else {
             return false;
         };
-        tracing::error!(%code, %reason, "fatal producer error: recreating the producer");
+        self.recreate(&format!("{code}: {reason}"))
+    }
+
+    /// Replaces the producer by a new one (new producer id and epoch).
+    pub fn recreate(&mut self, reason: &str) -> bool {
+        tracing::error!(reason, "producer unusable: recreating it");
         match self.config.create() {
             Ok(producer) => {
                 self.producer = producer;

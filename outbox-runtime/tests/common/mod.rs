@@ -301,3 +301,43 @@ pub fn init_tracing() {
         .with_test_writer()
         .try_init();
 }
+
+/// A broker process of the test's own (tansu, in-memory), listening on
+/// `port` and advertising `advertised` (e.g. a proxy in front of it).
+pub struct PrivateBroker {
+    child: std::process::Child,
+    pub port: u16,
+}
+
+impl PrivateBroker {
+    pub fn start(port: u16, advertised: u16) -> Self {
+        let bin = std::env::var("TANSU_BIN").unwrap_or_else(|_| "tansu".into());
+        let child = std::process::Command::new(bin)
+            .args([
+                "broker",
+                "--listener-url",
+                &format!("tcp://127.0.0.1:{port}"),
+                "--advertised-listener-url",
+                &format!("tcp://127.0.0.1:{advertised}"),
+                "--storage-engine",
+                "memory://tansu/",
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start tansu (install it with scripts/services.sh)");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "private broker did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Self { child, port }
+    }
+}
+
+impl Drop for PrivateBroker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -6,11 +6,12 @@ use serde::{Deserialize, Serialize};
 #[event(topic = "orders!", colour = "red", version = 0)]
 enum OrderEvent {
     #[event(event_type = "order.placed")]
-    Placed {
-        order_id: u64,
-    },
+    Placed { order_id: u64 },
     #[event(event_type = "order.placed")]
-    Shipped(#[event(aggregate_id)] u64, #[event(partition_key, partition_key)] String),
+    Shipped(
+        #[event(aggregate_id)] u64,
+        #[event(partition_key, partition_key)] String,
+    ),
     Cancelled {
         #[event(aggregate_id)]
         order_id: u64,

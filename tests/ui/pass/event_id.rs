@@ -20,7 +20,14 @@ enum ImportEvent {
 
 fn main() {
     let id = Uuid::now_v7();
-    assert_eq!(RowImported { row_id: id, batch: 1 }.event_id(), Some(id));
+    assert_eq!(
+        RowImported {
+            row_id: id,
+            batch: 1
+        }
+        .event_id(),
+        Some(id)
+    );
     assert_eq!(ImportEvent::Row(1, id).event_id(), Some(id));
     assert_eq!(ImportEvent::Done(1).event_id(), None);
 }

@@ -1,0 +1,161 @@
+//! The relay under faults: SIGKILL of the relay process mid-batch, and a
+//! broker that becomes unreachable and comes back (a proxy in front of a
+//! private broker is cut, then restored).
+
+mod common;
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::*;
+use outbox_runtime::Relay;
+use sqlx::PgPool;
+
+fn relay_process(pool: &PgPool) -> tokio::process::Child {
+    let o = pool.connect_options();
+    let url = format!(
+        "postgres://{}@{}:{}/{}",
+        o.get_username(),
+        o.get_host(),
+        o.get_port(),
+        o.get_database().expect("test database name")
+    );
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .args(["relay", "--batch-size", "500"])
+        .env("DATABASE_URL", url)
+        .env("KAFKA_BROKERS", brokers())
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn the outbox binary")
+}
+
+fn signal(child: &tokio::process::Child, sig: &str) {
+    let pid = child.id().expect("running").to_string();
+    let status = std::process::Command::new("kill")
+        .args([sig, &pid])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+}
+
+async fn published(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE published_at IS NOT NULL")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn relay_sigkilled_mid_batch_then_restarted_loses_nothing(pool: PgPool) {
+    let topic = unique_topic("relay-kill");
+    create_topic(&brokers(), &topic).await;
+    let committed = commit_messages(&pool, &topic, 30_000, 200, 1_000).await;
+
+    let mut kills = 0;
+    for _ in 0..3 {
+        let mut relay = relay_process(&pool);
+        // Let it publish part of the backlog, then kill it without warning.
+        let before = published(&pool).await;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while published(&pool).await < before + 2_000 {
+            assert!(Instant::now() < deadline, "relay made no progress");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if unpublished(&pool).await == 0 {
+            break;
+        }
+        signal(&relay, "-KILL");
+        relay.wait().await.unwrap();
+        kills += 1;
+    }
+    assert!(kills > 0, "the relay was killed mid-backlog at least once");
+    assert!(unpublished(&pool).await > 0 || kills > 0);
+
+    // A fresh relay finishes the backlog; SIGTERM stops it cleanly (exit 0).
+    let mut relay = relay_process(&pool);
+    assert!(
+        wait_until_published(&pool, Duration::from_secs(120)).await,
+        "backlog drained after restart"
+    );
+    signal(&relay, "-TERM");
+    let status = tokio::time::timeout(Duration::from_secs(30), relay.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "graceful shutdown exits 0, got {status}");
+
+    let received = read_topic(
+        &brokers(),
+        &topic,
+        committed.len(),
+        Duration::from_secs(120),
+    )
+    .await;
+    let duplicates = verify(&committed, &received);
+    eprintln!(
+        "relay SIGKILLed {kills} times over {} events: 0 lost, {duplicates} duplicates",
+        committed.len()
+    );
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn broker_outage_commits_continue_and_the_backlog_follows(pool: PgPool) {
+    init_tracing();
+    // Clients reach the private broker only through the proxy, which the
+    // broker advertises as its address.
+    let (proxy_port, broker_port) = (free_port(), free_port());
+    let proxy = Proxy::start_on(
+        proxy_port,
+        format!("127.0.0.1:{broker_port}").parse().unwrap(),
+    )
+    .await;
+    let _broker = PrivateBroker::start(broker_port, proxy_port);
+    let brokers = format!("127.0.0.1:{proxy_port}");
+    let topic = unique_topic("relay-outage");
+    create_topic(&brokers, &topic).await;
+
+    let handle = Relay::builder(pool.clone())
+        .brokers(brokers.clone())
+        .delivery_timeout(Duration::from_secs(3))
+        .outage_backoff(Duration::from_millis(100), Duration::from_secs(1))
+        .spawn()
+        .unwrap();
+    let mut committed = commit_messages(&pool, &topic, 200, 10, 20).await;
+    assert!(wait_until_published(&pool, Duration::from_secs(30)).await);
+
+    proxy.cut();
+    let cut_at = Instant::now();
+    // Writers never talk to the broker: commits keep succeeding.
+    committed.extend(commit_messages(&pool, &topic, 500, 10, 20).await);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(
+        unpublished(&pool).await > 0,
+        "nothing can be published while the broker is unreachable"
+    );
+    assert!(
+        !handle.is_finished(),
+        "the relay keeps running through the outage"
+    );
+    committed.extend(commit_messages(&pool, &topic, 100, 10, 20).await);
+
+    proxy.restore();
+    let restored_at = Instant::now();
+    assert!(
+        wait_until_published(&pool, Duration::from_secs(90)).await,
+        "backlog published after the outage"
+    );
+    let recovery = restored_at.elapsed();
+    assert!(!handle.is_finished());
+    let counts = handle.counts();
+    handle.shutdown().await.unwrap();
+
+    let received = read_topic(&brokers, &topic, committed.len(), Duration::from_secs(60)).await;
+    let duplicates = verify(&committed, &received);
+    eprintln!(
+        "broker outage of {:?}: {} events, 0 lost, {duplicates} duplicates, recovered {recovery:?} after restore, counts {counts:?}",
+        restored_at - cut_at,
+        committed.len()
+    );
+}
