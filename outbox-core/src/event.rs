@@ -23,6 +23,11 @@ use crate::error::{Error, Result};
 ///
 /// The payload is the value's serde JSON representation; the event type,
 /// version and ids travel beside it (outbox columns, Kafka headers).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a domain event",
+    label = "not a `DomainEvent`",
+    note = "derive it: `#[derive(Serialize, Deserialize, DomainEvent)]` with `#[event(topic = \"...\")]`"
+)]
 pub trait DomainEvent: Serialize + DeserializeOwned + Send + Sync + 'static {
     /// The Kafka topic the event is published to.
     const TOPIC: &'static str;

@@ -183,8 +183,12 @@ impl DerefMut for UnitOfWork {
     }
 }
 
-/// Inserts `messages` with one statement; each inherits `defaults` headers.
-async fn insert_messages(
+/// Inserts `messages` into `outbox_event` with one statement, on `conn`
+/// (normally inside a transaction); each message inherits the `defaults`
+/// headers it does not set itself. Returns the event ids in order.
+///
+/// The Unit of Work and the consumer-side handler context both end here.
+pub async fn insert_messages(
     conn: &mut PgConnection,
     messages: &[OutboxMessage],
     defaults: &Headers,

@@ -72,7 +72,7 @@ pub fn redacted(settings: &[(String, String)]) -> Vec<String> {
 }
 
 /// A librdkafka configuration for `brokers` plus `overrides`.
-pub fn client_config(brokers: &str, overrides: &[(String, String)]) -> ClientConfig {
+pub(crate) fn client_config(brokers: &str, overrides: &[(String, String)]) -> ClientConfig {
     let mut config = ClientConfig::new();
     config.set("bootstrap.servers", brokers);
     for (key, value) in overrides {

@@ -1,0 +1,190 @@
+//! The consumer-side handler contract: [`InboxHandler`] (implemented by
+//! `#[inbox_handler]`) and the [`HandlerContext`] a handler receives.
+//!
+//! A handler gets the consumer's transaction and an event recorder — no pool,
+//! no producer, no way to commit. Its database work, the deduplication (or
+//! inbox) bookkeeping and any follow-up events it records commit together,
+//! or not at all.
+
+use std::future::Future;
+use std::ops::{Deref, DerefMut};
+use std::pin::Pin;
+
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use crate::error::Result;
+use crate::event::DomainEvent;
+use crate::message::{Headers, OutboxMessage};
+
+/// The error type handlers return, boxed (any `std::error::Error`).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// The future an [`InboxHandler`] returns.
+pub type HandlerFuture<'a> = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send + 'a>>;
+
+/// What the consumer knows about the message being handled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct IncomingEvent {
+    /// The event's id (deduplication key).
+    pub event_id: Uuid,
+    /// The event type named by the message.
+    pub event_type: String,
+    /// Schema version named by the message.
+    pub event_version: u32,
+    /// The topic it came from.
+    pub topic: String,
+    /// The Kafka key (the producer's partition key).
+    pub partition_key: String,
+    /// The message's headers (correlation id, trace context, custom entries).
+    pub headers: Headers,
+}
+
+impl IncomingEvent {
+    /// Builds the description of a received event.
+    pub fn new(
+        event_id: Uuid,
+        event_type: impl Into<String>,
+        event_version: u32,
+        topic: impl Into<String>,
+        partition_key: impl Into<String>,
+        headers: Headers,
+    ) -> Self {
+        Self {
+            event_id,
+            event_type: event_type.into(),
+            event_version,
+            topic: topic.into(),
+            partition_key: partition_key.into(),
+            headers,
+        }
+    }
+}
+
+/// What a handler may touch: the consumer's transaction (it derefs to
+/// [`PgConnection`]: `query.execute(&mut **ctx)`) and an outbox recorder for
+/// follow-up events.
+///
+/// Follow-up events inherit the handled event's correlation id and get its
+/// event id as their causation id. They are written to `outbox_event` in the
+/// same transaction as the handler's work and the deduplication row, so they
+/// exist if and only if the handling committed.
+pub struct HandlerContext<'c> {
+    conn: &'c mut PgConnection,
+    incoming: &'c IncomingEvent,
+    recorded: Vec<OutboxMessage>,
+    error: Option<crate::Error>,
+}
+
+impl std::fmt::Debug for HandlerContext<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandlerContext")
+            .field("incoming", &self.incoming)
+            .field("recorded", &self.recorded.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'c> HandlerContext<'c> {
+    /// A context over the consumer's transaction. Used by the consumer
+    /// runtime; applications receive contexts, they do not build them.
+    #[doc(hidden)]
+    pub fn new(conn: &'c mut PgConnection, incoming: &'c IncomingEvent) -> Self {
+        Self {
+            conn,
+            incoming,
+            recorded: Vec::new(),
+            error: None,
+        }
+    }
+
+    /// The event being handled.
+    pub fn incoming(&self) -> &IncomingEvent {
+        self.incoming
+    }
+
+    /// The transaction's connection, for the handler's queries.
+    pub fn connection(&mut self) -> &mut PgConnection {
+        self.conn
+    }
+
+    /// Records a follow-up event for the outbox; returns its event id.
+    pub fn record<E: DomainEvent>(&mut self, event: E) -> Uuid {
+        match OutboxMessage::from_event(&event) {
+            Ok(message) => {
+                let id = message.event_id;
+                self.recorded.push(message);
+                id
+            }
+            Err(error) => {
+                self.error.get_or_insert(error);
+                event.event_id().unwrap_or_else(Uuid::now_v7)
+            }
+        }
+    }
+
+    /// Number of follow-up events recorded so far.
+    pub fn recorded_events(&self) -> usize {
+        self.recorded.len()
+    }
+
+    /// Writes the recorded follow-up events to the outbox on the context's
+    /// transaction (correlation carried over, causation = the handled event).
+    /// Called by the consumer runtime after the handler returned `Ok`.
+    #[doc(hidden)]
+    pub async fn flush(&mut self) -> Result<Vec<Uuid>> {
+        if let Some(error) = self.error.take() {
+            return Err(error);
+        }
+        let defaults = Headers {
+            correlation_id: self
+                .incoming
+                .headers
+                .correlation_id
+                .or(Some(self.incoming.event_id)),
+            causation_id: Some(self.incoming.event_id),
+            traceparent: self.incoming.headers.traceparent.clone(),
+            tracestate: self.incoming.headers.tracestate.clone(),
+            extra: Default::default(),
+        };
+        let messages = std::mem::take(&mut self.recorded);
+        crate::uow::insert_messages(self.conn, &messages, &defaults).await
+    }
+}
+
+impl Deref for HandlerContext<'_> {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        self.conn
+    }
+}
+
+impl DerefMut for HandlerContext<'_> {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        self.conn
+    }
+}
+
+/// A typed handler of one event type, implemented by `#[inbox_handler]`.
+///
+/// The consumer dispatches messages by topic (`Self::Event::TOPIC`) and event
+/// type (`Self::Event::EVENT_TYPES`) and decodes the payload with
+/// [`DomainEvent::from_payload`] before calling [`handle`](Self::handle).
+pub trait InboxHandler: Send + Sync + 'static {
+    /// The event type handled.
+    type Event: DomainEvent;
+
+    /// A stable name for logs and dead letters (the function's name).
+    const NAME: &'static str;
+
+    /// Applies the event inside the consumer's transaction.
+    fn handle<'a, 'c>(
+        &'a self,
+        ctx: &'a mut HandlerContext<'c>,
+        event: Self::Event,
+    ) -> HandlerFuture<'a>
+    where
+        'c: 'a;
+}
