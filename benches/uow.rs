@@ -5,6 +5,10 @@
 //! (same serialization, same single UNNEST insert); the two run interleaved
 //! in the same process so machine noise hits both alike.
 //!
+//! A second table measures what the commit-time NOTIFY (the trigger that
+//! wakes idle relays) costs the write path: the same Unit of Work commits
+//! with the trigger enabled and disabled.
+//!
 //! `cargo bench --bench uow -- [--seconds S] [--rounds R] [--json PATH]`
 //! (DATABASE_URL names the server; the benchmark uses its own database,
 //! `outbox_bench`, recreated at start).
@@ -226,7 +230,65 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             }));
         }
     }
-    let json = serde_json::json!({ "benchmark": "uow", "seconds": seconds, "results": results });
+    println!();
+    println!("commit-time NOTIFY cost (UnitOfWork, trigger enabled vs disabled)");
+    println!(
+        "{:>7} {:>6} {:>16} {:>16} {:>7}",
+        "events", "conc", "notify commits/s", "silent commits/s", "ratio"
+    );
+    let mut notify_results = Vec::new();
+    for concurrency in [1_usize, 16] {
+        for events in [1_u32, 10] {
+            sqlx::query("TRUNCATE outbox_event, bench_order")
+                .execute(&pool)
+                .await?;
+            let (mut on, mut off) = (0_u64, 0_u64);
+            for round in 0..rounds {
+                let order = if round % 2 == 0 {
+                    [true, false]
+                } else {
+                    [false, true]
+                };
+                for notify in order {
+                    let sql = if notify {
+                        "ALTER TABLE outbox_event ENABLE TRIGGER outbox_event_notify"
+                    } else {
+                        "ALTER TABLE outbox_event DISABLE TRIGGER outbox_event_notify"
+                    };
+                    sqlx::query(sql).execute(&pool).await?;
+                    let n = run(&pool, Variant::UnitOfWork, events, concurrency, slice).await;
+                    if notify {
+                        on += n;
+                    } else {
+                        off += n;
+                    }
+                }
+            }
+            sqlx::query("ALTER TABLE outbox_event ENABLE TRIGGER outbox_event_notify")
+                .execute(&pool)
+                .await?;
+            let secs = slice.as_secs_f64() * f64::from(rounds);
+            let (on_rate, off_rate) = (on as f64 / secs, off as f64 / secs);
+            println!(
+                "{events:>7} {concurrency:>6} {on_rate:>16.0} {off_rate:>16.0} {:>7.3}",
+                on_rate / off_rate
+            );
+            notify_results.push(serde_json::json!({
+                "events_per_commit": events,
+                "concurrency": concurrency,
+                "notify_commits_per_s": on_rate.round(),
+                "silent_commits_per_s": off_rate.round(),
+                "ratio": ((on_rate / off_rate) * 1000.0).round() / 1000.0,
+            }));
+        }
+    }
+
+    let json = serde_json::json!({
+        "benchmark": "uow",
+        "seconds": seconds,
+        "results": results,
+        "notify_cost": notify_results,
+    });
     println!("{json}");
     if let Some(path) = json_path {
         std::fs::write(path, serde_json::to_string_pretty(&json)?)?;

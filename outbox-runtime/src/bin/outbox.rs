@@ -147,9 +147,11 @@ async fn connect(url: Option<&str>, max: u32) -> Result<PgPool, Error> {
     let url = url.ok_or_else(|| {
         Error::Config("no database: pass --database-url or set DATABASE_URL".into())
     })?;
-    let options: PgConnectOptions = url
-        .parse()
-        .map_err(|_| Error::Config("DATABASE_URL is not a valid PostgreSQL URL".into()))?;
+    let invalid = || Error::Config("DATABASE_URL is not a valid PostgreSQL URL".into());
+    if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+        return Err(invalid());
+    }
+    let options: PgConnectOptions = url.parse().map_err(|_| invalid())?;
     tracing::debug!(host = options.get_host(), database = ?options.get_database(), "connecting");
     Ok(PgPoolOptions::new()
         .max_connections(max)
