@@ -14,15 +14,19 @@ CREATE INDEX ix_outbox_event_unpublished
 CREATE INDEX IF NOT EXISTS ix_outbox_event_parked
     ON outbox_event (id) WHERE parked_at IS NOT NULL AND published_at IS NULL;
 
--- Wake-up of idle relays: one NOTIFY per inserting statement (a Unit of Work
--- inserts its events with one statement), delivered at commit. Writers that
--- do not want the cost disable it with
--- `ALTER TABLE outbox_event DISABLE TRIGGER outbox_event_notify`
--- (`outbox notify off`); relays then rely on their poll interval.
+-- Wake-up of idle relays: a NOTIFY at commit, sent only while a relay is
+-- waiting for work. NOTIFY takes a cluster-wide lock at commit that
+-- serializes concurrent committers, so it is skipped while relays are busy
+-- (they claim again right away anyway). A waiting relay holds the advisory
+-- lock 8031453476610924407 ("outbox_w") exclusively on its LISTEN
+-- connection; a writer that can take it shared knows no relay waits.
+-- `outbox notify off` disables the trigger (relays then poll).
 CREATE OR REPLACE FUNCTION outbox_event_notify() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM pg_notify('outbox_event', '');
+    IF NOT pg_try_advisory_xact_lock_shared(8031453476610924407) THEN
+        PERFORM pg_notify('outbox_event', '');
+    END IF;
     RETURN NULL;
 END;
 $$;

@@ -375,3 +375,30 @@ async fn invalid_configuration_is_a_clear_error(pool: PgPool) {
         .unwrap_err();
     assert!(err.to_string().contains("no.such.setting"), "{err}");
 }
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn writers_notify_only_while_a_relay_waits(pool: PgPool) {
+    let topic = unique_topic("relay-wake");
+    let mut listener = sqlx::postgres::PgListener::connect_with(&pool)
+        .await
+        .unwrap();
+    listener.listen("outbox_event").await.unwrap();
+    // No relay waits: committing sends no NOTIFY (no commit-time lock).
+    commit_messages(&pool, &topic, 3, 1, 3).await;
+    let quiet = tokio::time::timeout(Duration::from_millis(300), listener.recv()).await;
+    assert!(quiet.is_err(), "no NOTIFY while no relay waits: {quiet:?}");
+
+    // A waiting relay holds the wake lock: writers notify.
+    let mut waiting = pool.acquire().await.unwrap();
+    let armed: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(8031453476610924407)")
+        .fetch_one(&mut *waiting)
+        .await
+        .unwrap();
+    assert!(armed);
+    commit_messages(&pool, &topic, 3, 1, 3).await;
+    let woke = tokio::time::timeout(Duration::from_secs(5), listener.recv()).await;
+    assert!(
+        matches!(woke, Ok(Ok(_))),
+        "NOTIFY while a relay waits: {woke:?}"
+    );
+}

@@ -484,6 +484,7 @@ impl Loop<'_> {
                 Some(Ok(batch)) if batch.rows.is_empty() => idle = true,
                 Some(Ok(batch)) => {
                     self.database.up();
+                    self.waker.busy().await;
                     self.in_flight = Some(self.send(publisher, batch, &failed_keys));
                 }
                 Some(Err(error)) => {

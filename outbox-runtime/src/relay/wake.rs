@@ -1,6 +1,17 @@
 //! Waking an idle relay: LISTEN for the NOTIFY that `outbox_event`'s trigger
 //! sends at commit, with a poll interval as the fallback (and the only
 //! mechanism when LISTEN is off or its connection is down).
+//!
+//! NOTIFY is not free: PostgreSQL serializes committing transactions that
+//! notified. So writers notify only while a relay is *waiting*: a waiting
+//! relay holds the advisory lock [`WAKE_LOCK`] exclusively on its LISTEN
+//! connection ("armed"); the trigger takes it shared, and notifies only when
+//! it cannot. A relay that finds work releases the lock ("disarmed"), and
+//! writers stop paying for NOTIFY while relays are busy.
+//!
+//! No commit is missed: arming succeeds only when no writer holds the lock
+//! shared, i.e. when every writer that inserted without notifying has
+//! committed or rolled back; the relay then claims once more before waiting.
 
 use std::time::Duration;
 
@@ -11,11 +22,19 @@ use tokio_util::sync::CancellationToken;
 /// The channel the migration's trigger notifies.
 pub(crate) const CHANNEL: &str = "outbox_event";
 
+/// The advisory lock a waiting relay holds (see the module docs and the
+/// relay migration).
+pub(crate) const WAKE_LOCK: i64 = 8_031_453_476_610_924_407;
+
+/// How soon to look again when writers are mid-transaction.
+const WRITERS_IN_FLIGHT_RECHECK: Duration = Duration::from_millis(5);
+
 pub(crate) struct Waker {
     pool: PgPool,
     listen: bool,
     poll: Duration,
     listener: Option<PgListener>,
+    armed: bool,
 }
 
 impl Waker {
@@ -25,6 +44,7 @@ impl Waker {
             listen,
             poll,
             listener: None,
+            armed: false,
         }
     }
 
@@ -39,38 +59,107 @@ impl Waker {
         }
         .await;
         match result {
-            Ok(listener) => self.listener = Some(listener),
+            Ok(listener) => {
+                self.listener = Some(listener);
+                self.armed = false;
+            }
             Err(error) => {
-                tracing::warn!(%error, "LISTEN unavailable; polling only until it is back")
+                tracing::warn!(%error, "LISTEN unavailable; polling only until it is back");
             }
         }
     }
 
-    /// Returns on a notification, after the poll interval, or on shutdown.
+    fn lost(&mut self, error: &sqlx::Error) {
+        tracing::warn!(%error, "LISTEN connection lost; reconnecting");
+        // The server released the session's advisory lock with it.
+        self.listener = None;
+        self.armed = false;
+    }
+
+    /// The relay found work: writers may stop notifying.
+    pub async fn busy(&mut self) {
+        if !self.armed {
+            return;
+        }
+        self.armed = false;
+        if let Some(listener) = self.listener.as_mut() {
+            let released = sqlx::query_scalar::<_, bool>("SELECT pg_advisory_unlock($1)")
+                .bind(WAKE_LOCK)
+                .fetch_one(&mut *listener)
+                .await;
+            if let Err(error) = released {
+                self.lost(&error);
+            }
+        }
+    }
+
+    /// The relay found nothing to claim. Returns right away after arming (so
+    /// the relay claims once more), otherwise on a notification, after the
+    /// poll interval, or on shutdown.
     pub async fn wait(&mut self, shutdown: &CancellationToken) {
         self.connect().await;
-        let poll = self.poll;
-        match self.listener.as_mut() {
-            Some(listener) => {
-                tokio::select! {
-                    received = tokio::time::timeout(poll, listener.recv()) => {
-                        if let Ok(Err(error)) = received {
-                            tracing::warn!(%error, "LISTEN connection lost; reconnecting");
-                            self.listener = None;
-                        } else if let Some(listener) = self.listener.as_mut() {
-                            // Several commits may have notified: one claim covers them.
-                            while listener.next_buffered().is_some() {}
-                        }
-                    }
-                    _ = shutdown.cancelled() => {}
+        let Some(listener) = self.listener.as_mut() else {
+            sleep_or_shutdown(self.poll, shutdown).await;
+            return;
+        };
+        if !self.armed {
+            let armed = sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_lock($1)")
+                .bind(WAKE_LOCK)
+                .fetch_one(&mut *listener)
+                .await;
+            match armed {
+                Ok(true) => {
+                    self.armed = true;
+                    return;
                 }
-            }
-            None => {
-                tokio::select! {
-                    _ = tokio::time::sleep(poll) => {}
-                    _ = shutdown.cancelled() => {}
+                Ok(false) => {
+                    // Held shared by writers mid-transaction (their rows will
+                    // be claimable in a moment), or exclusively by another
+                    // waiting relay (then writers notify us both).
+                    let other_relay_waits = sqlx::query_scalar::<_, bool>(
+                        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory'
+                           AND granted AND mode = 'ExclusiveLock'
+                           AND ((classid::bigint << 32) | objid::bigint) = $1)",
+                    )
+                    .bind(WAKE_LOCK)
+                    .fetch_one(&mut *listener)
+                    .await
+                    .unwrap_or(false);
+                    if !other_relay_waits {
+                        sleep_or_shutdown(WRITERS_IN_FLIGHT_RECHECK, shutdown).await;
+                        return;
+                    }
+                }
+                Err(error) => {
+                    self.lost(&error);
+                    sleep_or_shutdown(self.poll, shutdown).await;
+                    return;
                 }
             }
         }
+        let poll = self.poll;
+        let Some(listener) = self.listener.as_mut() else {
+            return;
+        };
+        tokio::select! {
+            received = tokio::time::timeout(poll, listener.recv()) => {
+                match received {
+                    Ok(Err(error)) => self.lost(&error),
+                    Ok(Ok(_)) => {
+                        // Several commits may have notified: one claim covers them.
+                        while listener.next_buffered().is_some() {}
+                    }
+                    Err(_) => {}
+                }
+            }
+            _ = shutdown.cancelled() => {}
+        }
+    }
+}
+
+async fn sleep_or_shutdown(d: Duration, shutdown: &CancellationToken) {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => {}
+        _ = shutdown.cancelled() => {}
     }
 }
