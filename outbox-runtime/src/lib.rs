@@ -1,6 +1,7 @@
 //! Runtime of the outbox framework: the [`relay`] that publishes the outbox
-//! to Kafka, the operations queries behind the `outbox` CLI ([`ops`]), and
-//! the shared Kafka settings ([`kafka`]).
+//! to Kafka, the consumer side ([`inbox`]: deduplicating or inbox consumers
+//! with typed handlers, dead letters), the operations queries behind the
+//! `outbox` CLI ([`ops`]), and the shared Kafka settings ([`kafka`]).
 //!
 //! The relay's producer is private to it: nothing in this crate hands a
 //! Kafka producer to application code.
@@ -9,10 +10,15 @@
 #![warn(missing_docs)]
 
 mod error;
+pub mod inbox;
 pub mod kafka;
 pub mod ops;
 pub mod relay;
 
 pub use error::{Error, Result};
+pub use inbox::{
+    Consumer, ConsumerBuilder, ConsumerConfig, ConsumerCounts, ConsumerHandle, ConsumerStats,
+    DeadLetter, DeadLetterFilter, DeadLetterReason, Mode,
+};
 pub use relay::{Relay, RelayBuilder, RelayConfig, RelayCounts, RelayHandle};
 pub use tokio_util::sync::CancellationToken;

@@ -1,5 +1,5 @@
-//! The `outbox` command: migrations, the relay, status, topics, parked rows
-//! and the NOTIFY switch. Settings come from flags or the environment
+//! The `outbox` command: migrations, the relay, status, topics, parked rows,
+//! the NOTIFY switch and the consumers' dead letters. Settings come from flags or the environment
 //! (`DATABASE_URL`, `KAFKA_BROKERS`); `-X key=value` passes librdkafka
 //! settings through (TLS, SASL). Credentials are never logged.
 
@@ -43,6 +43,9 @@ enum Command {
     /// Rows parked after repeated delivery failures.
     #[command(subcommand)]
     Parked(ParkedCommand),
+    /// Messages consumers could not apply (list, retry, drop).
+    #[command(subcommand)]
+    DeadLetters(DeadLettersCommand),
     /// The commit-time NOTIFY that wakes idle relays: `on`, `off` or `status`.
     Notify {
         /// on | off | status
@@ -117,6 +120,53 @@ enum ParkedCommand {
         /// Outbox row ids.
         #[arg(long = "id")]
         ids: Vec<i64>,
+    },
+}
+
+#[derive(Subcommand)]
+enum DeadLettersCommand {
+    /// List dead letters, oldest first (default: status dead and retry).
+    List {
+        /// Only this consumer group.
+        #[arg(long)]
+        consumer: Option<String>,
+        /// dead | retry | resolved | all (repeatable).
+        #[arg(long, value_parser = ["dead", "retry", "resolved", "all"])]
+        status: Vec<String>,
+        /// Only this reason (not_json, no_event_id, unknown_event_type,
+        /// payload_mismatch, oversized, handler_failed).
+        #[arg(long)]
+        reason: Option<String>,
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        /// Print JSON (with headers and payload) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Mark dead letters for retry: the consumer of their group runs them
+    /// again within its re-drive interval.
+    Retry {
+        /// Every dead letter (of --consumer, if given).
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+        /// Dead-letter ids.
+        #[arg(long = "id")]
+        ids: Vec<i64>,
+        /// Only this consumer group.
+        #[arg(long)]
+        consumer: Option<String>,
+    },
+    /// Delete dead letters.
+    Drop {
+        /// Every dead letter (of --consumer, if given).
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+        /// Dead-letter ids.
+        #[arg(long = "id")]
+        ids: Vec<i64>,
+        /// Only this consumer group.
+        #[arg(long)]
+        consumer: Option<String>,
     },
 }
 
@@ -268,6 +318,7 @@ async fn run(cli: Cli) -> Result<(), Error> {
             let n = ops::requeue_parked(&pool, (!all).then_some(ids.as_slice())).await?;
             println!("requeued {n} parked rows");
         }
+        Command::DeadLetters(command) => dead_letters(url, command).await?,
         Command::Notify { state } => {
             let pool = connect(url, 2).await?;
             match state.as_str() {
@@ -277,6 +328,92 @@ async fn run(cli: Cli) -> Result<(), Error> {
             }
             let on = ops::notify_enabled(&pool).await?;
             println!("notify: {}", if on { "on" } else { "off" });
+        }
+    }
+    Ok(())
+}
+
+async fn dead_letters(url: Option<&str>, command: DeadLettersCommand) -> Result<(), Error> {
+    use outbox_runtime::inbox::dead_letter;
+    let selection = |all: bool, ids: Vec<i64>| {
+        if !all && ids.is_empty() {
+            Err(Error::Config("pass --all or one or more --id N".into()))
+        } else {
+            Ok((!all).then_some(ids))
+        }
+    };
+    match command {
+        DeadLettersCommand::List {
+            consumer,
+            status,
+            reason,
+            limit,
+            json,
+        } => {
+            let mut filter = dead_letter::DeadLetterFilter::new().limit(limit);
+            if let Some(consumer) = consumer {
+                filter = filter.consumer(consumer);
+            }
+            if status.iter().any(|s| s == "all") {
+                filter = filter.statuses(["dead", "retry", "resolved"]);
+            } else if !status.is_empty() {
+                filter = filter.statuses(status);
+            }
+            if let Some(reason) = reason {
+                filter = filter.reason(reason.parse()?);
+            }
+            let pool = connect(url, 2).await?;
+            let rows = dead_letter::list(&pool, &filter).await?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&rows).unwrap_or_default()
+                );
+            } else {
+                println!(
+                    "{:>8}  {:<16}  {:<24}  {:>4}  {:>8}  {:<36}  {:<18}  {:<8}  {:>3}  error",
+                    "id",
+                    "consumer",
+                    "topic",
+                    "part",
+                    "offset",
+                    "event id",
+                    "reason",
+                    "status",
+                    "att"
+                );
+                for r in rows {
+                    println!(
+                        "{:>8}  {:<16}  {:<24}  {:>4}  {:>8}  {:<36}  {:<18}  {:<8}  {:>3}  {}",
+                        r.id,
+                        r.consumer,
+                        r.topic,
+                        r.partition,
+                        r.offset,
+                        r.event_id
+                            .map(|e| e.to_string())
+                            .unwrap_or_else(|| "-".into()),
+                        r.reason,
+                        r.status,
+                        r.attempts,
+                        r.error.lines().next().unwrap_or_default()
+                    );
+                }
+            }
+        }
+        DeadLettersCommand::Retry { all, ids, consumer } => {
+            let ids = selection(all, ids)?;
+            let pool = connect(url, 2).await?;
+            let n = dead_letter::retry(&pool, consumer.as_deref(), ids.as_deref()).await?;
+            println!(
+                "marked {n} dead letters for retry (their consumers pick them up within their re-drive interval)"
+            );
+        }
+        DeadLettersCommand::Drop { all, ids, consumer } => {
+            let ids = selection(all, ids)?;
+            let pool = connect(url, 2).await?;
+            let n = dead_letter::discard(&pool, consumer.as_deref(), ids.as_deref()).await?;
+            println!("dropped {n} dead letters");
         }
     }
     Ok(())

@@ -1,0 +1,638 @@
+//! The consumer side: a Kafka consumer group that applies each event's
+//! effect once, with typed [`InboxHandler`]s, in one of two modes.
+//!
+//! - [`Mode::Dedup`] (default): a batch of messages → one transaction
+//!   (`processed_event` insert, handlers of the new events, their follow-up
+//!   events, dead letters) → `COMMIT` → the offsets. See [`dedup`].
+//! - [`Mode::Inbox`] (critical or bursty flows): messages are only stored in
+//!   `inbox_event` (→ offsets); processor tasks apply them from the table,
+//!   in per-key order, with retries that hold back only the failing key. See
+//!   [`store`] and [`processor`].
+//!
+//! Offsets are committed manually, per partition, never past a message
+//! whose transaction has not committed ([`poller`]). Malformed messages and
+//! events whose handler keeps failing go to the `dead_letter` table
+//! ([`dead_letter`]); `outbox dead-letters retry` marks them and the
+//! consumer runs them again ([`redrive`]).
+//!
+//! Submodules: [`dispatch`] (handler registry), [`record`] (parsing),
+//! [`poller`] (the Kafka thread), [`apply`] (running handlers), [`db`]
+//! (outage detection), [`dead_letter`] (table and operations).
+
+// The relay's back-off, shared as is (same file, no copy). It could move to
+// a crate-level module; until then clippy's duplicate-module lint is muted.
+#[allow(clippy::duplicate_mod)]
+#[path = "../relay/backoff.rs"]
+mod backoff;
+
+mod apply;
+mod db;
+pub mod dead_letter;
+mod dedup;
+mod dispatch;
+mod poller;
+mod processor;
+mod record;
+mod redrive;
+mod store;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use outbox_core::InboxHandler;
+use sqlx::PgPool;
+use tokio::sync::{Notify, mpsc};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use self::dead_letter::{DeadLetter, DeadLetterFilter, DeadLetterReason};
+use self::dispatch::Registry;
+use self::poller::{Poller, PollerSettings, Shared};
+use self::record::Check;
+use crate::error::{Error, Result};
+use crate::kafka;
+
+/// How a consumer applies events.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Mode {
+    /// Deduplicate on `processed_event` and run the handlers in the same
+    /// transaction as the message's bookkeeping (the default).
+    #[default]
+    Dedup,
+    /// Store messages in `inbox_event` first; process them from the table.
+    Inbox,
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Mode::Dedup => "dedup",
+            Mode::Inbox => "inbox",
+        })
+    }
+}
+
+/// Settings the consumer always applies to its Kafka client: offsets are
+/// committed by the consumer, after the database commit.
+const ENFORCED: &[(&str, &str)] = &[
+    ("enable.auto.commit", "false"),
+    ("enable.auto.offset.store", "false"),
+];
+
+/// Consumer settings. Build with [`Consumer::builder`]; readable with
+/// [`Consumer::config`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ConsumerConfig {
+    /// The consumer group id, also the `processed_event.consumer` and
+    /// `inbox_event.consumer` value. One per service.
+    pub group: String,
+    /// Kafka bootstrap servers.
+    pub brokers: String,
+    /// Extra librdkafka settings.
+    pub kafka_settings: Vec<(String, String)>,
+    /// Dedup (default) or inbox.
+    pub mode: Mode,
+    /// Most messages per batch (one transaction each).
+    pub batch_size: usize,
+    /// How long a batch may wait to fill while the database is idle.
+    pub batch_linger: Duration,
+    /// Handler attempts before an event is dead-lettered.
+    pub max_attempts: u32,
+    /// First delay before a failed handler runs again; doubles up to
+    /// `retry_backoff_max`.
+    pub retry_backoff: Duration,
+    /// Cap of the retry delay.
+    pub retry_backoff_max: Duration,
+    /// First back-off during a database outage.
+    pub outage_backoff: Duration,
+    /// Cap of the outage back-off.
+    pub outage_backoff_max: Duration,
+    /// Larger payloads are dead-lettered as `oversized`.
+    pub max_payload_bytes: usize,
+    /// How often the consumer looks for dead letters marked for retry.
+    pub redrive_interval: Duration,
+    /// Inbox mode: rows per processor transaction.
+    pub processor_batch_size: usize,
+    /// Inbox mode: poll interval of an idle processor (rows stored by this
+    /// consumer wake it at once).
+    pub processor_poll_interval: Duration,
+    /// Inbox mode: processor tasks in this process.
+    pub processors: usize,
+    commit_offsets: bool,
+}
+
+impl ConsumerConfig {
+    fn new() -> Self {
+        Self {
+            group: String::new(),
+            brokers: kafka::DEFAULT_BROKERS.to_owned(),
+            kafka_settings: Vec::new(),
+            mode: Mode::Dedup,
+            batch_size: 1000,
+            batch_linger: Duration::from_millis(5),
+            max_attempts: 5,
+            retry_backoff: Duration::from_millis(100),
+            retry_backoff_max: Duration::from_secs(10),
+            outage_backoff: Duration::from_millis(100),
+            outage_backoff_max: Duration::from_secs(5),
+            max_payload_bytes: 1024 * 1024,
+            redrive_interval: Duration::from_secs(5),
+            processor_batch_size: 500,
+            processor_poll_interval: Duration::from_millis(500),
+            processors: 1,
+            commit_offsets: true,
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(m));
+        if self.group.trim().is_empty() {
+            return bad("the consumer needs a group: .group(\"billing\")".into());
+        }
+        if self.brokers.trim().is_empty() {
+            return bad("brokers must not be empty".into());
+        }
+        if self.batch_size == 0 || self.batch_size > 100_000 {
+            return bad(format!(
+                "batch size must be 1..=100000, got {}",
+                self.batch_size
+            ));
+        }
+        if self.processor_batch_size == 0 || self.processor_batch_size > 100_000 {
+            return bad(format!(
+                "processor batch size must be 1..=100000, got {}",
+                self.processor_batch_size
+            ));
+        }
+        if self.max_attempts == 0 {
+            return bad("max attempts must be >= 1".into());
+        }
+        if self.max_payload_bytes == 0 {
+            return bad("max payload bytes must be >= 1".into());
+        }
+        if self.processors == 0 || self.processors > 64 {
+            return bad(format!(
+                "processors must be 1..=64, got {}",
+                self.processors
+            ));
+        }
+        if self.redrive_interval.is_zero() || self.processor_poll_interval.is_zero() {
+            return bad("re-drive and processor poll intervals must be > 0".into());
+        }
+        for (key, value) in &self.kafka_settings {
+            if key == "group.id" {
+                return bad("set the group with .group(..), not group.id".into());
+            }
+            if let Some((_, enforced)) = ENFORCED.iter().find(|(k, _)| k == key) {
+                if value != enforced {
+                    return bad(format!(
+                        "{key} must stay {enforced}: the consumer commits offsets itself, after the database commit"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn client_config(&self) -> rdkafka::ClientConfig {
+        let mut settings: Vec<(String, String)> = vec![
+            ("auto.offset.reset".into(), "earliest".into()),
+            ("enable.partition.eof".into(), "false".into()),
+            // Reconnect within a second once the broker is back.
+            ("reconnect.backoff.max.ms".into(), "1000".into()),
+            (
+                "client.id".into(),
+                format!("outbox-consumer-{}", self.group),
+            ),
+        ];
+        settings.extend(self.kafka_settings.iter().cloned());
+        settings.push(("group.id".into(), self.group.clone()));
+        for (k, v) in ENFORCED {
+            settings.push(((*k).into(), (*v).into()));
+        }
+        kafka::client_config(&self.brokers, &settings)
+    }
+}
+
+/// Builder of a [`Consumer`].
+pub struct ConsumerBuilder {
+    pool: PgPool,
+    config: ConsumerConfig,
+    registry: Registry,
+    ignored: Vec<(String, String)>,
+}
+
+impl std::fmt::Debug for ConsumerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsumerBuilder")
+            .field("config", &self.config)
+            .field("registry", &self.registry)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ConsumerBuilder {
+    /// The consumer group (required); also the consumer's name in
+    /// `processed_event`, `inbox_event` and `dead_letter`.
+    pub fn group(mut self, group: impl Into<String>) -> Self {
+        self.config.group = group.into();
+        self
+    }
+    /// Kafka bootstrap servers (default `127.0.0.1:9092`).
+    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
+        self.config.brokers = brokers.into();
+        self
+    }
+    /// One librdkafka setting (`key`, `value`), e.g. SASL or TLS options,
+    /// `auto.offset.reset` (default `earliest`). `enable.auto.commit` and
+    /// `enable.auto.offset.store` stay `false`.
+    pub fn kafka_setting(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.config.kafka_settings.push((key.into(), value.into()));
+        self
+    }
+    /// Registers a handler: it receives the events of `H::Event::TOPIC`
+    /// whose type is one of `H::Event::EVENT_TYPES`. Several handlers may
+    /// share a topic or an event type (they run in registration order, in
+    /// the same transaction). The consumer subscribes to the union of the
+    /// handlers' topics.
+    pub fn handler<H: InboxHandler>(mut self, handler: H) -> Self {
+        self.registry.add(handler);
+        self
+    }
+    /// Opts out of an event type on a subscribed topic: its messages are
+    /// skipped (offset committed) instead of dead-lettered as
+    /// `unknown_event_type`. `"*"` skips every type without a handler.
+    pub fn ignore_event_type(
+        mut self,
+        topic: impl Into<String>,
+        event_type: impl Into<String>,
+    ) -> Self {
+        self.ignored.push((topic.into(), event_type.into()));
+        self
+    }
+    /// [`Mode::Dedup`] (default) or [`Mode::Inbox`].
+    pub fn mode(mut self, mode: Mode) -> Self {
+        self.config.mode = mode;
+        self
+    }
+    /// Most messages per batch (default 1000).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.config.batch_size = n;
+        self
+    }
+    /// How long a batch may wait to fill while the database is idle
+    /// (default 5 ms). Under load batches fill while the previous one is
+    /// applied.
+    pub fn batch_linger(mut self, d: Duration) -> Self {
+        self.config.batch_linger = d;
+        self
+    }
+    /// Handler attempts before an event is dead-lettered (default 5).
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.config.max_attempts = n;
+        self
+    }
+    /// First and maximum delay between attempts of a failing handler
+    /// (default 100 ms doubling up to 10 s).
+    pub fn retry_backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.config.retry_backoff = first;
+        self.config.retry_backoff_max = max;
+        self
+    }
+    /// First and maximum back-off during a database outage (default 100 ms
+    /// up to 5 s).
+    pub fn outage_backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.config.outage_backoff = first;
+        self.config.outage_backoff_max = max;
+        self
+    }
+    /// Payloads larger than this are dead-lettered as `oversized` (default
+    /// 1 MiB).
+    pub fn max_payload_bytes(mut self, n: usize) -> Self {
+        self.config.max_payload_bytes = n;
+        self
+    }
+    /// How often the consumer picks up dead letters marked for retry
+    /// (default 5 s).
+    pub fn redrive_interval(mut self, d: Duration) -> Self {
+        self.config.redrive_interval = d;
+        self
+    }
+    /// Inbox mode: rows per processor transaction (default 500).
+    pub fn processor_batch_size(mut self, n: usize) -> Self {
+        self.config.processor_batch_size = n;
+        self
+    }
+    /// Inbox mode: poll interval of an idle processor (default 500 ms).
+    pub fn processor_poll_interval(mut self, d: Duration) -> Self {
+        self.config.processor_poll_interval = d;
+        self
+    }
+    /// Inbox mode: processor tasks in this process (default 1). They share
+    /// the work by partition.
+    pub fn processors(mut self, n: usize) -> Self {
+        self.config.processors = n;
+        self
+    }
+    /// Test support: never commit offsets, as if the process died after
+    /// each database commit and before the offset commit.
+    #[doc(hidden)]
+    pub fn skip_offset_commits(mut self, skip: bool) -> Self {
+        self.config.commit_offsets = !skip;
+        self
+    }
+    /// Validates the configuration.
+    pub fn build(mut self) -> Result<Consumer> {
+        self.config.validate()?;
+        if self.registry.is_empty() {
+            return Err(Error::Config(
+                "the consumer has no handler: add one with .handler(..)".into(),
+            ));
+        }
+        for (topic, event_type) in &self.ignored {
+            self.registry
+                .ignore(topic, event_type)
+                .map_err(Error::Config)?;
+        }
+        Ok(Consumer {
+            pool: self.pool,
+            config: Arc::new(self.config),
+            registry: Arc::new(self.registry),
+            stats: Arc::default(),
+        })
+    }
+    /// Validates the configuration and runs the consumer on a tokio task.
+    pub fn spawn(self) -> Result<ConsumerHandle> {
+        Ok(self.build()?.spawn())
+    }
+}
+
+/// Counters of one consumer, readable while it runs.
+#[derive(Debug, Default)]
+pub struct ConsumerStats {
+    received: AtomicU64,
+    processed: AtomicU64,
+    stored: AtomicU64,
+    duplicates: AtomicU64,
+    ignored: AtomicU64,
+    dead_lettered: AtomicU64,
+    handler_failures: AtomicU64,
+    batches: AtomicU64,
+    redriven: AtomicU64,
+}
+
+/// A snapshot of [`ConsumerStats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConsumerCounts {
+    /// Messages received from Kafka.
+    pub received: u64,
+    /// Events whose handlers ran and committed.
+    pub processed: u64,
+    /// Inbox mode: events stored in `inbox_event`.
+    pub stored: u64,
+    /// Events skipped because already applied (or already stored).
+    pub duplicates: u64,
+    /// Messages of an ignored event type.
+    pub ignored: u64,
+    /// Messages and events written to the dead-letter table.
+    pub dead_lettered: u64,
+    /// Failed handler attempts.
+    pub handler_failures: u64,
+    /// Batches received from Kafka and committed.
+    pub batches: u64,
+    /// Dead letters re-driven successfully.
+    pub redriven: u64,
+}
+
+impl ConsumerStats {
+    /// The current counts.
+    pub fn snapshot(&self) -> ConsumerCounts {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ConsumerCounts {
+            received: l(&self.received),
+            processed: l(&self.processed),
+            stored: l(&self.stored),
+            duplicates: l(&self.duplicates),
+            ignored: l(&self.ignored),
+            dead_lettered: l(&self.dead_lettered),
+            handler_failures: l(&self.handler_failures),
+            batches: l(&self.batches),
+            redriven: l(&self.redriven),
+        }
+    }
+}
+
+type Stats = ConsumerStats;
+
+/// A consumer group member that applies events with its handlers. See the
+/// module docs.
+pub struct Consumer {
+    pool: PgPool,
+    config: Arc<ConsumerConfig>,
+    registry: Arc<Registry>,
+    stats: Arc<ConsumerStats>,
+}
+
+impl std::fmt::Debug for Consumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("config", &self.config)
+            .field("registry", &self.registry)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A consumer running in the background ([`Consumer::spawn`]).
+#[derive(Debug)]
+pub struct ConsumerHandle {
+    token: CancellationToken,
+    stats: Arc<ConsumerStats>,
+    task: JoinHandle<Result<()>>,
+}
+
+impl ConsumerHandle {
+    /// The consumer's counters.
+    pub fn counts(&self) -> ConsumerCounts {
+        self.stats.snapshot()
+    }
+    /// A token that stops the consumer when cancelled.
+    pub fn cancellation_token(&self) -> CancellationToken {
+        self.token.clone()
+    }
+    /// True once the consumer task has ended.
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+    /// Stops the consumer gracefully: the batch in flight is applied and
+    /// committed, its offsets committed, the group left. Returns the
+    /// consumer's result.
+    pub async fn shutdown(self) -> Result<()> {
+        self.token.cancel();
+        self.join().await
+    }
+    /// Waits for the consumer to end (after its token is cancelled or on error).
+    pub async fn join(self) -> Result<()> {
+        self.task.await.map_err(|e| Error::Task(e.to_string()))?
+    }
+}
+
+impl Consumer {
+    /// Starts building a consumer on `pool` (which needs at least 2
+    /// connections, plus one per processor in inbox mode).
+    pub fn builder(pool: PgPool) -> ConsumerBuilder {
+        ConsumerBuilder {
+            pool,
+            config: ConsumerConfig::new(),
+            registry: Registry::default(),
+            ignored: Vec::new(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ConsumerConfig {
+        &self.config
+    }
+
+    /// The consumer's counters.
+    pub fn stats(&self) -> Arc<ConsumerStats> {
+        self.stats.clone()
+    }
+
+    /// Runs the consumer on a tokio task until [`ConsumerHandle::shutdown`].
+    pub fn spawn(self) -> ConsumerHandle {
+        let token = CancellationToken::new();
+        let stats = self.stats.clone();
+        let task = tokio::spawn(self.run(token.clone()));
+        ConsumerHandle { token, stats, task }
+    }
+
+    /// Runs the consumer until `shutdown` is cancelled, then finishes the
+    /// batch in flight, commits its offsets and leaves the group. Returns an
+    /// error only for problems a retry cannot fix (e.g. an invalid Kafka
+    /// setting).
+    pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+        let Consumer {
+            pool,
+            config,
+            registry,
+            stats,
+        } = self;
+        let shared = Arc::new(Shared::new(config.commit_offsets));
+        let check = match config.mode {
+            Mode::Dedup => Check::Decode,
+            Mode::Inbox => Check::Json,
+        };
+        let topics = registry.topics();
+        let poller = Poller::new(
+            PollerSettings {
+                client: config.client_config(),
+                topics: topics.clone(),
+                max_batch: config.batch_size,
+                linger: config.batch_linger,
+                max_bytes: config.max_payload_bytes,
+                check,
+            },
+            shared.clone(),
+        )?;
+        tracing::info!(
+            group = %config.group,
+            mode = %config.mode,
+            topics = ?topics,
+            handlers = ?registry.names(),
+            brokers = %config.brokers,
+            settings = ?kafka::redacted(&config.kafka_settings),
+            "consumer started"
+        );
+
+        let (tx, mut rx) = mpsc::channel(1);
+        let poll_thread = {
+            let (registry, stats) = (registry.clone(), stats.clone());
+            tokio::task::spawn_blocking(move || poller.run(registry, tx, stats))
+        };
+        let background = CancellationToken::new();
+        let wake = Arc::new(Notify::new());
+        let mut tasks = vec![tokio::spawn(
+            redrive::Redriver {
+                pool: pool.clone(),
+                config: config.clone(),
+                registry: registry.clone(),
+                stats: stats.clone(),
+                wake: wake.clone(),
+            }
+            .run(background.clone()),
+        )];
+        if config.mode == Mode::Inbox {
+            for worker in 0..config.processors {
+                tasks.push(tokio::spawn(
+                    processor::Processor {
+                        pool: pool.clone(),
+                        config: config.clone(),
+                        registry: registry.clone(),
+                        stats: stats.clone(),
+                        wake: wake.clone(),
+                        worker,
+                    }
+                    .run(background.clone()),
+                ));
+            }
+        }
+
+        let health =
+            || db::Health::new("database", config.outage_backoff, config.outage_backoff_max);
+        let mut sink = match config.mode {
+            Mode::Dedup => Sink::Dedup(dedup::Applier {
+                pool: &pool,
+                config: &config,
+                registry: &registry,
+                stats: &stats,
+                shared: &shared,
+                db: health(),
+            }),
+            Mode::Inbox => Sink::Store(store::Store {
+                pool: &pool,
+                config: &config,
+                stats: &stats,
+                shared: &shared,
+                wake: &wake,
+                db: health(),
+            }),
+        };
+        loop {
+            shared.set_idle(true);
+            let batch = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => None,
+                batch = rx.recv() => batch,
+            };
+            shared.set_idle(false);
+            let Some(batch) = batch else { break };
+            match &mut sink {
+                Sink::Dedup(applier) => applier.process(batch, &shutdown).await,
+                Sink::Store(store) => store.process(batch, &shutdown).await,
+            }
+        }
+        shared.stop();
+        drop(rx);
+        let polled = poll_thread
+            .await
+            .map_err(|e| Error::Task(e.to_string()))
+            .and_then(|r| r);
+        background.cancel();
+        for task in tasks {
+            if let Err(error) = task.await {
+                tracing::error!(%error, "consumer background task failed");
+            }
+        }
+        tracing::info!(group = %config.group, counts = ?stats.snapshot(), "consumer stopped");
+        polled
+    }
+}
+
+enum Sink<'a> {
+    Dedup(dedup::Applier<'a>),
+    Store(store::Store<'a>),
+}

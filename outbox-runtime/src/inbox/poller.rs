@@ -1,0 +1,485 @@
+//! The polling thread: owns the Kafka consumer, turns messages into
+//! [`Record`]s (parsing and, in dedup mode, decoding off the database task),
+//! hands them over in batches, and commits offsets.
+//!
+//! Batching is adaptive: a batch is handed over when it is full, or when it
+//! has waited `linger` and the database task is idle; while the database
+//! task is busy the next batch keeps filling, so batches grow under load.
+//! When one batch waits and the next is full, the thread waits for the
+//! database task; after 30 s of that (a database outage) it pauses the
+//! assigned partitions and polls again, so that the group membership and
+//! rebalances are served, and resumes them once the database task catches
+//! up.
+//!
+//! Offsets are committed only here, and only what the database task
+//! reported as committed ([`Shared::completed`]): per partition the offset
+//! after the last message whose transaction committed, if the partition is
+//! still owned by the same assignment generation the message was polled in.
+//! Before partitions are revoked, what is committable is committed
+//! synchronously; the final commit at shutdown is synchronous too.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use rdkafka::client::ClientContext;
+use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::message::{Headers, Message};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TrySendError;
+
+use super::Stats;
+use super::dispatch::Registry;
+use super::record::{self, Check, Raw, Record};
+use crate::error::Result;
+
+/// How long the polling thread waits for a busy database task before it
+/// pauses the partitions and polls again.
+const PAUSE_AFTER: Duration = Duration::from_secs(30);
+
+/// What the polling thread needs to know.
+pub(crate) struct PollerSettings {
+    pub client: ClientConfig,
+    pub topics: Vec<String>,
+    pub max_batch: usize,
+    pub linger: Duration,
+    pub max_bytes: usize,
+    pub check: Check,
+}
+
+type Partition = (Arc<str>, i32);
+
+#[derive(Default)]
+struct Assignment {
+    /// Bumped on every assignment.
+    generation: u64,
+    /// Owned partitions and the generation that assigned them.
+    owned: HashMap<Partition, u64>,
+    /// Last offset committed (or queued for commit) per owned partition.
+    committed: HashMap<Partition, i64>,
+    /// Interned topic names.
+    topics: HashMap<String, Arc<str>>,
+}
+
+/// A partition's progress: every message before `next` has committed.
+struct Progress {
+    partition: Partition,
+    generation: u64,
+    next: i64,
+}
+
+/// State shared by the polling thread, its consumer context and the
+/// database task.
+pub(crate) struct Shared {
+    completed: Mutex<Vec<Progress>>,
+    assignment: Mutex<Assignment>,
+    stop: AtomicBool,
+    idle: AtomicBool,
+    commit_offsets: bool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Shared {
+    pub fn new(commit_offsets: bool) -> Self {
+        Self {
+            completed: Mutex::default(),
+            assignment: Mutex::default(),
+            stop: AtomicBool::new(false),
+            idle: AtomicBool::new(true),
+            commit_offsets,
+        }
+    }
+
+    /// Reports that the transactions of `records` committed: their offsets
+    /// may be committed to Kafka. Called in order of processing.
+    pub fn completed(&self, records: &[Record]) {
+        if records.is_empty() {
+            return;
+        }
+        let mut latest: Vec<Progress> = Vec::new();
+        for r in records {
+            match latest
+                .iter_mut()
+                .find(|p| p.partition.1 == r.partition && *p.partition.0 == *r.topic)
+            {
+                Some(p) => {
+                    p.next = p.next.max(r.offset + 1);
+                    p.generation = r.generation;
+                }
+                None => latest.push(Progress {
+                    partition: (r.topic.clone(), r.partition),
+                    generation: r.generation,
+                    next: r.offset + 1,
+                }),
+            }
+        }
+        lock(&self.completed).extend(latest);
+    }
+
+    /// Tells the database task's state: idle (waiting for a batch) or busy.
+    pub fn set_idle(&self, idle: bool) {
+        self.idle.store(idle, Ordering::Release);
+    }
+
+    /// Asks the polling thread to commit and stop.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+    }
+
+    fn generation(&self) -> u64 {
+        lock(&self.assignment).generation
+    }
+
+    /// The interned topic and the generation its partition is owned by.
+    fn locate(&self, topic: &str, partition: i32) -> (Arc<str>, u64) {
+        let mut a = lock(&self.assignment);
+        let topic = match a.topics.get(topic) {
+            Some(t) => t.clone(),
+            None => {
+                let t: Arc<str> = Arc::from(topic);
+                a.topics.insert(topic.to_owned(), t.clone());
+                t
+            }
+        };
+        let generation = a
+            .owned
+            .get(&(topic.clone(), partition))
+            .copied()
+            .unwrap_or(0);
+        (topic, generation)
+    }
+
+    /// Commits the progress reported since the last call (`everything`:
+    /// the whole current position of every owned partition).
+    fn commit<C: ConsumerContext>(
+        &self,
+        consumer: &BaseConsumer<C>,
+        mode: CommitMode,
+        everything: bool,
+    ) {
+        let completed = std::mem::take(&mut *lock(&self.completed));
+        if !self.commit_offsets {
+            return;
+        }
+        let mut tpl = TopicPartitionList::new();
+        {
+            let mut a = lock(&self.assignment);
+            let mut changed: HashMap<Partition, i64> = HashMap::new();
+            for p in completed {
+                if a.owned.get(&p.partition) != Some(&p.generation) {
+                    continue; // revoked since: the new owner re-reads it
+                }
+                let current = a.committed.get(&p.partition).copied().unwrap_or(-1);
+                if p.next > current {
+                    a.committed.insert(p.partition.clone(), p.next);
+                    changed.insert(p.partition, p.next);
+                }
+            }
+            let to_commit = if everything {
+                a.committed.clone()
+            } else {
+                changed
+            };
+            for ((topic, partition), next) in to_commit {
+                if let Err(error) =
+                    tpl.add_partition_offset(&topic, partition, Offset::Offset(next))
+                {
+                    tracing::debug!(%error, "offset not added to the commit");
+                }
+            }
+        }
+        if tpl.count() == 0 {
+            return;
+        }
+        if let Err(error) = consumer.commit(&tpl, mode) {
+            tracing::warn!(%error, "offset commit failed: the messages will be read again (deduplicated)");
+        }
+    }
+}
+
+/// The consumer's librdkafka context: rebalance bookkeeping and logging.
+struct Context {
+    shared: Arc<Shared>,
+}
+
+impl ClientContext for Context {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, message: &str) {
+        // librdkafka repeats connection errors on every reconnect attempt;
+        // the polling loop reports state changes instead.
+        match level {
+            RDKafkaLogLevel::Emerg | RDKafkaLogLevel::Alert | RDKafkaLogLevel::Critical => {
+                tracing::warn!(target: "librdkafka", "{fac} {message}")
+            }
+            _ => tracing::debug!(target: "librdkafka", "{fac} {message}"),
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::debug!(target: "librdkafka", %error, reason);
+    }
+}
+
+impl ConsumerContext for Context {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(tpl) = rebalance {
+            // Hand over cleanly: commit what has committed in the database.
+            self.shared.commit(consumer, CommitMode::Sync, false);
+            let mut a = lock(&self.shared.assignment);
+            for e in tpl.elements() {
+                if let Some(topic) = a.topics.get(e.topic()).cloned() {
+                    a.owned.remove(&(topic.clone(), e.partition()));
+                    a.committed.remove(&(topic, e.partition()));
+                }
+            }
+            tracing::info!(
+                revoked = tpl.count(),
+                owned = a.owned.len(),
+                "partitions revoked"
+            );
+        }
+    }
+
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Assign(tpl) => {
+                let mut a = lock(&self.shared.assignment);
+                a.generation += 1;
+                let generation = a.generation;
+                for e in tpl.elements() {
+                    let topic = match a.topics.get(e.topic()) {
+                        Some(t) => t.clone(),
+                        None => {
+                            let t: Arc<str> = Arc::from(e.topic());
+                            a.topics.insert(e.topic().to_owned(), t.clone());
+                            t
+                        }
+                    };
+                    a.owned.insert((topic, e.partition()), generation);
+                }
+                tracing::info!(
+                    assigned = tpl.count(),
+                    owned = a.owned.len(),
+                    "partitions assigned"
+                );
+            }
+            Rebalance::Revoke(_) => {}
+            Rebalance::Error(error) => tracing::warn!(%error, "rebalance failed"),
+        }
+    }
+
+    fn commit_callback(&self, result: KafkaResult<()>, _offsets: &TopicPartitionList) {
+        if let Err(error) = result {
+            tracing::debug!(%error, "asynchronous offset commit failed");
+        }
+    }
+}
+
+/// Broker errors, logged when they change (not on every poll).
+#[derive(Default)]
+struct BrokerState {
+    failing_since: Option<Instant>,
+    last: Option<(String, Instant)>,
+    repeated: u64,
+}
+
+impl BrokerState {
+    fn error(&mut self, error: &KafkaError) {
+        let text = error.to_string();
+        let now = Instant::now();
+        self.failing_since.get_or_insert(now);
+        let log = match &self.last {
+            Some((last, at)) => *last != text || at.elapsed() > Duration::from_secs(60),
+            None => true,
+        };
+        if log {
+            tracing::warn!(error = %text, repeated = self.repeated, "kafka consumer error: retrying");
+            self.last = Some((text, now));
+            self.repeated = 0;
+        } else {
+            self.repeated += 1;
+        }
+    }
+
+    fn ok(&mut self) {
+        if let Some(since) = self.failing_since.take() {
+            tracing::info!(
+                after_ms = since.elapsed().as_millis() as u64,
+                "kafka consumer receiving again"
+            );
+            self.last = None;
+            self.repeated = 0;
+        }
+    }
+}
+
+/// The Kafka consumer of one [`Consumer`](super::Consumer).
+pub(crate) struct Poller {
+    consumer: BaseConsumer<Context>,
+    settings: PollerSettings,
+    shared: Arc<Shared>,
+}
+
+enum Exit {
+    Stop,
+    Fatal(KafkaError),
+}
+
+impl Poller {
+    /// Creates the consumer and subscribes (fails on invalid settings).
+    pub fn new(settings: PollerSettings, shared: Arc<Shared>) -> Result<Self> {
+        let consumer = Self::create(&settings, &shared)?;
+        Ok(Self {
+            consumer,
+            settings,
+            shared,
+        })
+    }
+
+    fn create(settings: &PollerSettings, shared: &Arc<Shared>) -> Result<BaseConsumer<Context>> {
+        let consumer: BaseConsumer<Context> = settings.client.create_with_context(Context {
+            shared: shared.clone(),
+        })?;
+        let topics: Vec<&str> = settings.topics.iter().map(String::as_str).collect();
+        consumer.subscribe(&topics)?;
+        Ok(consumer)
+    }
+
+    /// Polls until [`Shared::stop`] (or the database task is gone), then
+    /// commits synchronously and closes the consumer (leaving the group).
+    pub fn run(
+        mut self,
+        registry: Arc<Registry>,
+        tx: mpsc::Sender<Vec<Record>>,
+        stats: Arc<Stats>,
+    ) -> Result<()> {
+        loop {
+            match self.poll_loop(&registry, &tx, &stats) {
+                Exit::Stop => break,
+                Exit::Fatal(error) => {
+                    tracing::error!(%error, "kafka consumer failed fatally: recreating it");
+                    self.shared.commit(&self.consumer, CommitMode::Sync, true);
+                    self.consumer = Self::create(&self.settings, &self.shared)?;
+                }
+            }
+        }
+        self.shared.commit(&self.consumer, CommitMode::Sync, true);
+        Ok(())
+    }
+
+    fn poll_loop(
+        &self,
+        registry: &Registry,
+        tx: &mpsc::Sender<Vec<Record>>,
+        stats: &Stats,
+    ) -> Exit {
+        let consumer = &self.consumer;
+        let s = &self.settings;
+        let mut batch: Vec<Record> = Vec::with_capacity(s.max_batch);
+        let mut first_at: Option<Instant> = None;
+        let mut ready: Option<Vec<Record>> = None;
+        let mut paused_at: Option<u64> = None;
+        let mut full_since: Option<Instant> = None;
+        let mut broker = BrokerState::default();
+        loop {
+            if self.shared.stop.load(Ordering::Acquire) || tx.is_closed() {
+                return Exit::Stop;
+            }
+            self.shared.commit(consumer, CommitMode::Async, false);
+
+            if ready.is_none() && !batch.is_empty() {
+                let lingered = first_at.is_some_and(|t| t.elapsed() >= s.linger);
+                if batch.len() >= s.max_batch
+                    || (lingered && self.shared.idle.load(Ordering::Acquire))
+                {
+                    ready = Some(std::mem::replace(
+                        &mut batch,
+                        Vec::with_capacity(s.max_batch),
+                    ));
+                    first_at = None;
+                }
+            }
+            if let Some(b) = ready.take() {
+                match tx.try_send(b) {
+                    Ok(()) => {}
+                    Err(TrySendError::Full(b)) => ready = Some(b),
+                    Err(TrySendError::Closed(_)) => return Exit::Stop,
+                }
+            }
+
+            // Backpressure: a batch waits and the next is full. Wait for the
+            // database task without polling (librdkafka's own queue bounds
+            // what it prefetches); if that lasts, pause the partitions and
+            // poll again, so that the group membership and rebalances are
+            // served (max.poll.interval.ms).
+            if ready.is_some() && batch.len() >= s.max_batch {
+                let since = *full_since.get_or_insert_with(Instant::now);
+                if since.elapsed() < PAUSE_AFTER {
+                    std::thread::sleep(Duration::from_millis(1));
+                    continue;
+                }
+                let generation = self.shared.generation();
+                if paused_at != Some(generation) {
+                    tracing::debug!("database task behind: pausing the partitions");
+                    if let Ok(tpl) = consumer.assignment() {
+                        let _ = consumer.pause(&tpl);
+                    }
+                    paused_at = Some(generation);
+                }
+            } else {
+                full_since = None;
+                if paused_at.take().is_some() {
+                    if let Ok(tpl) = consumer.assignment() {
+                        let _ = consumer.resume(&tpl);
+                    }
+                }
+            }
+
+            let timeout = if ready.is_some() || first_at.is_some() {
+                Duration::from_millis(2)
+            } else {
+                Duration::from_millis(100)
+            };
+            match consumer.poll(timeout) {
+                None => {}
+                Some(Ok(m)) => {
+                    broker.ok();
+                    let headers: Vec<(&str, Option<&[u8]>)> = m
+                        .headers()
+                        .map(|h| h.iter().map(|h| (h.key, h.value)).collect())
+                        .unwrap_or_default();
+                    let raw = Raw {
+                        topic: m.topic(),
+                        partition: m.partition(),
+                        offset: m.offset(),
+                        key: m.key(),
+                        payload: m.payload(),
+                        headers,
+                    };
+                    let (topic, generation) = self.shared.locate(raw.topic, raw.partition);
+                    let body = record::parse(&raw, registry, s.max_bytes, s.check);
+                    batch.push(Record {
+                        topic,
+                        partition: raw.partition,
+                        offset: raw.offset,
+                        generation,
+                        body,
+                    });
+                    first_at.get_or_insert_with(Instant::now);
+                    stats.received.fetch_add(1, Ordering::Relaxed);
+                }
+                Some(Err(KafkaError::PartitionEOF(_))) => {}
+                Some(Err(error @ KafkaError::MessageConsumptionFatal(_))) => {
+                    return Exit::Fatal(error);
+                }
+                Some(Err(error)) => broker.error(&error),
+            }
+        }
+    }
+}

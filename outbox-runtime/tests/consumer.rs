@@ -1,0 +1,739 @@
+//! The consumer in dedup mode (the default) against a real PostgreSQL
+//! (fresh database per test) and the real broker: effects applied once under
+//! duplicate delivery and across a crash between the database commit and the
+//! offset commit, dead letters (failing handler, every malformed kind) and
+//! their re-drive from the CLI, follow-up events, graceful shutdown.
+//!
+//! Handlers are bound to their event's topic (`DomainEvent::TOPIC` is a
+//! constant), so each test has its own fixed topic, emptied at its start:
+//! do not run this suite twice at the same time against one broker.
+
+mod common;
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::*;
+use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler};
+use outbox_runtime::inbox::dead_letter::{self, DeadLetterFilter};
+use outbox_runtime::{Consumer, ConsumerBuilder, Mode};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+/// An event type bound to one test's topic.
+macro_rules! test_event {
+    ($name:ident, $topic:literal) => {
+        #[derive(Debug, Clone, Serialize, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct $name {
+            key: String,
+            seq: u64,
+            #[serde(default)]
+            fail: bool,
+        }
+
+        impl DomainEvent for $name {
+            const TOPIC: &'static str = $topic;
+            const AGGREGATE_TYPE: &'static str = "Order";
+            const EVENT_TYPES: &'static [&'static str] = &["OrderPlaced"];
+            fn event_type(&self) -> &'static str {
+                "OrderPlaced"
+            }
+            fn event_version(&self) -> u32 {
+                1
+            }
+            fn aggregate_id(&self) -> String {
+                self.key.clone()
+            }
+        }
+
+        impl TestEvent for $name {
+            fn key(&self) -> &str {
+                &self.key
+            }
+            fn seq(&self) -> u64 {
+                self.seq
+            }
+            fn fail(&self) -> bool {
+                self.fail
+            }
+        }
+    };
+}
+
+trait TestEvent: DomainEvent {
+    fn key(&self) -> &str;
+    fn seq(&self) -> u64;
+    fn fail(&self) -> bool;
+}
+
+/// Records each handled event in the `effect` table; fails events marked
+/// `fail` while `failing` is on.
+struct Recorder<E> {
+    failing: Arc<AtomicBool>,
+    calls: Arc<AtomicUsize>,
+    pace: Duration,
+    _event: PhantomData<fn() -> E>,
+}
+
+impl<E> Recorder<E> {
+    fn new() -> Self {
+        Self {
+            failing: Arc::new(AtomicBool::new(true)),
+            calls: Arc::default(),
+            pace: Duration::ZERO,
+            _event: PhantomData,
+        }
+    }
+
+    /// Takes `pace` per event (to stop a consumer mid-stream).
+    fn paced(mut self, pace: Duration) -> Self {
+        self.pace = pace;
+        self
+    }
+}
+
+impl<E: TestEvent> InboxHandler for Recorder<E> {
+    type Event = E;
+    const NAME: &'static str = "record_effect";
+
+    fn handle<'a, 'c>(&'a self, ctx: &'a mut HandlerContext<'c>, event: E) -> HandlerFuture<'a>
+    where
+        'c: 'a,
+    {
+        Box::pin(async move {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            if !self.pace.is_zero() {
+                tokio::time::sleep(self.pace).await;
+            }
+            let event_id = ctx.incoming().event_id;
+            sqlx::query("INSERT INTO effect (event_id, key, seq) VALUES ($1, $2, $3)")
+                .bind(event_id)
+                .bind(event.key())
+                .bind(event.seq() as i64)
+                .execute(&mut **ctx)
+                .await?;
+            if event.fail() && self.failing.load(Ordering::SeqCst) {
+                return Err(format!("payment provider refused order {}", event.key()).into());
+            }
+            Ok(())
+        })
+    }
+}
+
+async fn effect_table(pool: &PgPool) {
+    sqlx::query(
+        "CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL, key text, seq bigint)",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Effects per event id, for `ids`.
+async fn effects_of(pool: &PgPool, ids: &[Uuid]) -> Vec<i64> {
+    let mut out = Vec::with_capacity(ids.len());
+    let rows: Vec<(Uuid, i64)> =
+        sqlx::query_as("SELECT event_id, count(*) FROM effect GROUP BY event_id")
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    let map: std::collections::HashMap<Uuid, i64> = rows.into_iter().collect();
+    for id in ids {
+        out.push(map.get(id).copied().unwrap_or(0));
+    }
+    out
+}
+
+async fn effect_count(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM effect")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+fn consumer(pool: &PgPool, group: &str) -> ConsumerBuilder {
+    Consumer::builder(pool.clone())
+        .group(group)
+        .brokers(brokers())
+        .redrive_interval(Duration::from_millis(100))
+        .retry_backoff(Duration::from_millis(10), Duration::from_millis(50))
+        .outage_backoff(Duration::from_millis(50), Duration::from_millis(500))
+}
+
+/// `n` well-formed events over `keys` keys; returns the messages and ids.
+fn events(n: usize, keys: usize) -> (Vec<TestMessage>, Vec<Uuid>) {
+    let mut messages = Vec::with_capacity(n);
+    let mut ids = Vec::with_capacity(n);
+    for seq in 0..n {
+        let id = Uuid::now_v7();
+        let key = format!("k{}", seq % keys);
+        messages.push(TestMessage::event(
+            id,
+            "OrderPlaced",
+            &key,
+            serde_json::json!({ "key": key, "seq": seq }),
+        ));
+        ids.push(id);
+    }
+    (messages, ids)
+}
+
+test_event!(DupEvent, "consumer-test-duplicates");
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn the_same_event_published_twice_is_applied_once(pool: PgPool) {
+    init_tracing();
+    let topic = DupEvent::TOPIC;
+    reset_topic(&brokers(), topic).await;
+    effect_table(&pool).await;
+    let (messages, ids) = events(500, 20);
+    produce(&brokers(), topic, &messages).await;
+    // The relay republishes (at least once): the same messages again, later.
+    produce(&brokers(), topic, &messages[..300]).await;
+
+    let group = unique_topic("dup");
+    let handle = consumer(&pool, &group)
+        .handler(Recorder::<DupEvent>::new())
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            let c = handle.counts();
+            c.processed + c.duplicates == 800
+        })
+        .await,
+        "all 800 messages applied or skipped: {:?}",
+        handle.counts()
+    );
+    let counts = handle.counts();
+    handle.shutdown().await.unwrap();
+    assert_eq!(counts.processed, 500);
+    assert_eq!(counts.duplicates, 300);
+    assert_eq!(counts.dead_lettered, 0);
+    assert!(effects_of(&pool, &ids).await.iter().all(|n| *n == 1));
+    assert_eq!(effect_count(&pool).await, 500);
+    let recorded: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM processed_event WHERE consumer = $1")
+            .bind(&group)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(recorded, 500);
+    eprintln!("duplicates: {counts:?}");
+}
+
+test_event!(CrashEvent, "consumer-test-crash-window");
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_consumer_dying_between_database_commit_and_offset_commit_applies_nothing_twice(
+    pool: PgPool,
+) {
+    init_tracing();
+    let topic = CrashEvent::TOPIC;
+    reset_topic(&brokers(), topic).await;
+    effect_table(&pool).await;
+    let (messages, ids) = events(2_000, 50);
+    produce(&brokers(), topic, &messages).await;
+    let group = unique_topic("crash");
+
+    // First consumer: every batch commits in the database, no offset is
+    // ever committed — the crash window, held open for the whole run.
+    let first = consumer(&pool, &group)
+        .handler(Recorder::<CrashEvent>::new())
+        .skip_offset_commits(true)
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            first.counts().processed == 2_000
+        })
+        .await,
+        "{:?}",
+        first.counts()
+    );
+    first.shutdown().await.unwrap();
+    assert_eq!(effect_count(&pool).await, 2_000);
+
+    // "Restarted": the same group reads everything again.
+    let second = consumer(&pool, &group)
+        .handler(Recorder::<CrashEvent>::new())
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            second.counts().duplicates == 2_000
+        })
+        .await,
+        "{:?}",
+        second.counts()
+    );
+    let counts = second.counts();
+    second.shutdown().await.unwrap();
+    assert_eq!(counts.received, 2_000, "everything was redelivered");
+    assert_eq!(counts.processed, 0, "nothing applied a second time");
+    assert!(effects_of(&pool, &ids).await.iter().all(|n| *n == 1));
+    assert_eq!(effect_count(&pool).await, 2_000);
+}
+
+test_event!(ShutdownEvent, "consumer-test-shutdown");
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn graceful_shutdown_commits_offsets_and_the_next_consumer_continues(pool: PgPool) {
+    init_tracing();
+    let topic = ShutdownEvent::TOPIC;
+    reset_topic(&brokers(), topic).await;
+    effect_table(&pool).await;
+    const N: u64 = 2_000;
+    let (messages, ids) = events(N as usize, 40);
+    // One record per batch: the next consumer resumes mid-stream (see
+    // `produce_unbatched` about the test broker).
+    produce_unbatched(&brokers(), topic, &messages).await;
+    let group = unique_topic("shutdown");
+
+    // Stopped in the middle of the stream.
+    let first = consumer(&pool, &group)
+        .handler(Recorder::<ShutdownEvent>::new().paced(Duration::from_millis(1)))
+        .batch_size(100)
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            first.counts().processed >= 300
+        })
+        .await
+    );
+    first.shutdown().await.unwrap();
+    let applied = effect_count(&pool).await as u64;
+    assert!((300..N).contains(&applied), "stopped mid-stream: {applied}");
+
+    let second = consumer(&pool, &group)
+        .handler(Recorder::<ShutdownEvent>::new())
+        .spawn()
+        .unwrap();
+    let rest = N - applied;
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            second.counts().processed == rest
+        })
+        .await,
+        "{:?}",
+        second.counts()
+    );
+    // Nothing beyond the rest arrives late.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let counts = second.counts();
+    second.shutdown().await.unwrap();
+    assert_eq!(
+        counts.duplicates, 0,
+        "no processed message was read again: {counts:?}"
+    );
+    assert_eq!(counts.received, rest);
+    assert!(effects_of(&pool, &ids).await.iter().all(|n| *n == 1));
+
+    // A third consumer of the group has nothing to read.
+    let third = consumer(&pool, &group)
+        .handler(Recorder::<ShutdownEvent>::new())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let counts = third.counts();
+    third.shutdown().await.unwrap();
+    assert_eq!(counts.received, 0, "{counts:?}");
+}
+
+test_event!(FailEvent, "consumer-test-failing-handler");
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_failing_handler_is_dead_lettered_after_max_attempts_and_retry_redrives_it(pool: PgPool) {
+    init_tracing();
+    let topic = FailEvent::TOPIC;
+    reset_topic(&brokers(), topic).await;
+    effect_table(&pool).await;
+    let (mut messages, ids) = events(50, 1); // one key: one partition
+    let poison = ids[10];
+    messages[10] = TestMessage::event(
+        poison,
+        "OrderPlaced",
+        "k0",
+        serde_json::json!({ "key": "k0", "seq": 10, "fail": true }),
+    );
+    produce(&brokers(), topic, &messages).await;
+
+    let group = unique_topic("failing");
+    let recorder = Recorder::<FailEvent>::new();
+    let (failing, calls) = (recorder.failing.clone(), recorder.calls.clone());
+    let handle = consumer(&pool, &group)
+        .handler(recorder)
+        .max_attempts(3)
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            let c = handle.counts();
+            c.processed == 49 && c.dead_lettered == 1
+        })
+        .await,
+        "{:?}",
+        handle.counts()
+    );
+    let counts = handle.counts();
+    assert_eq!(counts.handler_failures, 3);
+    // Its effects were rolled back with each attempt; the others applied once.
+    let effects = effects_of(&pool, &ids).await;
+    assert_eq!(effects[10], 0);
+    assert!(effects.iter().enumerate().all(|(i, n)| i == 10 || *n == 1));
+    let letters = dead_letter::list(&pool, &DeadLetterFilter::new().consumer(&group))
+        .await
+        .unwrap();
+    assert_eq!(letters.len(), 1);
+    let letter = &letters[0];
+    assert_eq!(letter.reason, "handler_failed");
+    assert_eq!(letter.event_id, Some(poison));
+    assert_eq!(letter.handler.as_deref(), Some("record_effect"));
+    assert_eq!(letter.attempts, 3);
+    assert_eq!(letter.status, "dead");
+    assert!(
+        letter.error.contains("payment provider refused order k0"),
+        "{}",
+        letter.error
+    );
+    assert_eq!(letter.headers["event_id"], poison.to_string());
+    assert!(
+        letter
+            .payload
+            .as_deref()
+            .unwrap_or_default()
+            .contains("\"fail\":true")
+    );
+
+    // The CLI lists it and re-drives it once the handler is fixed.
+    failing.store(false, Ordering::SeqCst);
+    let url = database_url(&pool);
+    let out = outbox_cli(&url, &["dead-letters", "list", "--json"]).await;
+    let listed: serde_json::Value = serde_json::from_str(&out).expect("JSON list");
+    assert_eq!(listed[0]["reason"], "handler_failed");
+    let id = letter.id.to_string();
+    let out = outbox_cli(&url, &["dead-letters", "retry", "--id", &id]).await;
+    assert!(out.contains("marked 1"), "{out}");
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            handle.counts().redriven == 1
+        })
+        .await,
+        "{:?}",
+        handle.counts()
+    );
+    assert_eq!(effects_of(&pool, &[poison]).await, vec![1]);
+    let calls_before = calls.load(Ordering::SeqCst);
+    // Retrying a resolved dead letter does nothing.
+    let out = outbox_cli(&url, &["dead-letters", "retry", "--all"]).await;
+    assert!(out.contains("marked 0"), "{out}");
+    let resolved = dead_letter::list(&pool, &DeadLetterFilter::new().statuses(["resolved"]))
+        .await
+        .unwrap();
+    assert_eq!(resolved.len(), 1);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(calls.load(Ordering::SeqCst), calls_before);
+    handle.shutdown().await.unwrap();
+    assert_eq!(effects_of(&pool, &[poison]).await, vec![1]);
+    let out = outbox_cli(&url, &["dead-letters", "drop", "--all"]).await;
+    assert!(out.contains("dropped 1"), "{out}");
+}
+
+async fn outbox_cli(url: &str, args: &[&str]) -> String {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .args(args)
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .expect("run outbox");
+    assert!(
+        out.status.success(),
+        "outbox {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+test_event!(BadEvent, "consumer-test-malformed");
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn malformed_messages_are_dead_lettered_with_their_reason_and_block_nothing(pool: PgPool) {
+    init_tracing();
+    let topic = BadEvent::TOPIC;
+    reset_topic(&brokers(), topic).await;
+    effect_table(&pool).await;
+    let good = |seq: u64| {
+        TestMessage::event(
+            Uuid::now_v7(),
+            "OrderPlaced",
+            "k",
+            serde_json::json!({ "key": "k", "seq": seq }),
+        )
+    };
+    let first = good(0);
+    let last = good(9);
+    // Everything on one key, so on one partition: nothing may block it.
+    let messages = vec![
+        first.clone(),
+        good(1).payload("{\"key\": \"k\", \"seq\": "),
+        good(2).without_header("event_id"),
+        good(3).header("event_id", "not-a-uuid"),
+        good(4).header("event_type", "OrderExploded"),
+        good(5).payload(r#"{"order": "k", "amount": 12}"#),
+        good(6).payload(format!(
+            r#"{{"key": "k", "seq": 6, "pad": "{}"}}"#,
+            "x".repeat(2_000)
+        )),
+        good(7).header("event_type", "OrderViewed"),
+        good(8).payload(vec![0xff, 0xfe, 0x00]),
+        last.clone(),
+    ];
+    produce(&brokers(), topic, &messages).await;
+    let group = unique_topic("malformed");
+    let handle = consumer(&pool, &group)
+        .handler(Recorder::<BadEvent>::new())
+        .ignore_event_type(topic, "OrderViewed")
+        .max_payload_bytes(1_000)
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            let c = handle.counts();
+            c.processed == 2 && c.dead_lettered == 7 && c.ignored == 1
+        })
+        .await,
+        "{:?}",
+        handle.counts()
+    );
+    assert!(!handle.is_finished(), "the consumer is alive");
+    // Later good events still flow.
+    let after = good(10);
+    produce(&brokers(), topic, std::slice::from_ref(&after)).await;
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            handle.counts().processed == 3
+        })
+        .await
+    );
+    handle.shutdown().await.unwrap();
+
+    let letters = dead_letter::list(&pool, &DeadLetterFilter::new().consumer(&group))
+        .await
+        .unwrap();
+    let reasons: Vec<(i64, &str)> = letters
+        .iter()
+        .map(|l| (l.offset, l.reason.as_str()))
+        .collect();
+    // Offsets are per partition: all on one, 0..=9 in produce order.
+    assert_eq!(
+        reasons,
+        vec![
+            (1, "not_json"),
+            (2, "no_event_id"),
+            (3, "no_event_id"),
+            (4, "unknown_event_type"),
+            (5, "payload_mismatch"),
+            (6, "oversized"),
+            (8, "not_json"),
+        ]
+    );
+    let by_offset = |o: i64| letters.iter().find(|l| l.offset == o).unwrap();
+    assert!(by_offset(3).error.contains("not-a-uuid"));
+    assert!(by_offset(4).error.contains("OrderExploded"));
+    assert!(by_offset(6).error.contains("1000 bytes"));
+    assert_eq!(by_offset(2).event_id, None);
+    assert_eq!(by_offset(4).key.as_deref(), Some("k"));
+    assert_eq!(effect_count(&pool).await, 3);
+
+    // Offsets were committed past the malformed messages: nothing is read again.
+    let again = consumer(&pool, &group)
+        .handler(Recorder::<BadEvent>::new())
+        .ignore_event_type(topic, "OrderViewed")
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let counts = again.counts();
+    again.shutdown().await.unwrap();
+    assert_eq!(counts.received, 0, "{counts:?}");
+}
+
+// ---- Follow-up events --------------------------------------------------------
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct PaymentRequested {
+    order: String,
+}
+
+impl DomainEvent for PaymentRequested {
+    const TOPIC: &'static str = "consumer-test-payments";
+    const AGGREGATE_TYPE: &'static str = "Payment";
+    const EVENT_TYPES: &'static [&'static str] = &["PaymentRequested"];
+    fn event_type(&self) -> &'static str {
+        "PaymentRequested"
+    }
+    fn event_version(&self) -> u32 {
+        1
+    }
+    fn aggregate_id(&self) -> String {
+        self.order.clone()
+    }
+}
+
+test_event!(FollowEvent, "consumer-test-follow-up");
+
+/// Requests a payment for each order; fails (after recording it) for
+/// orders marked `fail`.
+struct RequestPayment;
+
+impl InboxHandler for RequestPayment {
+    type Event = FollowEvent;
+    const NAME: &'static str = "request_payment";
+
+    fn handle<'a, 'c>(
+        &'a self,
+        ctx: &'a mut HandlerContext<'c>,
+        event: FollowEvent,
+    ) -> HandlerFuture<'a>
+    where
+        'c: 'a,
+    {
+        Box::pin(async move {
+            ctx.record(PaymentRequested {
+                order: event.key.clone(),
+            });
+            if event.fail {
+                return Err("card declined".into());
+            }
+            Ok(())
+        })
+    }
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_follow_up_event_commits_with_the_handling_and_not_without_it(pool: PgPool) {
+    init_tracing();
+    let topic = FollowEvent::TOPIC;
+    reset_topic(&brokers(), topic).await;
+    let (ok_id, failing_id) = (Uuid::now_v7(), Uuid::now_v7());
+    let correlation = Uuid::now_v7();
+    let messages = vec![
+        TestMessage::event(
+            ok_id,
+            "OrderPlaced",
+            "order-1",
+            serde_json::json!({ "key": "order-1", "seq": 1 }),
+        )
+        .header("correlation_id", &correlation.to_string())
+        .header(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        ),
+        TestMessage::event(
+            failing_id,
+            "OrderPlaced",
+            "order-2",
+            serde_json::json!({ "key": "order-2", "seq": 2, "fail": true }),
+        ),
+    ];
+    produce(&brokers(), topic, &messages).await;
+    let group = unique_topic("follow");
+    let handle = consumer(&pool, &group)
+        .handler(RequestPayment)
+        .max_attempts(2)
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            let c = handle.counts();
+            c.processed == 1 && c.dead_lettered == 1
+        })
+        .await,
+        "{:?}",
+        handle.counts()
+    );
+    handle.shutdown().await.unwrap();
+
+    let rows: Vec<(String, String, String, serde_json::Value)> = sqlx::query_as(
+        "SELECT topic, event_type, partition_key, headers FROM outbox_event ORDER BY id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        rows.len(),
+        1,
+        "only the successful handling wrote its event"
+    );
+    let (topic, event_type, key, headers) = &rows[0];
+    assert_eq!(topic, "consumer-test-payments");
+    assert_eq!(event_type, "PaymentRequested");
+    assert_eq!(key, "order-1");
+    assert_eq!(headers["causation_id"], ok_id.to_string());
+    assert_eq!(headers["correlation_id"], correlation.to_string());
+    assert_eq!(
+        headers["traceparent"],
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    );
+    // The handled event and its follow-up committed together.
+    let processed: Vec<Uuid> =
+        sqlx::query_scalar("SELECT event_id FROM processed_event WHERE consumer = $1")
+            .bind(&group)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(processed, vec![ok_id]);
+    let letter = &dead_letter::list(&pool, &DeadLetterFilter::new().consumer(&group))
+        .await
+        .unwrap()[0];
+    assert_eq!(letter.event_id, Some(failing_id));
+    assert_eq!(letter.error, "card declined");
+}
+
+// ---- Configuration -----------------------------------------------------------
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn invalid_configuration_is_a_clear_error(pool: PgPool) {
+    let err = Consumer::builder(pool.clone())
+        .handler(RequestPayment)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("group"), "{err}");
+    let err = Consumer::builder(pool.clone())
+        .group("g")
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("no handler"), "{err}");
+    let err = Consumer::builder(pool.clone())
+        .group("g")
+        .handler(RequestPayment)
+        .kafka_setting("enable.auto.commit", "true")
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("enable.auto.commit"), "{err}");
+    let err = Consumer::builder(pool.clone())
+        .group("g")
+        .handler(RequestPayment)
+        .ignore_event_type("elsewhere", "X")
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("elsewhere"), "{err}");
+    let consumer = Consumer::builder(pool)
+        .group("g")
+        .handler(RequestPayment)
+        .mode(Mode::Inbox)
+        .kafka_setting("no.such.setting", "1")
+        .build()
+        .unwrap();
+    assert_eq!(consumer.config().mode, Mode::Inbox);
+    let err = consumer
+        .run(outbox_runtime::CancellationToken::new())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("no.such.setting"), "{err}");
+}
