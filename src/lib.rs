@@ -22,13 +22,80 @@
 //! uow.record(OrderPlaced { order_id: id, amount_cents: amount });
 //! uow.commit().await?; // the order row and the outbox row, atomically
 //! ```
+//!
+//! # Handlers never touch the producer
+//!
+//! Write-side code is a [`command_handler`], run by [`execute`] in a Unit of
+//! Work of its own (committed on `Ok`, rolled back on `Err`); consumer-side
+//! code is an [`inbox_handler`], run by the consumer inside its transaction.
+//! Both get the transaction and an event recorder, nothing else:
+//!
+//! ```no_run
+//! use outbox::prelude::*;
+//! # use serde::{Deserialize, Serialize};
+//! # #[derive(Serialize, Deserialize, DomainEvent)]
+//! # #[event(topic = "orders")]
+//! # struct OrderPlaced { #[event(aggregate_id)] order_id: Uuid }
+//! # #[derive(Serialize, Deserialize, DomainEvent)]
+//! # #[event(topic = "invoices")]
+//! # struct InvoiceRequested { #[event(aggregate_id)] order_id: Uuid }
+//! struct PlaceOrder {
+//!     order_id: Uuid,
+//! }
+//!
+//! #[command_handler]
+//! async fn place_order(uow: &mut UnitOfWork, cmd: PlaceOrder) -> Result<Uuid, outbox::Error> {
+//!     sqlx::query("INSERT INTO orders (id) VALUES ($1)")
+//!         .bind(cmd.order_id)
+//!         .execute(&mut **uow)
+//!         .await?;
+//!     uow.record(OrderPlaced { order_id: cmd.order_id });
+//!     Ok(cmd.order_id)
+//! }
+//!
+//! #[inbox_handler]
+//! async fn request_invoice(
+//!     ctx: &mut HandlerContext<'_>,
+//!     event: OrderPlaced,
+//! ) -> Result<(), outbox::BoxError> {
+//!     ctx.record(InvoiceRequested { order_id: event.order_id });
+//!     Ok(())
+//! }
+//!
+//! # async fn run(pool: sqlx::PgPool) -> Result<(), outbox::Error> {
+//! let order_id = outbox::execute(&pool, place_order, PlaceOrder { order_id: Uuid::now_v7() }).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Reaching Kafka from a handler does not compile. The relay's producer is
+//! private to it, the handlers' first argument is a sealed trait
+//! ([`HandlerArg`]), and the macros reject producers, the relay and
+//! `ClientConfig` among the parameters, and producer types, client creation
+//! and producer sends in the body, with a message saying what to do instead:
+//!
+//! ```compile_fail
+//! use outbox::prelude::*;
+//! use rdkafka::producer::FutureProducer;
+//! # struct PlaceOrder;
+//!
+//! #[command_handler]
+//! async fn place_order(
+//!     uow: &mut UnitOfWork,
+//!     cmd: PlaceOrder,
+//!     producer: &FutureProducer, // error: a `#[command_handler]` cannot take a Kafka producer
+//! ) -> Result<(), outbox::Error> {
+//!     Ok(())
+//! }
+//! ```
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub use outbox_core::{
-    Aggregate, AggregateRoot, Committed, DomainEvent, Error, Headers, MIGRATOR, OutboxMessage,
-    PendingEvents, Result, UnitOfWork, migrate,
+    Aggregate, AggregateRoot, BoxError, CommandFuture, CommandHandler, CommandOutput, Committed,
+    DomainEvent, Error, HandlerArg, HandlerContext, HandlerFuture, Headers, InboxHandler,
+    InboxOutput, IncomingEvent, MIGRATOR, OutboxMessage, PendingEvents, Result, UnitOfWork,
+    execute, migrate,
 };
 
 /// `#[derive(DomainEvent)]`: see [`DomainEvent`] for the `#[event(...)]` attributes.
@@ -39,15 +106,28 @@ pub use outbox_derive::DomainEvent;
 #[cfg(feature = "derive")]
 pub use outbox_derive::aggregate;
 
+/// `#[inbox_handler]`: turns an `async fn(&mut HandlerContext<'_>, Event)`
+/// into an [`InboxHandler`].
+#[cfg(feature = "derive")]
+pub use outbox_derive::inbox_handler;
+
+/// `#[command_handler]`: turns an `async fn(&mut UnitOfWork, Command)` into a
+/// [`CommandHandler`], run with [`execute`].
+#[cfg(feature = "derive")]
+pub use outbox_derive::command_handler;
+
 /// The relay and consumer runtime.
 #[cfg(feature = "runtime")]
 pub use outbox_runtime as runtime;
 
 /// The names most applications need: `use outbox::prelude::*;`.
 pub mod prelude {
+    pub use crate::{
+        Aggregate, AggregateRoot, CommandHandler, DomainEvent, HandlerContext, Headers,
+        InboxHandler, UnitOfWork,
+    };
     #[cfg(feature = "derive")]
-    pub use crate::aggregate;
-    pub use crate::{Aggregate, AggregateRoot, DomainEvent, Headers, UnitOfWork};
+    pub use crate::{aggregate, command_handler, inbox_handler};
     pub use uuid::Uuid;
 }
 

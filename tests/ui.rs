@@ -1,5 +1,7 @@
-//! Compile-time behaviour of `#[derive(DomainEvent)]` and `#[aggregate]`:
-//! inputs that must compile, and the error each mistake produces.
+//! Compile-time behaviour of `#[derive(DomainEvent)]`, `#[aggregate]`,
+//! `#[inbox_handler]` and `#[command_handler]`: inputs that must compile, and
+//! the error each mistake produces, among them the ways of reaching a Kafka
+//! producer from a handler that the handler macros reject.
 
 #[test]
 fn ui() {

@@ -8,6 +8,7 @@
 #![warn(missing_docs)]
 
 mod aggregate;
+mod command;
 mod error;
 mod event;
 mod handler;
@@ -16,9 +17,12 @@ mod migrate;
 mod uow;
 
 pub use aggregate::{Aggregate, AggregateRoot, PendingEvents};
+pub use command::{CommandFuture, CommandHandler, CommandOutput, execute};
 pub use error::{Error, Result};
 pub use event::DomainEvent;
-pub use handler::{BoxError, HandlerContext, HandlerFuture, IncomingEvent, InboxHandler};
+pub use handler::{
+    BoxError, HandlerArg, HandlerContext, HandlerFuture, InboxHandler, InboxOutput, IncomingEvent,
+};
 pub use message::{Headers, OutboxMessage};
 pub use migrate::{MIGRATOR, migrate};
 pub use uow::{Committed, UnitOfWork, insert_messages};
@@ -27,8 +31,12 @@ pub use uow::{Committed, UnitOfWork, insert_messages};
 #[doc(hidden)]
 pub mod __private {
     pub use crate::aggregate::{Aggregate, AggregateRoot, PendingEvents};
+    pub use crate::command::{CommandFuture, CommandHandler, CommandOutput};
     pub use crate::event::DomainEvent;
-    pub use crate::handler::{BoxError, HandlerContext, HandlerFuture, InboxHandler};
+    pub use crate::handler::{
+        BoxError, HandlerArg, HandlerContext, HandlerFuture, InboxHandler, InboxOutput,
+    };
+    pub use crate::uow::UnitOfWork;
     pub use uuid::Uuid;
 
     /// Renders an aggregate id or partition key field as text.

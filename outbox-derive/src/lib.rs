@@ -1,24 +1,29 @@
-//! Macros of the outbox framework: `#[derive(DomainEvent)]` and `#[aggregate]`.
+//! Macros of the outbox framework: `#[derive(DomainEvent)]`, `#[aggregate]`,
+//! `#[inbox_handler]` and `#[command_handler]`.
 //!
-//! Use them through the `outbox` crate, which re-exports both; the generated
+//! Use them through the `outbox` crate, which re-exports them; the generated
 //! code only names items through `::outbox`, never this crate or
 //! `outbox-core`.
 //!
-//! Each macro parses its input into a typed form (`internals::ast`),
-//! validates it (`internals::check`) collecting every mistake at once, then
-//! expands. When the input has errors the macros still emit a stub
-//! implementation (and `#[aggregate]` the user's struct), so one mistake does
-//! not cascade into unrelated ones.
+//! Each macro parses its input into a typed form (`internals::ast`,
+//! `internals::handler`), validates it (`internals::check`,
+//! `internals::signature`, `internals::producer`) collecting every mistake at
+//! once, then expands. When the input has errors the macros still emit a stub
+//! implementation (`#[aggregate]` and the handler attributes: the user's item
+//! as written), so one mistake does not cascade into unrelated ones.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod aggregate;
 mod domain_event;
+mod handler;
 mod internals;
 
 use proc_macro::TokenStream;
 use syn::{DeriveInput, parse_macro_input};
+
+use crate::internals::handler::Kind;
 
 /// Implements `outbox::DomainEvent` for a struct, or for an enum whose
 /// variants are the event types of one aggregate.
@@ -61,4 +66,53 @@ pub fn derive_domain_event(input: TokenStream) -> TokenStream {
 #[proc_macro_attribute]
 pub fn aggregate(args: TokenStream, input: TokenStream) -> TokenStream {
     aggregate::expand(args.into(), input.into()).into()
+}
+
+/// Turns `async fn name(ctx: &mut HandlerContext<'_>, event: E) -> Result<(), Err>`
+/// into an inbox handler of the event type `E` (a `DomainEvent`).
+///
+/// The function becomes a unit struct of the same name implementing
+/// `outbox::InboxHandler` (`type Event = E`, `NAME` = the function's name), so
+/// it registers as `.handler(name)`; `name::call(ctx, event)` still calls the
+/// function. `Err` is any error that converts into `outbox::BoxError`.
+///
+/// `#[inbox_handler(name = "...")]` sets the name used in logs and dead
+/// letters.
+///
+/// Rejected at compile time, each with a spanned message: a function that is
+/// not `async`, takes `self`, is generic, does not take exactly the context
+/// and the event (by value, with plain argument names), or returns anything
+/// but `Result<(), _>`; a first argument other than `&mut HandlerContext<'_>`;
+/// an event that is not a `DomainEvent`; and any reach for Kafka — a
+/// parameter holding a producer, the relay or a `ClientConfig`, a body naming
+/// rdkafka's producer types, building a client or sending to a producer
+/// (directly or from a spawned task). Record follow-up events with
+/// `ctx.record(event)` instead: the relay publishes them once the transaction
+/// commits.
+#[proc_macro_attribute]
+pub fn inbox_handler(args: TokenStream, input: TokenStream) -> TokenStream {
+    handler::expand(Kind::Inbox, args.into(), input.into()).into()
+}
+
+/// Turns `async fn name(uow: &mut UnitOfWork, command: C) -> Result<T, E>`
+/// into a command handler of the command type `C`.
+///
+/// The function becomes a unit struct of the same name implementing
+/// `outbox::CommandHandler` (`Command = C`, `Output = T`, `Error = E`), run
+/// with `outbox::execute(&pool, name, command)`: a Unit of Work of its own,
+/// committed on `Ok`, rolled back on `Err`. `name::call(&mut uow, command)`
+/// still calls the function on a Unit of Work the caller manages.
+///
+/// `#[command_handler(name = "...")]` sets the name used in logs.
+///
+/// Rejected at compile time, with the same spanned messages as
+/// `#[inbox_handler]`: a signature other than the one above, a first argument
+/// other than `&mut UnitOfWork`, and any reach for Kafka (a producer, the
+/// relay or a `ClientConfig` as a parameter; producer types, client creation
+/// or producer sends in the body, spawned tasks included). Record events with
+/// `uow.record(event)` instead: the relay publishes them once the Unit of
+/// Work commits.
+#[proc_macro_attribute]
+pub fn command_handler(args: TokenStream, input: TokenStream) -> TokenStream {
+    handler::expand(Kind::Command, args.into(), input.into()).into()
 }

@@ -1,5 +1,6 @@
 //! Parsing of `#[event(...)]` (on a container, a variant, a field) and of the
-//! arguments of `#[aggregate(...)]`.
+//! arguments of `#[aggregate(...)]`, `#[inbox_handler(...)]` and
+//! `#[command_handler(...)]`.
 //!
 //! Nothing here returns an error: unknown keys, duplicate keys and values of
 //! the wrong kind are recorded in the [`Ctxt`] and the key is skipped, so every
@@ -14,8 +15,8 @@ use syn::{Expr, ExprLit, Ident, Lit, LitStr, Path, Token};
 use crate::internals::Ctxt;
 use crate::internals::check;
 use crate::internals::symbol::{
-    AGGREGATE, AGGREGATE_ID, AGGREGATE_TYPE, EVENT, EVENT_ID, EVENT_TYPE, PARTITION_KEY, ROOT,
-    Symbol, TOPIC, VERSION,
+    AGGREGATE, AGGREGATE_ID, AGGREGATE_TYPE, EVENT, EVENT_ID, EVENT_TYPE, NAME, PARTITION_KEY,
+    ROOT, Symbol, TOPIC, VERSION,
 };
 
 /// One key of an attribute, written at most once.
@@ -223,6 +224,63 @@ impl Aggregate {
         }
 
         Aggregate { root: root.get() }
+    }
+}
+
+/// The arguments of `#[inbox_handler(...)]` or `#[command_handler(...)]`.
+pub struct Handler {
+    /// `name = "..."`: the handler's name in logs and dead letters.
+    pub name: Option<LitStr>,
+}
+
+const HANDLER_KEYS: &[Symbol] = &[NAME];
+
+impl Handler {
+    /// Parses the arguments of the attribute `attr` (empty for a bare
+    /// `#[inbox_handler]`).
+    pub fn from_args(cx: &Ctxt, attr: Symbol, args: TokenStream) -> Self {
+        let mut name = Attr::none(cx, attr, NAME);
+
+        let parser = syn::meta::parser(|meta| {
+            if meta.path == NAME {
+                let value = get_handler_name(cx, attr, &meta)?;
+                name.set(&meta.path, value);
+                Ok(())
+            } else {
+                unknown_key(cx, attr, &meta, HANDLER_KEYS)
+            }
+        });
+        if let Err(err) = parser.parse2(args) {
+            cx.syn_error(err);
+        }
+
+        Handler { name: name.get() }
+    }
+}
+
+/// `name = "..."`, not empty.
+fn get_handler_name(
+    cx: &Ctxt,
+    attr: Symbol,
+    meta: &ParseNestedMeta,
+) -> syn::Result<Option<LitStr>> {
+    let syntax = || format!("#[{attr}({NAME} = \"...\")]");
+    match get_value(cx, meta, syntax)? {
+        Some(Expr::Lit(ExprLit {
+            lit: Lit::Str(lit), ..
+        })) if lit.value().trim().is_empty() => {
+            cx.error_spanned_by(&lit, format!("`{NAME}` must not be empty"));
+            Ok(None)
+        }
+        Some(Expr::Lit(ExprLit {
+            lit: Lit::Str(lit), ..
+        })) => Ok(Some(lit)),
+        Some(other) => {
+            let msg = format!("`{NAME}` must be a string literal: `{}`", syntax());
+            cx.error_spanned_by(other, msg);
+            Ok(None)
+        }
+        None => Ok(None),
     }
 }
 

@@ -13,6 +13,10 @@ pub struct Symbol(&'static str);
 pub const EVENT: Symbol = Symbol("event");
 /// `#[aggregate(...)]`.
 pub const AGGREGATE: Symbol = Symbol("aggregate");
+/// `#[inbox_handler(...)]`.
+pub const INBOX_HANDLER: Symbol = Symbol("inbox_handler");
+/// `#[command_handler(...)]`.
+pub const COMMAND_HANDLER: Symbol = Symbol("command_handler");
 
 /// Container: the Kafka topic.
 pub const TOPIC: Symbol = Symbol("topic");
@@ -32,6 +36,10 @@ pub const EVENT_ID: Symbol = Symbol("event_id");
 
 /// `#[aggregate(root = Name)]`: the name of the generated root type.
 pub const ROOT: Symbol = Symbol("root");
+
+/// `#[inbox_handler(name = "...")]`, `#[command_handler(name = "...")]`: the
+/// handler's name in logs and dead letters.
+pub const NAME: Symbol = Symbol("name");
 
 impl PartialEq<Symbol> for Ident {
     fn eq(&self, word: &Symbol) -> bool {

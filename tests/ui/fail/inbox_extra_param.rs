@@ -1,0 +1,22 @@
+use outbox::prelude::*;
+use outbox::BoxError;
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize, Deserialize, DomainEvent)]
+#[event(topic = "orders")]
+struct OrderCreated {
+    #[event(aggregate_id)]
+    order_id: Uuid,
+}
+
+#[inbox_handler]
+async fn on_order_created(
+    _ctx: &mut HandlerContext<'_>,
+    _event: OrderCreated,
+    _pool: sqlx::PgPool,
+    _retries: u32,
+) -> Result<(), BoxError> {
+    Ok(())
+}
+
+fn main() {}

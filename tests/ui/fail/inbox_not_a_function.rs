@@ -1,0 +1,6 @@
+use outbox::prelude::*;
+
+#[inbox_handler]
+struct OnOrderCreated;
+
+fn main() {}

@@ -1,0 +1,14 @@
+use outbox::prelude::*;
+use outbox::BoxError;
+
+struct OrderCreated {
+    order_id: Uuid,
+}
+
+#[inbox_handler]
+async fn on_order_created(_ctx: &mut HandlerContext<'_>, event: OrderCreated) -> Result<(), BoxError> {
+    let _ = event.order_id;
+    Ok(())
+}
+
+fn main() {}
