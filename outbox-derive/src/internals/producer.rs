@@ -10,15 +10,21 @@
 //!   reference, tuple or trait object) `FutureProducer`, `BaseProducer`,
 //!   `ThreadedProducer`, a path through `rdkafka::producer`, `dyn Producer`,
 //!   the relay (`Relay`, `RelayHandle`, `RelayBuilder`) or a `ClientConfig`.
+//!   The last two are common words: they count when written bare (imported)
+//!   or through `outbox`/`outbox_runtime` and `rdkafka` respectively, not
+//!   through another crate or module (`rustls::ClientConfig`).
 //! - **Body** (closures, async blocks, nested items and the arguments of
 //!   macros written as comma-separated expressions included):
 //!   - a path or `use` naming `FutureProducer`, `BaseProducer`,
 //!     `ThreadedProducer`, `FutureRecord`, `BaseRecord`, or going through
 //!     `rdkafka::producer`;
-//!   - an associated function of `ClientConfig` (`ClientConfig::new()`);
+//!   - rdkafka's `ClientConfig` constructed: `ClientConfig::new()` or
+//!     `ClientConfig::default()`, or any associated function through
+//!     `rdkafka::` (another crate's `ClientConfig`, such as
+//!     `rustls::ClientConfig::builder()`, is not reported);
 //!   - `.create()` or `.create_with_context(..)` on a `ClientConfig`
-//!     expression: a `ClientConfig::…(..)` call, a method chain starting from
-//!     one, or a local variable bound to one (or annotated `ClientConfig`);
+//!     expression: such a constructor call, a method chain starting from one,
+//!     or a local variable bound to one (or annotated `ClientConfig`);
 //!   - a producer send: `.send_result(..)`; `.send(a, b)` with two arguments
 //!     (the shape of `FutureProducer::send`); `.send(..)` whose receiver names,
 //!     along its chain of fields, method calls and paths (not their
@@ -72,6 +78,36 @@ fn is_one_of(ident: &Ident, names: &[&str]) -> bool {
     names.iter().any(|name| ident == name)
 }
 
+/// Whether a path naming a common word (`Relay`, `ClientConfig`) means the
+/// crate's item: written bare (imported), or through one of `crates`. Another
+/// crate's item of the same name (`rustls::ClientConfig`,
+/// `domain::Relay`) is left alone.
+fn is_ours(path: &Path, crates: &[&str]) -> bool {
+    path.segments.len() == 1
+        || path
+            .segments
+            .iter()
+            .any(|segment| is_one_of(&segment.ident, crates))
+}
+
+/// The producer item a path names, if any: the first segment among `names`
+/// (`FutureProducer` in `FutureProducer::from_config`), or else, for a path
+/// through `rdkafka::producer`, the item after it (`Producer` in
+/// `rdkafka::producer::Producer::flush`).
+fn producer_name(path: &Path, names: &[&str]) -> Option<String> {
+    let idents: Vec<&Ident> = path.segments.iter().map(|segment| &segment.ident).collect();
+    if let Some(ident) = idents.iter().find(|ident| is_one_of(ident, names)) {
+        return Some(ident.to_string());
+    }
+    let at = idents
+        .windows(2)
+        .position(|pair| pair[0] == "rdkafka" && pair[1] == "producer")?;
+    Some(match idents.get(at + 2) {
+        Some(item) => item.to_string(),
+        None => "rdkafka::producer".to_owned(),
+    })
+}
+
 /// What a parameter type reaches.
 enum Reach<'a> {
     Producer(&'a Path),
@@ -105,13 +141,12 @@ pub fn check_param(cx: &Ctxt, kind: Kind, ty: &Type) -> bool {
             if self.found.is_some() {
                 return;
             }
-            let idents = path.segments.iter().map(|segment| &segment.ident);
             if let Some(last) = path.segments.last().map(|segment| &segment.ident) {
-                if through_rdkafka_producer(idents) || is_one_of(last, PRODUCERS) {
+                if producer_name(path, PRODUCERS).is_some() {
                     self.found = Some(Reach::Producer(path));
-                } else if is_one_of(last, RELAY) {
+                } else if is_one_of(last, RELAY) && is_ours(path, &["outbox", "outbox_runtime"]) {
                     self.found = Some(Reach::Relay(path));
-                } else if last == CLIENT_CONFIG {
+                } else if last == CLIENT_CONFIG && is_ours(path, &["rdkafka"]) {
                     self.found = Some(Reach::ClientConfig(path));
                 }
             }
@@ -139,11 +174,12 @@ pub fn check_param(cx: &Ctxt, kind: Kind, ty: &Type) -> bool {
         Some(Reach::Relay(path)) => (path, "the relay"),
         Some(Reach::ClientConfig(path)) => (path, "a Kafka client configuration"),
     };
-    let name = path
-        .segments
-        .last()
-        .map(|segment| segment.ident.to_string())
-        .unwrap_or_default();
+    let name = producer_name(path, PRODUCERS).unwrap_or_else(|| {
+        path.segments
+            .last()
+            .map(|segment| segment.ident.to_string())
+            .unwrap_or_default()
+    });
     cx.error_spanned_by(
         path,
         format!(
@@ -184,7 +220,7 @@ impl Body<'_> {
         self.cx.error_spanned_by(
             at,
             format!(
-                "{} must not use a Kafka producer (`{name}`): {}",
+                "{} must not use the Kafka producer API (`{name}`): {}",
                 self.kind.an_attr(),
                 self.kind.instead(),
             ),
@@ -240,12 +276,18 @@ impl Body<'_> {
     }
 }
 
-/// The item named after `ClientConfig` in `path` (`new` in
-/// `rdkafka::ClientConfig::new`), if any.
+/// The item named after rdkafka's `ClientConfig` in `path`: any item through
+/// `rdkafka` (`rdkafka::ClientConfig::new`, `rdkafka::config::ClientConfig::
+/// default`), or `new` / `default` on a bare `ClientConfig` (imported).
+/// Another crate's `ClientConfig` (`rustls::ClientConfig::builder()`) is left
+/// alone.
 fn client_config_item(path: &Path) -> Option<&Ident> {
-    let mut segments = path.segments.iter();
-    segments.find(|segment| segment.ident == CLIENT_CONFIG)?;
-    segments.next().map(|segment| &segment.ident)
+    let idents: Vec<&Ident> = path.segments.iter().map(|segment| &segment.ident).collect();
+    let at = idents.iter().position(|ident| *ident == CLIENT_CONFIG)?;
+    let item = *idents.get(at + 1)?;
+    let through_rdkafka = idents[..at].iter().any(|ident| *ident == "rdkafka");
+    let bare_constructor = at == 0 && (item == "new" || item == "default");
+    (through_rdkafka || bare_constructor).then_some(item)
 }
 
 /// Whether a producer send: `.send_result(..)`, `.send(a, b)`, or `.send(..)`
@@ -311,11 +353,13 @@ fn let_binding(pat: &Pat) -> Option<(&Ident, Option<&Type>)> {
 
 fn is_client_config_type(ty: &Type) -> bool {
     match ty {
-        Type::Path(path) => path
-            .path
-            .segments
-            .last()
-            .is_some_and(|segment| segment.ident == CLIENT_CONFIG),
+        Type::Path(path) => {
+            path.path
+                .segments
+                .last()
+                .is_some_and(|segment| segment.ident == CLIENT_CONFIG)
+                && is_ours(&path.path, &["rdkafka"])
+        }
         Type::Reference(reference) => is_client_config_type(&reference.elem),
         Type::Paren(inner) => is_client_config_type(&inner.elem),
         Type::Group(inner) => is_client_config_type(&inner.elem),
@@ -325,16 +369,9 @@ fn is_client_config_type(ty: &Type) -> bool {
 
 impl<'a> Visit<'a> for Body<'_> {
     fn visit_path(&mut self, path: &'a Path) {
-        let last = path.segments.last().map(|segment| &segment.ident);
-        let idents = path.segments.iter().map(|segment| &segment.ident);
-        if let Some(last) = last {
-            if through_rdkafka_producer(idents)
-                || is_one_of(last, PRODUCERS)
-                || is_one_of(last, RECORDS)
-            {
-                self.producer(path, last);
-                return;
-            }
+        if let Some(name) = producer_name(path, &[PRODUCERS, RECORDS].concat()) {
+            self.producer(path, &name);
+            return;
         }
         if let Some(item) = client_config_item(path) {
             if self.in_create {
@@ -460,6 +497,185 @@ impl<'a> Visit<'a> for Body<'_> {
             for expr in &exprs {
                 self.visit_expr(expr);
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn errors(cx: Ctxt) -> Vec<String> {
+        match cx.check() {
+            Ok(()) => Vec::new(),
+            Err(err) => err.into_iter().map(|e| e.to_string()).collect(),
+        }
+    }
+
+    fn body(src: &str) -> Vec<String> {
+        let block: Block = syn::parse_str(src).unwrap();
+        let cx = Ctxt::new();
+        check_body(&cx, Kind::Command, &block);
+        errors(cx)
+    }
+
+    fn param(src: &str) -> Vec<String> {
+        let ty: Type = syn::parse_str(src).unwrap();
+        let cx = Ctxt::new();
+        let reported = check_param(&cx, Kind::Inbox, &ty);
+        let errors = errors(cx);
+        assert_eq!(reported, !errors.is_empty(), "{src}");
+        errors
+    }
+
+    #[track_caller]
+    fn assert_count(errors: Vec<String>, n: usize) {
+        assert_eq!(errors.len(), n, "{errors:#?}");
+    }
+
+    #[test]
+    fn channel_sends_pass() {
+        assert_count(
+            body(
+                "{ tx.send(v).await?; sender.send(1); self.events.send(e); \
+                 tokio::spawn(async move { tx.send(v).await }); \
+                 std::thread::spawn(move || done.send(())); }",
+            ),
+            0,
+        );
+        // Arguments and indices along the receiver are not its name.
+        assert_count(
+            body("{ map.get(&producer_id).send(x); senders[kafka_index].send(x); }"),
+            0,
+        );
+    }
+
+    #[test]
+    fn producer_sends_fail() {
+        for src in [
+            "{ anything.send(record, timeout) }",
+            "{ anything.send_result(record) }",
+            "{ producer.send(record) }",
+            "{ state.kafka.send(record) }",
+            "{ PRODUCER.get().unwrap().send(record) }",
+            "{ kafka_producer().send(record) }",
+            "{ (&*self.producer).send(record) }",
+        ] {
+            let errors = body(src);
+            assert_count(errors.clone(), 1);
+            assert!(errors[0].contains("must not send to Kafka"), "{src}");
+        }
+    }
+
+    #[test]
+    fn sends_in_spawned_tasks_are_publish_after_commit() {
+        for src in [
+            "{ tokio::spawn(async move { producer.send(r).await }); }",
+            "{ tokio::task::spawn_blocking(move || kafka().send(r, t)); }",
+            "{ std::thread::spawn(|| p.send_result(r)); }",
+            "{ set.spawn(async { x.send(r, t).await }); }",
+            "{ spawn_local(async { producer.send(r) }); }",
+        ] {
+            let errors = body(src);
+            assert_count(errors.clone(), 1);
+            assert!(errors[0].starts_with("publish after commit"), "{src}");
+        }
+    }
+
+    #[test]
+    fn client_configs() {
+        assert_count(body("{ let c = ClientConfig::new(); }"), 1);
+        assert_count(body("{ let c = rdkafka::ClientConfig::default(); }"), 1);
+        assert_count(
+            body("{ let c = rdkafka::config::ClientConfig::from_iter(v); }"),
+            1,
+        );
+        // Another crate's.
+        assert_count(body("{ let c = rustls::ClientConfig::builder(); }"), 0);
+        assert_count(body("{ let c = ClientConfig::builder(); }"), 0);
+        // One mistake, one error: the constructor is part of the `.create()`.
+        let chained = body("{ let p: P = ClientConfig::new().set(\"a\", \"b\").create()?; }");
+        assert_count(chained.clone(), 1);
+        assert!(chained[0].contains("`.create()`"));
+        // Through a variable: the constructor and the creation.
+        assert_count(
+            body("{ let mut c = ClientConfig::new(); c.set(\"a\", \"b\"); c.create() }"),
+            2,
+        );
+        assert_count(
+            body("{ let c: &ClientConfig = settings(); c.create_with_context(x) }"),
+            1,
+        );
+        // Shadowed by something else.
+        assert_count(
+            body("{ let c: &ClientConfig = settings(); let c = other(); c.create() }"),
+            0,
+        );
+        // `create` on anything else.
+        assert_count(
+            body("{ let c = make(); c.create(); Config::new().create() }"),
+            0,
+        );
+    }
+
+    #[test]
+    fn producer_names_and_imports() {
+        assert_count(body("{ let p: Option<FutureProducer> = None; }"), 1);
+        assert_count(body("{ let r = BaseRecord::to(\"t\"); }"), 1);
+        assert_count(body("{ rdkafka::producer::Producer::flush(&p, t); }"), 1);
+        assert_count(body("{ use rdkafka::producer::*; }"), 1);
+        assert_count(
+            body("{ use rdkafka::{producer::{FutureRecord, Producer}, ClientConfig}; }"),
+            1,
+        );
+        assert_count(body("{ use other::FutureRecord as Record; }"), 1);
+        assert_count(
+            body("{ use rdkafka::ClientConfig; use rdkafka::message::Message; }"),
+            0,
+        );
+        // A nested function of the body is the handler's code too.
+        assert_count(body("{ fn helper(p: &FutureProducer) {} }"), 1);
+    }
+
+    #[test]
+    fn macros_of_expressions_are_inspected() {
+        assert_count(body("{ println!(\"{:?}\", producer.send(r, t)); }"), 1);
+        assert_count(body("{ tokio::join!(kafka.send(r), other); }"), 1);
+        // Not a list of expressions: opaque.
+        assert_count(
+            body("{ tokio::select! { _ = producer.send(r, t) => {} } }"),
+            0,
+        );
+    }
+
+    #[test]
+    fn parameters() {
+        for src in [
+            "&FutureProducer",
+            "Arc<Mutex<Option<rdkafka::producer::BaseProducer>>>",
+            "ThreadedProducer<DefaultProducerContext>",
+            "rdkafka::producer::future_producer::FutureProducer",
+            "Box<dyn Producer>",
+            "&RelayHandle",
+            "outbox::runtime::Relay",
+            "outbox_runtime::RelayBuilder",
+            "ClientConfig",
+            "&rdkafka::config::ClientConfig",
+        ] {
+            assert_count(param(src), 1);
+        }
+        // The first offending path only.
+        assert_count(param("(FutureProducer, BaseProducer)"), 1);
+        for src in [
+            "&mut HandlerContext<'_>",
+            "&mut UnitOfWork",
+            "OrderCreated",
+            "domain::Relay",
+            "rustls::ClientConfig",
+            "Arc<rustls::ClientConfig>",
+            "ProducerRegistered",
+        ] {
+            assert_count(param(src), 0);
         }
     }
 }

@@ -28,6 +28,24 @@ impl Config {
     }
 }
 
+/// Another crate's items named like Kafka's and the relay's.
+pub mod tls {
+    /// A TLS client configuration (like `rustls::ClientConfig`).
+    #[derive(Debug)]
+    pub struct ClientConfig;
+
+    impl ClientConfig {
+        /// A builder.
+        pub fn builder() -> Self {
+            ClientConfig
+        }
+    }
+
+    /// A relay station of the domain.
+    #[derive(Debug)]
+    pub struct Relay;
+}
+
 /// The application's notification channel.
 pub fn notifications() -> mpsc::UnboundedSender<Uuid> {
     mpsc::unbounded_channel().0
@@ -58,9 +76,15 @@ pub async fn on_order_created(
     Ok(())
 }
 
-/// Same in a command handler.
+/// Same in a command handler; the command may carry another crate's
+/// `ClientConfig` or `Relay`.
 #[command_handler]
-pub async fn notify(_uow: &mut UnitOfWork, id: Uuid) -> Result<(), BoxError> {
+pub async fn notify(
+    _uow: &mut UnitOfWork,
+    cmd: (Uuid, tls::ClientConfig, tls::Relay),
+) -> Result<(), BoxError> {
+    let (id, config, relay) = cmd;
+    let _ = (config, relay, tls::ClientConfig::builder());
     notifications().send(id)?;
     let results = vec![Config.create()];
     let _ = format!("{results:?}");
