@@ -102,6 +102,7 @@ fn expand_handler(handler: &Handler) -> TokenStream {
             let result = quote_spanned! {output.span()=>
                 ::outbox::__private::InboxOutput::into_result(__output)
             };
+            let boxed = boxed_future(ident, &result);
             let trait_impl = quote! {
                 #[automatically_derived]
                 impl ::outbox::__private::InboxHandler for #ident {
@@ -118,10 +119,7 @@ fn expand_handler(handler: &Handler) -> TokenStream {
                         '__c: '__a,
                     {
                         let __context = #context_arg;
-                        ::std::boxed::Box::pin(async move {
-                            let __output = #ident(__context, __input).await;
-                            #result
-                        })
+                        #boxed
                     }
                 }
             };
@@ -135,8 +133,11 @@ fn expand_handler(handler: &Handler) -> TokenStream {
         Kind::Command => {
             // Spanned at the return type as a whole: a type that is not a
             // `Result` is reported there, once (every item of the impl
-            // depends on it). A future that is not `Send` is reported there
-            // too.
+            // depends on it).
+            let result = quote_spanned! {output.span()=>
+                ::outbox::__private::CommandOutput::into_result(__output)
+            };
+            let boxed = boxed_future(ident, &result);
             let trait_impl = quote_spanned! {output.span()=>
                 #[automatically_derived]
                 impl ::outbox::__private::CommandHandler for #ident {
@@ -152,10 +153,7 @@ fn expand_handler(handler: &Handler) -> TokenStream {
                         __input: Self::Command,
                     ) -> ::outbox::__private::CommandFuture<'__a, Self::Output, Self::Error> {
                         let __context = #context_arg;
-                        ::std::boxed::Box::pin(async move {
-                            let __output = #ident(__context, __input).await;
-                            ::outbox::__private::CommandOutput::into_result(__output)
-                        })
+                        #boxed
                     }
                 }
             };
@@ -205,6 +203,18 @@ fn expand_handler(handler: &Handler) -> TokenStream {
                 }
             }
         };
+    }
+}
+
+/// The handler's future, boxed. Spanned at the function's name: a body whose
+/// future is not `Send` is reported there, with the compiler's note on the
+/// value held across an `.await`.
+fn boxed_future(ident: &syn::Ident, result: &TokenStream) -> TokenStream {
+    quote_spanned! {ident.span()=>
+        ::std::boxed::Box::pin(async move {
+            let __output = #ident(__context, __input).await;
+            #result
+        })
     }
 }
 
