@@ -11,7 +11,7 @@ use sqlx::PgPool;
 
 #[aggregate]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
-pub struct Order {
+struct Order {
     id: Uuid,
     amount_cents: i64,
     status: String,
@@ -20,7 +20,7 @@ pub struct Order {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, DomainEvent)]
 #[serde(tag = "type")]
 #[event(topic = "orders", aggregate_type = "Order")]
-pub enum OrderEvent {
+enum OrderEvent {
     #[event(event_type = "OrderPlaced")]
     Placed {
         #[event(aggregate_id)]

@@ -124,7 +124,8 @@ async fn commit_writes_domain_row_and_every_outbox_row(pool: PgPool) {
     assert_eq!(committed.event_ids, vec![id1, id2, id3]);
 
     assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 1);
-    let rows: Vec<(Uuid, String, String, String, i32, String, String, bool)> = sqlx::query_as(
+    type Row = (Uuid, String, String, String, i32, String, String, bool);
+    let rows: Vec<Row> = sqlx::query_as(
         "SELECT event_id, aggregate_type, aggregate_id, event_type, event_version, topic,
                 partition_key, published_at IS NULL
          FROM outbox_event ORDER BY id",
