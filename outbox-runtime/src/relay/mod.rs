@@ -453,20 +453,36 @@ impl Loop<'_> {
             let limit = self.config.batch_size as i64;
             let pool = self.pool;
             let in_flight = self.in_flight.take();
-            let (claimed, delivered) = tokio::join!(
+            let step = Instant::now();
+            let ((claimed, claim_time), (delivered, delivery_time)) = tokio::join!(
                 async move {
-                    if claim_next {
+                    let start = Instant::now();
+                    let claimed = if claim_next {
                         Some(claim::claim(pool, limit, &keys, &topics).await)
                     } else {
                         None
-                    }
+                    };
+                    (claimed, start.elapsed())
                 },
                 async move {
-                    match in_flight {
+                    let start = Instant::now();
+                    let delivered = match in_flight {
                         Some(f) => Some(f.deliveries().await),
                         None => None,
-                    }
+                    };
+                    (delivered, start.elapsed())
                 }
+            );
+            tracing::trace!(
+                claimed = claimed
+                    .as_ref()
+                    .and_then(|c| c.as_ref().ok())
+                    .map(|b| b.rows.len()),
+                delivered = delivered.as_ref().map(|(b, _)| b.rows.len()),
+                claim_ms = claim_time.as_secs_f64() * 1e3,
+                delivery_ms = delivery_time.as_secs_f64() * 1e3,
+                step_ms = step.elapsed().as_secs_f64() * 1e3,
+                "relay step"
             );
 
             let mut failed_keys = Vec::new();
