@@ -40,8 +40,10 @@ ORDER BY id
 LIMIT $1
 FOR UPDATE SKIP LOCKED";
 
+/// `statement_timestamp()`: the time the deliveries were known, not the
+/// claim's transaction start that `now()` would give.
 const MARK_PUBLISHED: &str =
-    "UPDATE outbox_event SET published_at = now(), last_attempt_at = now() WHERE id = ANY($1)";
+    "UPDATE outbox_event SET published_at = statement_timestamp() WHERE id = ANY($1)";
 
 const RECORD_FAILURES: &str = "\
 UPDATE outbox_event o
