@@ -23,10 +23,11 @@ ALTER TABLE inbox_event
     ADD COLUMN IF NOT EXISTS next_attempt_at  timestamptz,
     ADD COLUMN IF NOT EXISTS dead_lettered_at timestamptz;
 
--- The processor's queue: one consumer's pending rows, per partition, in
--- received order (also lists the partitions with pending rows cheaply).
+-- The processor's queue: pending rows in received order. Keyed on `seq`
+-- alone, so that storing a row appends to the index's rightmost page (a
+-- wider key costs the ingest a third of its rate).
 CREATE INDEX IF NOT EXISTS ix_inbox_event_pending
-    ON inbox_event (consumer, topic, "partition", seq)
+    ON inbox_event (seq)
     WHERE NOT processed AND dead_lettered_at IS NULL;
 
 -- Rows waiting for a retry: they hold back the later rows of their key.

@@ -374,3 +374,121 @@ async fn a_failing_row_holds_back_only_its_key_then_is_dead_lettered_and_requeue
         .unwrap();
     assert_eq!(status, "resolved");
 }
+
+// ---- Duplicates and refused payloads ---------------------------------------------
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Credit {
+    key: String,
+    seq: u64,
+    #[serde(default)]
+    note: String,
+}
+
+impl DomainEvent for Credit {
+    const TOPIC: &'static str = "consumer-test-inbox-duplicates";
+    const AGGREGATE_TYPE: &'static str = "Account";
+    const EVENT_TYPES: &'static [&'static str] = &["Credited"];
+    fn event_type(&self) -> &'static str {
+        "Credited"
+    }
+    fn event_version(&self) -> u32 {
+        1
+    }
+    fn aggregate_id(&self) -> String {
+        self.key.clone()
+    }
+}
+
+struct CountCredits(Arc<Mutex<HashMap<Uuid, u32>>>);
+
+impl InboxHandler for CountCredits {
+    type Event = Credit;
+    const NAME: &'static str = "count_credits";
+
+    fn handle<'a, 'c>(
+        &'a self,
+        ctx: &'a mut HandlerContext<'c>,
+        _event: Credit,
+    ) -> HandlerFuture<'a>
+    where
+        'c: 'a,
+    {
+        Box::pin(async move {
+            *self
+                .0
+                .lock()
+                .unwrap()
+                .entry(ctx.incoming().event_id)
+                .or_default() += 1;
+            Ok(())
+        })
+    }
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn inbox_mode_stores_each_event_once_and_dead_letters_payloads_the_database_refuses(
+    pool: PgPool,
+) {
+    init_tracing();
+    let topic = Credit::TOPIC;
+    reset_topic(&brokers(), topic).await;
+    let mut messages = Vec::new();
+    let mut ids = Vec::new();
+    for seq in 0..300_u64 {
+        let id = Uuid::now_v7();
+        let key = format!("acct-{}", seq % 7);
+        ids.push(id);
+        messages.push(TestMessage::event(
+            id,
+            "Credited",
+            &key,
+            serde_json::json!({ "key": key, "seq": seq }),
+        ));
+    }
+    // Valid JSON that jsonb cannot hold.
+    let refused = Uuid::now_v7();
+    messages.push(
+        TestMessage::event(refused, "Credited", "acct-0", serde_json::json!({}))
+            .payload(r#"{"key": "acct-0", "seq": 300, "note": "nul \u0000 inside"}"#),
+    );
+    produce(&brokers(), topic, &messages).await;
+    // Redelivered: some in the same batch as their first copy, some later.
+    produce(&brokers(), topic, &messages[100..300]).await;
+
+    let counted = Arc::new(Mutex::new(HashMap::new()));
+    let group = unique_topic("inbox-dup");
+    let handle = Consumer::builder(pool.clone())
+        .group(&group)
+        .brokers(brokers())
+        .mode(Mode::Inbox)
+        .handler(CountCredits(counted.clone()))
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            let c = handle.counts();
+            c.processed == 300 && c.duplicates == 200 && c.dead_lettered == 1
+        })
+        .await,
+        "{:?}",
+        handle.counts()
+    );
+    let counts = handle.counts();
+    handle.shutdown().await.unwrap();
+    assert_eq!(counts.stored, 300, "{counts:?}");
+    let counted = std::mem::take(&mut *counted.lock().unwrap());
+    assert_eq!(counted.len(), 300);
+    assert!(ids.iter().all(|id| counted.get(id) == Some(&1)));
+    let letters = dead_letter::list(&pool, &DeadLetterFilter::new().consumer(&group))
+        .await
+        .unwrap();
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].event_id, Some(refused));
+    assert_eq!(letters[0].reason, "not_json");
+    assert!(
+        letters[0].error.contains("refused the payload"),
+        "{}",
+        letters[0].error
+    );
+}

@@ -114,12 +114,15 @@ pub struct ConsumerConfig {
     pub max_payload_bytes: usize,
     /// How often the consumer looks for dead letters marked for retry.
     pub redrive_interval: Duration,
+    /// Inbox mode: connections storing each batch in parallel, split by
+    /// partition.
+    pub writers: usize,
     /// Inbox mode: rows per processor transaction.
     pub processor_batch_size: usize,
     /// Inbox mode: poll interval of an idle processor (rows stored by this
     /// consumer wake it at once).
     pub processor_poll_interval: Duration,
-    /// Inbox mode: processor tasks in this process.
+    /// Inbox mode: processor tasks in this process (0: store only).
     pub processors: usize,
     commit_offsets: bool,
 }
@@ -140,6 +143,7 @@ impl ConsumerConfig {
             outage_backoff_max: Duration::from_secs(5),
             max_payload_bytes: 1024 * 1024,
             redrive_interval: Duration::from_secs(5),
+            writers: 2,
             processor_batch_size: 500,
             processor_poll_interval: Duration::from_millis(500),
             processors: 1,
@@ -170,12 +174,18 @@ impl ConsumerConfig {
         if self.max_attempts == 0 {
             return bad("max attempts must be >= 1".into());
         }
-        if self.max_payload_bytes == 0 {
-            return bad("max payload bytes must be >= 1".into());
-        }
-        if self.processors == 0 || self.processors > 64 {
+        if self.max_payload_bytes == 0 || self.max_payload_bytes > 1 << 30 {
             return bad(format!(
-                "processors must be 1..=64, got {}",
+                "max payload bytes must be 1..=1 GiB, got {}",
+                self.max_payload_bytes
+            ));
+        }
+        if self.writers == 0 || self.writers > 64 {
+            return bad(format!("writers must be 1..=64, got {}", self.writers));
+        }
+        if self.processors > 64 {
+            return bad(format!(
+                "processors must be 0..=64, got {}",
                 self.processors
             ));
         }
@@ -321,6 +331,13 @@ impl ConsumerBuilder {
         self.config.redrive_interval = d;
         self
     }
+    /// Inbox mode: connections that store each batch in parallel, split by
+    /// partition (default 2; a partition always uses the same one, so its
+    /// order is kept).
+    pub fn writers(mut self, n: usize) -> Self {
+        self.config.writers = n;
+        self
+    }
     /// Inbox mode: rows per processor transaction (default 500).
     pub fn processor_batch_size(mut self, n: usize) -> Self {
         self.config.processor_batch_size = n;
@@ -332,7 +349,8 @@ impl ConsumerBuilder {
         self
     }
     /// Inbox mode: processor tasks in this process (default 1). They share
-    /// the work by partition.
+    /// the work by partition, with the processors of other instances of the
+    /// group. 0 only stores: other instances (or a later start) process.
     pub fn processors(mut self, n: usize) -> Self {
         self.config.processors = n;
         self
@@ -481,8 +499,8 @@ impl ConsumerHandle {
 }
 
 impl Consumer {
-    /// Starts building a consumer on `pool` (which needs at least 2
-    /// connections, plus one per processor in inbox mode).
+    /// Starts building a consumer on `pool`, which needs at least 2
+    /// connections (dedup mode), or `writers + processors + 1` (inbox mode).
     pub fn builder(pool: PgPool) -> ConsumerBuilder {
         ConsumerBuilder {
             pool,
@@ -568,14 +586,14 @@ impl Consumer {
         if config.mode == Mode::Inbox {
             for worker in 0..config.processors {
                 tasks.push(tokio::spawn(
-                    processor::Processor {
-                        pool: pool.clone(),
-                        config: config.clone(),
-                        registry: registry.clone(),
-                        stats: stats.clone(),
-                        wake: wake.clone(),
+                    processor::Processor::new(
+                        pool.clone(),
+                        config.clone(),
+                        registry.clone(),
+                        stats.clone(),
+                        wake.clone(),
                         worker,
-                    }
+                    )
                     .run(background.clone()),
                 ));
             }

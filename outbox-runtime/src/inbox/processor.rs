@@ -1,21 +1,25 @@
 //! Inbox mode, the processing half: claims stored, unprocessed rows and
 //! runs their handlers, marking them processed in the same transaction.
 //!
-//! Work is divided by Kafka partition. A transaction first takes a
-//! transaction-scoped advisory lock on (consumer, topic, partition) — so one
-//! processor at a time, in any process, works on a partition — then claims
-//! that partition's next rows in received order (`seq`) with `FOR UPDATE SKIP
-//! LOCKED`. A key's rows are in one partition, so per-key order is kept; a
-//! row waiting for a retry (`next_attempt_at` in the future) holds back the
-//! later rows of its key, and only those: other keys continue.
+//! Work is divided by Kafka partition. A transaction first picks the
+//! partitions of the oldest claimable rows and takes a transaction-scoped
+//! advisory lock on each (consumer, topic, partition) it can get — so one
+//! processor at a time, in any process, works on a partition — then, in a
+//! new statement (whose snapshot sees everything the previous holder of
+//! those partitions committed), claims their rows in received order (`seq`)
+//! with `FOR UPDATE SKIP LOCKED`. A key's rows are in one partition, so
+//! per-key order is kept; a row waiting for a retry (`next_attempt_at` in the
+//! future) holds back the later rows of its key, and only those: other keys
+//! continue. Several processors of one consumer split the partitions between
+//! them by hash.
 //!
 //! Fast path: the claimed rows' handlers all run in the claiming
 //! transaction, which records them in `processed_event` and marks them
 //! processed. Slow path: if a handler fails, the transaction rolls back, the
 //! failure is recorded on that row alone (attempts, last error, next attempt
 //! after an exponential back-off; after `max_attempts` it is dead-lettered),
-//! and the next claim takes the partition's rows again — without the failed
-//! row and the later rows of its key.
+//! and the next claim takes the rows again — without the failed row and the
+//! later rows of its key.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -35,45 +39,55 @@ use super::dispatch::{Registry, Route};
 use super::record::{Event, Rejected};
 use super::{ConsumerConfig, Stats};
 
-/// The partitions with pending rows, by a loose index scan of
-/// `ix_inbox_event_pending` (one index probe per partition).
-const PENDING_PARTITIONS: &str = r#"
-WITH RECURSIVE p AS (
-    (SELECT topic, "partition" FROM inbox_event
-     WHERE consumer = $1 AND NOT processed AND dead_lettered_at IS NULL
-     ORDER BY topic, "partition" LIMIT 1)
-    UNION ALL
-    SELECT n.topic, n."partition" FROM p, LATERAL (
-        SELECT topic, "partition" FROM inbox_event
-        WHERE consumer = $1 AND NOT processed AND dead_lettered_at IS NULL
-          AND (topic, "partition") > (p.topic, p."partition")
-        ORDER BY topic, "partition" LIMIT 1) n
-)
-SELECT topic, "partition" FROM p"#;
+/// A row that may be claimed now: not waiting for a retry, and no earlier
+/// row of its key waiting for one.
+const CLAIMABLE: &str = r#"
+      (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())
+  AND NOT EXISTS (
+      SELECT 1 FROM inbox_event b
+      WHERE b.consumer = e.consumer AND b.topic = e.topic AND b.partition_key = e.partition_key
+        AND NOT b.processed AND b.dead_lettered_at IS NULL
+        AND b.next_attempt_at IS NOT NULL AND b.next_attempt_at > now()
+        AND b.seq < e.seq)"#;
 
-const LOCK_PARTITION: &str =
-    "SELECT pg_try_advisory_xact_lock(hashtextextended($1 || '/' || $2 || '/' || $3::text, 0))";
+/// The partitions of the oldest claimable rows (of this processor's share).
+fn candidates_sql() -> String {
+    format!(
+        r#"
+SELECT DISTINCT topic || '/' || "partition" FROM (
+    SELECT e.topic, e."partition" FROM inbox_event e
+    WHERE NOT e.processed AND e.dead_lettered_at IS NULL AND e.consumer = $1
+      AND mod(mod(hashtext(e.topic)::bigint + e."partition", $3) + $3, $3) = $4
+      AND {CLAIMABLE}
+    ORDER BY e.seq
+    LIMIT $2) s"#
+    )
+}
+
+/// Locks the partitions no other processor holds; returns them.
+const LOCK_PARTITIONS: &str = "
+SELECT p FROM UNNEST($2::text[]) AS u(p)
+WHERE pg_try_advisory_xact_lock(hashtextextended($1 || '/' || p, 0))";
 
 const WAIT_FOR_PARTITION: &str =
     "SELECT pg_advisory_xact_lock(hashtextextended($1 || '/' || $2 || '/' || $3::text, 0))";
 
-const CLAIM: &str = r#"
-SELECT event_id, topic, "partition" AS partition, COALESCE("offset", -1) AS offset,
-       COALESCE(partition_key, '') AS partition_key, COALESCE(event_type, '') AS event_type,
-       event_version, payload::text AS payload, headers::text AS headers, attempts
+/// The locked partitions' claimable rows, in received order.
+fn claim_sql() -> String {
+    format!(
+        r#"
+SELECT e.event_id, e.topic, e."partition" AS partition, COALESCE(e."offset", -1) AS offset,
+       COALESCE(e.partition_key, '') AS partition_key, COALESCE(e.event_type, '') AS event_type,
+       e.event_version, e.payload::text AS payload, e.headers::text AS headers, e.attempts
 FROM inbox_event e
-WHERE consumer = $1 AND topic = $2 AND "partition" = $3
-  AND NOT processed AND dead_lettered_at IS NULL
-  AND (next_attempt_at IS NULL OR next_attempt_at <= now())
-  AND NOT EXISTS (
-      SELECT 1 FROM inbox_event b
-      WHERE b.consumer = $1 AND b.topic = $2 AND b.partition_key = e.partition_key
-        AND NOT b.processed AND b.dead_lettered_at IS NULL
-        AND b.next_attempt_at IS NOT NULL AND b.next_attempt_at > now()
-        AND b.seq < e.seq)
-ORDER BY seq
-LIMIT $4
-FOR UPDATE SKIP LOCKED"#;
+WHERE NOT e.processed AND e.dead_lettered_at IS NULL AND e.consumer = $1
+  AND e.topic || '/' || e."partition" = ANY($2)
+  AND {CLAIMABLE}
+ORDER BY e.seq
+LIMIT $3
+FOR UPDATE SKIP LOCKED"#
+    )
+}
 
 const INSERT_PROCESSED: &str = "\
 INSERT INTO processed_event (consumer, event_id)
@@ -122,56 +136,59 @@ enum Item {
 
 /// One processor task of a consumer in inbox mode.
 pub(crate) struct Processor {
-    pub pool: PgPool,
-    pub config: Arc<ConsumerConfig>,
-    pub registry: Arc<Registry>,
-    pub stats: Arc<super::ConsumerStats>,
-    pub wake: Arc<Notify>,
-    pub worker: usize,
+    pool: PgPool,
+    config: Arc<ConsumerConfig>,
+    registry: Arc<Registry>,
+    stats: Arc<super::ConsumerStats>,
+    wake: Arc<Notify>,
+    /// This processor's share of the partitions: `worker` of `workers`.
+    worker: usize,
+    workers: usize,
+    candidates_sql: String,
+    claim_sql: String,
 }
 
 impl Processor {
+    pub fn new(
+        pool: PgPool,
+        config: Arc<ConsumerConfig>,
+        registry: Arc<Registry>,
+        stats: Arc<super::ConsumerStats>,
+        wake: Arc<Notify>,
+        worker: usize,
+    ) -> Self {
+        let workers = config.processors.max(1);
+        Self {
+            pool,
+            config,
+            registry,
+            stats,
+            wake,
+            worker,
+            workers,
+            candidates_sql: candidates_sql(),
+            claim_sql: claim_sql(),
+        }
+    }
+
     pub async fn run(self, shutdown: CancellationToken) {
         let mut db = Health::new(
             "database (inbox processor)",
             self.config.outage_backoff,
             self.config.outage_backoff_max,
         );
-        let mut rotation = self.worker;
         while !shutdown.is_cancelled() {
-            let partitions: Vec<(String, i32)> = match sqlx::query_as(PENDING_PARTITIONS)
-                .bind(&self.config.group)
-                .fetch_all(&self.pool)
-                .await
-            {
-                Ok(p) => p,
+            let worked = match self.round().await {
+                Ok(n) => {
+                    db.up();
+                    n > 0
+                }
                 Err(error) => {
                     let wait = db.down(&error);
                     apply::pause(wait, &shutdown).await;
                     continue;
                 }
             };
-            let mut worked = false;
-            if !partitions.is_empty() {
-                let k = rotation % partitions.len();
-                rotation = rotation.wrapping_add(1);
-                for (topic, partition) in partitions[k..].iter().chain(&partitions[..k]) {
-                    if shutdown.is_cancelled() {
-                        break;
-                    }
-                    match self.partition(topic, *partition).await {
-                        Ok(n) => {
-                            db.up();
-                            worked |= n > 0;
-                        }
-                        Err(error) => {
-                            let wait = db.down(&error);
-                            apply::pause(wait, &shutdown).await;
-                            break;
-                        }
-                    }
-                }
-            }
             if !worked {
                 tokio::select! {
                     _ = self.wake.notified() => {}
@@ -182,26 +199,37 @@ impl Processor {
         }
     }
 
-    /// Processes the next claimable rows of one partition; returns how many
-    /// rows were settled (processed, dead-lettered or failed).
-    async fn partition(&self, topic: &str, partition: i32) -> Result<usize, String> {
+    /// One transaction: lock partitions, claim their next rows, process
+    /// them. Returns how many rows were settled (processed, dead-lettered
+    /// or failed).
+    async fn round(&self) -> Result<usize, String> {
         let group = &self.config.group;
+        let limit = i64::try_from(self.config.processor_batch_size).unwrap_or(i64::MAX);
         let mut tx = self.pool.begin().await.map_err(|e| e.to_string())?;
-        let locked: bool = sqlx::query_scalar(LOCK_PARTITION)
+        let candidates: Vec<String> = sqlx::query_scalar(&self.candidates_sql)
             .bind(group)
-            .bind(topic)
-            .bind(partition)
-            .fetch_one(&mut *tx)
+            .bind(limit)
+            .bind(self.workers as i64)
+            .bind(self.worker as i64)
+            .fetch_all(&mut *tx)
             .await
             .map_err(|e| e.to_string())?;
-        if !locked {
-            return Ok(0); // another processor has it
+        if candidates.is_empty() {
+            return Ok(0);
         }
-        let rows: Vec<Row> = sqlx::query_as(CLAIM)
+        let locked: Vec<String> = sqlx::query_scalar(LOCK_PARTITIONS)
             .bind(group)
-            .bind(topic)
-            .bind(partition)
-            .bind(i64::try_from(self.config.processor_batch_size).unwrap_or(i64::MAX))
+            .bind(&candidates)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(|e| e.to_string())?;
+        if locked.is_empty() {
+            return Ok(0); // other processors have them
+        }
+        let rows: Vec<Row> = sqlx::query_as(&self.claim_sql)
+            .bind(group)
+            .bind(&locked)
+            .bind(limit)
             .fetch_all(&mut *tx)
             .await
             .map_err(|e| e.to_string())?;

@@ -1,9 +1,19 @@
 //! Inbox mode, the receiving half: each batch is stored in `inbox_event`
-//! with one multi-row `INSERT … ON CONFLICT (event_id) DO NOTHING` (received
-//! order kept in `seq`), malformed messages go to the dead-letter table in
-//! the same transaction, and only after `COMMIT` are the offsets handed to
-//! the polling thread. Nothing runs handlers here: the
+//! (received order kept in `seq`), malformed messages go to the dead-letter
+//! table in the same transaction, and only after `COMMIT` are the offsets
+//! handed to the polling thread. Nothing runs handlers here: the
 //! [`processor`](super::processor) does, from the table.
+//!
+//! A batch is written with one binary `COPY … FROM STDIN` (PostgreSQL then
+//! inserts the rows page by page, far cheaper than row by row). A `COPY`
+//! cannot skip duplicates: if the batch holds an event already stored (a
+//! redelivery), the transaction rolls back and the batch is written again
+//! with one multi-row `INSERT … ON CONFLICT (event_id) DO NOTHING`.
+//!
+//! Batches are split by partition over `writers` connections (default 2)
+//! that store their parts concurrently: PostgreSQL inserts with more than
+//! one core, and a partition's messages still go through one connection, in
+//! order.
 //!
 //! If PostgreSQL refuses a batch because of its data (e.g. a payload `jsonb`
 //! cannot hold, such as a `\u0000` escape), the batch is stored message by
@@ -54,26 +64,44 @@ struct Report {
 
 impl Store<'_> {
     /// Stores `batch`; returns when it committed, or early on shutdown
-    /// during a database outage (nothing of it committed then).
-    pub async fn process(&mut self, mut batch: Vec<Record>, shutdown: &CancellationToken) {
-        loop {
-            match self.store(&batch).await {
-                Ok(report) => {
-                    self.db.up();
-                    self.account(report);
-                    self.shared.completed(&batch);
-                    self.wake.notify_one();
-                    break;
-                }
-                Err(error) if is_data_error(&error) => {
-                    tracing::debug!(%error, "batch refused by the database: storing it message by message");
-                    if !self.one_by_one(&mut batch, shutdown).await {
-                        return;
+    /// during a database outage (then what did not commit is not
+    /// acknowledged: it will be read again).
+    ///
+    /// The batch is split by partition over `writers` connections that
+    /// store their parts concurrently, each in its own transaction (a
+    /// partition always goes to the same part, so its messages keep their
+    /// order in `seq`); each part's offsets are released when it commits.
+    pub async fn process(&mut self, batch: Vec<Record>, shutdown: &CancellationToken) {
+        let mut parts: Vec<Vec<Record>> = (0..self.config.writers.max(1))
+            .map(|_| Vec::new())
+            .collect();
+        let n = parts.len();
+        for record in batch {
+            parts[writer_of(&record.topic, record.partition, n)].push(record);
+        }
+        let mut pending: Vec<usize> = (0..n).filter(|i| !parts[*i].is_empty()).collect();
+        let mut refused = Vec::new();
+        while !pending.is_empty() {
+            let results = join_all(pending.iter().map(|i| self.store(&parts[*i]))).await;
+            let mut outage = None;
+            let mut again = Vec::new();
+            for (i, result) in pending.iter().zip(results) {
+                match result {
+                    Ok(report) => {
+                        self.account(report);
+                        self.shared.completed(&parts[*i]);
                     }
-                    self.wake.notify_one();
-                    break;
+                    Err(error) if is_data_error(&error) => refused.push((*i, error)),
+                    Err(error) => {
+                        again.push(*i);
+                        outage = Some(error);
+                    }
                 }
-                Err(error) => {
+            }
+            pending = again;
+            match outage {
+                None => self.db.up(),
+                Some(error) => {
                     let wait = self.db.down(&error);
                     if !apply::pause(wait, shutdown).await {
                         return;
@@ -81,6 +109,13 @@ impl Store<'_> {
                 }
             }
         }
+        for (i, error) in refused {
+            tracing::debug!(%error, "batch refused by the database: storing it message by message");
+            if !self.one_by_one(&mut parts[i], shutdown).await {
+                return;
+            }
+        }
+        self.wake.notify_one();
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -97,9 +132,20 @@ impl Store<'_> {
         }
     }
 
+    /// Stores `records` in one transaction: `COPY`, or `INSERT … ON
+    /// CONFLICT DO NOTHING` when some are stored already.
     async fn store(&self, records: &[Record]) -> Result<Report, sqlx::Error> {
+        match self.store_with(records, Method::Copy).await {
+            Err(error) if is_unique_violation(&error) => {
+                self.store_with(records, Method::Insert).await
+            }
+            other => other,
+        }
+    }
+
+    async fn store_with(&self, records: &[Record], method: Method) -> Result<Report, sqlx::Error> {
         let mut tx = self.pool.begin().await?;
-        let report = insert(&mut tx, &self.config.group, records).await?;
+        let report = insert(&mut tx, &self.config.group, records, method).await?;
         tx.commit().await?;
         Ok(report)
     }
@@ -146,13 +192,146 @@ impl Store<'_> {
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Method {
+    Copy,
+    Insert,
+}
+
+fn is_unique_violation(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("23505"))
+}
+
+const COPY_INBOX: &str = r#"
+COPY inbox_event
+    (event_id, payload, consumer, topic, "partition", "offset", partition_key,
+     event_type, event_version, headers)
+FROM STDIN WITH (FORMAT binary)"#;
+
+/// Writes the events of `records` with one binary `COPY` and their
+/// malformed messages with one insert, on `conn`.
+async fn copy(
+    conn: &mut PgConnection,
+    group: &str,
+    records: &[Record],
+) -> Result<Report, sqlx::Error> {
+    let mut data = Vec::with_capacity(records.len() * 512 + 32);
+    data.extend_from_slice(b"PGCOPY\n\xff\r\n\0");
+    data.extend_from_slice(&0_i32.to_be_bytes()); // flags
+    data.extend_from_slice(&0_i32.to_be_bytes()); // header extension
+    let group = pg_text(group);
+    let mut events = 0;
+    let mut ignored = 0;
+    let mut letters = Vec::new();
+    for r in records {
+        match &r.body {
+            Body::Event(e) => {
+                let i = &e.incoming;
+                data.extend_from_slice(&10_i16.to_be_bytes());
+                field(&mut data, i.event_id.as_bytes());
+                jsonb(&mut data, &e.payload);
+                field(&mut data, group.as_bytes());
+                field(&mut data, r.topic.as_bytes());
+                field(&mut data, &r.partition.to_be_bytes());
+                field(&mut data, &r.offset.to_be_bytes());
+                field(&mut data, i.partition_key.as_bytes());
+                field(&mut data, i.event_type.as_bytes());
+                let version = i32::try_from(i.event_version).unwrap_or(i32::MAX);
+                field(&mut data, &version.to_be_bytes());
+                jsonb(&mut data, i.headers.to_json().as_bytes());
+                events += 1;
+            }
+            Body::Ignored => ignored += 1,
+            Body::Rejected(rejected) => letters.push(NewDeadLetter {
+                topic: &r.topic,
+                partition: r.partition,
+                offset: r.offset,
+                rejected,
+            }),
+        }
+    }
+    data.extend_from_slice(&(-1_i16).to_be_bytes());
+    let mut stored = 0;
+    if events > 0 {
+        let mut copy = conn.copy_in_raw(COPY_INBOX).await?;
+        copy.send(data).await?;
+        stored = copy.finish().await?;
+    }
+    dead_letter::insert(conn, &group, &letters).await?;
+    Ok(Report {
+        events,
+        stored,
+        ignored,
+        rejected: letters
+            .iter()
+            .map(|l| (l.rejected.reason, l.rejected.error.clone()))
+            .collect(),
+    })
+}
+
+/// One field of a binary `COPY` row: length, then bytes. Payloads are
+/// bounded by `max_payload_bytes` (at most 1 GiB).
+fn field(data: &mut Vec<u8>, value: &[u8]) {
+    let len = i32::try_from(value.len()).unwrap_or(i32::MAX);
+    data.extend_from_slice(&len.to_be_bytes());
+    data.extend_from_slice(value);
+}
+
+/// A `jsonb` field: format version 1, then the JSON text.
+fn jsonb(data: &mut Vec<u8>, text: &[u8]) {
+    let len = i32::try_from(text.len() + 1).unwrap_or(i32::MAX);
+    data.extend_from_slice(&len.to_be_bytes());
+    data.push(1);
+    data.extend_from_slice(text);
+}
+
+/// The writer (part of a batch) a partition belongs to.
+fn writer_of(topic: &str, partition: i32, writers: usize) -> usize {
+    use std::hash::{Hash, Hasher};
+    if writers <= 1 {
+        return 0;
+    }
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    topic.hash(&mut h);
+    let spread = h.finish() as usize;
+    spread.wrapping_add(partition.unsigned_abs() as usize) % writers
+}
+
+/// Polls every future to completion, concurrently; outputs in order.
+async fn join_all<F: std::future::Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output> {
+    let mut futures: Vec<std::pin::Pin<Box<F>>> = futures.map(Box::pin).collect();
+    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
+            if output.is_none() {
+                match future.as_mut().poll(cx) {
+                    std::task::Poll::Ready(o) => *output = Some(o),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().flatten().collect()
+}
+
 /// Inserts the events of `records` into `inbox_event` and their malformed
 /// messages into `dead_letter`, on `conn`.
 async fn insert(
     conn: &mut PgConnection,
     group: &str,
     records: &[Record],
+    method: Method,
 ) -> Result<Report, sqlx::Error> {
+    if method == Method::Copy {
+        return copy(conn, group, records).await;
+    }
     let n = records.len();
     let mut ids = Vec::with_capacity(n);
     let mut payloads = Vec::with_capacity(n);

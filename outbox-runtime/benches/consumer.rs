@@ -1,0 +1,394 @@
+//! Consumer benchmark: a topic preloaded with N ~200-byte messages carrying
+//! the relay's headers, read in the same run by (a) a raw rdkafka consumer
+//! (the limit), (b) the consumer in dedup mode with a trivial handler, (c)
+//! the consumer in inbox mode storing only (no processor), and (d) the inbox
+//! processor applying what (c) stored.
+//!
+//! `cargo bench -p outbox-runtime --bench consumer -- [--events N] [--batch N] [--writers N] [-X key=value]... [--json PATH]`
+//!
+//! `-X` passes a librdkafka setting to every consumer (raw and ours).
+//!
+//! Needs PostgreSQL (DATABASE_URL names the server; the benchmark creates
+//! its own database `outbox_bench_consumer`) and a broker (KAFKA_BROKERS).
+//! Each stage uses a fresh consumer group and starts at the beginning of the
+//! topic; rates are from start (group join included) to the last event.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler};
+use outbox_runtime::{Consumer, ConsumerHandle, Mode};
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::message::{Header, Headers as _, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+use uuid::Uuid;
+
+const TOPIC: &str = "bench-consumer-orders";
+const PARTITIONS: i32 = 4;
+
+struct Args {
+    events: u64,
+    batch: usize,
+    writers: usize,
+    settings: Vec<(String, String)>,
+    json: Option<String>,
+}
+
+fn args() -> Result<Args, String> {
+    let mut a = Args {
+        events: 200_000,
+        batch: 2000,
+        writers: 2,
+        settings: Vec::new(),
+        json: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut value = || it.next().ok_or(format!("{arg} needs a value"));
+        match arg.as_str() {
+            "--events" => a.events = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--batch" => a.batch = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--writers" => a.writers = value()?.parse().map_err(|e| format!("{e}"))?,
+            "-X" => a
+                .settings
+                .push(outbox_runtime::kafka::parse_setting(&value()?).map_err(|e| e.to_string())?),
+            "--json" => a.json = Some(value()?),
+            "--bench" => {}
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    Ok(a)
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct OrderPlaced {
+    order_id: String,
+    seq: u64,
+    amount_cents: i64,
+    note: String,
+}
+
+impl DomainEvent for OrderPlaced {
+    const TOPIC: &'static str = TOPIC;
+    const AGGREGATE_TYPE: &'static str = "Order";
+    const EVENT_TYPES: &'static [&'static str] = &["OrderPlaced"];
+    fn event_type(&self) -> &'static str {
+        "OrderPlaced"
+    }
+    fn event_version(&self) -> u32 {
+        1
+    }
+    fn aggregate_id(&self) -> String {
+        self.order_id.clone()
+    }
+}
+
+/// The trivial handler: counts.
+struct Count(Arc<AtomicU64>);
+
+impl InboxHandler for Count {
+    type Event = OrderPlaced;
+    const NAME: &'static str = "count";
+
+    fn handle<'a, 'c>(
+        &'a self,
+        _ctx: &'a mut HandlerContext<'c>,
+        event: OrderPlaced,
+    ) -> HandlerFuture<'a>
+    where
+        'c: 'a,
+    {
+        Box::pin(async move {
+            std::hint::black_box(&event);
+            self.0.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        })
+    }
+}
+
+async fn reset_topic(brokers: &str) -> Result<(), Box<dyn std::error::Error>> {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()?;
+    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    let _ = admin.delete_topics(&[TOPIC], &options).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let created =
+            outbox_runtime::kafka::create_topics(brokers, &[], &[TOPIC.to_owned()], PARTITIONS, 1)
+                .await?;
+        if created.iter().all(|(_, new)| *new) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err("could not recreate the benchmark topic".into());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Produces `n` messages as the relay would: key, ~200-byte JSON payload,
+/// identity and correlation headers.
+async fn preload(brokers: &str, n: u64) -> Result<f64, Box<dyn std::error::Error>> {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .set("queue.buffering.max.messages", "1000000")
+        .set("queue.buffering.max.kbytes", "1048576")
+        .set("batch.num.messages", "10000")
+        .create()?;
+    let start = Instant::now();
+    let mut pending = Vec::with_capacity(n as usize);
+    for seq in 0..n {
+        let key = format!("order-{}", seq % 1000);
+        let event_id = Uuid::now_v7().to_string();
+        let correlation = Uuid::now_v7().to_string();
+        let payload = serde_json::json!({
+            "order_id": key, "seq": seq, "amount_cents": 1999, "note": "x".repeat(120)
+        })
+        .to_string();
+        let headers = OwnedHeaders::new_with_capacity(7)
+            .insert(Header {
+                key: "event_id",
+                value: Some(event_id.as_bytes()),
+            })
+            .insert(Header {
+                key: "event_type",
+                value: Some("OrderPlaced".as_bytes()),
+            })
+            .insert(Header {
+                key: "event_version",
+                value: Some("1".as_bytes()),
+            })
+            .insert(Header {
+                key: "aggregate_type",
+                value: Some("Order".as_bytes()),
+            })
+            .insert(Header {
+                key: "aggregate_id",
+                value: Some(key.as_bytes()),
+            })
+            .insert(Header {
+                key: "content-type",
+                value: Some("application/json".as_bytes()),
+            })
+            .insert(Header {
+                key: "correlation_id",
+                value: Some(correlation.as_bytes()),
+            });
+        let mut record = FutureRecord::to(TOPIC)
+            .key(key.as_bytes())
+            .payload(payload.as_bytes())
+            .headers(headers);
+        loop {
+            match producer.send_result(record) {
+                Ok(d) => {
+                    pending.push(d);
+                    break;
+                }
+                Err((_, back)) => {
+                    record = back;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        }
+    }
+    for d in pending {
+        if let Ok(Err((e, _))) = d.await {
+            return Err(e.into());
+        }
+    }
+    Ok(n as f64 / start.elapsed().as_secs_f64())
+}
+
+/// (a) A raw consumer-group member: subscribe, poll until `n` messages
+/// (headers and payload touched), join included.
+fn raw_consume(brokers: &str, n: u64, settings: &[(String, String)]) -> Result<f64, String> {
+    let mut config = ClientConfig::new();
+    config
+        .set("bootstrap.servers", brokers)
+        .set("group.id", format!("bench-raw-{}", Uuid::new_v4().simple()))
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest");
+    for (k, v) in settings {
+        config.set(k, v);
+    }
+    let consumer: BaseConsumer = config.create().map_err(|e| e.to_string())?;
+    let start = Instant::now();
+    consumer.subscribe(&[TOPIC]).map_err(|e| e.to_string())?;
+    let mut seen = 0_u64;
+    let mut bytes = 0_usize;
+    while seen < n {
+        if start.elapsed() > Duration::from_secs(300) {
+            return Err(format!("raw consumer read only {seen} of {n} in 300 s"));
+        }
+        if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
+            bytes +=
+                m.payload().map_or(0, <[u8]>::len) + m.headers().map_or(0, |h| h.iter().count());
+            seen += 1;
+        }
+    }
+    std::hint::black_box(bytes);
+    Ok(n as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Waits until `done(counts)` holds; returns the elapsed time since `start`.
+async fn wait(
+    handle: &ConsumerHandle,
+    start: Instant,
+    what: &str,
+    done: impl Fn(&outbox_runtime::ConsumerCounts) -> bool,
+) -> Result<Duration, Box<dyn std::error::Error>> {
+    loop {
+        let counts = handle.counts();
+        if done(&counts) {
+            return Ok(start.elapsed());
+        }
+        if start.elapsed() > Duration::from_secs(600) {
+            return Err(format!("{what} did not finish within 600 s: {counts:?}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn consumer(
+    pool: &PgPool,
+    brokers: &str,
+    group: &str,
+    a: &Args,
+) -> outbox_runtime::ConsumerBuilder {
+    a.settings.iter().fold(
+        Consumer::builder(pool.clone())
+            .group(group)
+            .brokers(brokers)
+            .batch_size(a.batch),
+        |c, (k, v)| c.kafka_setting(k, v),
+    )
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let a = args()?;
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+    let admin: PgConnectOptions = url.parse()?;
+    let mut conn = admin.connect().await?;
+    sqlx::query("DROP DATABASE IF EXISTS outbox_bench_consumer WITH (FORCE)")
+        .execute(&mut conn)
+        .await?;
+    sqlx::query("CREATE DATABASE outbox_bench_consumer")
+        .execute(&mut conn)
+        .await?;
+    let pool = PgPoolOptions::new()
+        .max_connections(8)
+        .connect_with(admin.clone().database("outbox_bench_consumer"))
+        .await?;
+    outbox_core::migrate(&pool).await?;
+
+    println!(
+        "consumer benchmark: {} events of ~200 bytes on {PARTITIONS} partitions, batch {}, inbox writers {}",
+        a.events, a.batch, a.writers
+    );
+    reset_topic(&brokers).await?;
+    let produce_rate = preload(&brokers, a.events).await?;
+    println!("preload (idempotent producer)       {produce_rate:>10.0} msg/s");
+
+    // (a) The raw consumer.
+    let raw_rate = {
+        let (brokers, settings) = (brokers.clone(), a.settings.clone());
+        let n = a.events;
+        tokio::task::spawn_blocking(move || raw_consume(&brokers, n, &settings)).await??
+    };
+    println!("(a) raw rdkafka consumer            {raw_rate:>10.0} msg/s");
+
+    // (b) Dedup mode, trivial handler.
+    let handled = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let handle = consumer(&pool, &brokers, "bench-dedup", &a)
+        .handler(Count(handled.clone()))
+        .spawn()?;
+    let n = a.events;
+    let took = wait(&handle, start, "dedup", |c| c.processed >= n).await?;
+    let dedup_counts = handle.counts();
+    handle.shutdown().await?;
+    let dedup_rate = a.events as f64 / took.as_secs_f64();
+    let dedup_batch = a.events as f64 / dedup_counts.batches.max(1) as f64;
+    println!(
+        "(b) dedup mode, trivial handler     {dedup_rate:>10.0} events/s   = {:.2} x raw  (mean batch {dedup_batch:.0})",
+        dedup_rate / raw_rate
+    );
+    assert_eq!(handled.load(Ordering::Relaxed), a.events);
+
+    // (c) Inbox mode, storing only.
+    let start = Instant::now();
+    let handle = consumer(&pool, &brokers, "bench-inbox", &a)
+        .mode(Mode::Inbox)
+        .writers(a.writers)
+        .processors(0)
+        .handler(Count(Arc::default()))
+        .spawn()?;
+    let took = wait(&handle, start, "inbox ingest", |c| c.stored >= n).await?;
+    let ingest_counts = handle.counts();
+    handle.shutdown().await?;
+    let ingest_rate = a.events as f64 / took.as_secs_f64();
+    let ingest_batch = a.events as f64 / ingest_counts.batches.max(1) as f64;
+    println!(
+        "(c) inbox mode, storing only        {ingest_rate:>10.0} events/s   = {:.2} x raw  (mean batch {ingest_batch:.0})",
+        ingest_rate / raw_rate
+    );
+
+    // (d) The inbox processor, on what (c) stored (offsets are committed:
+    // nothing is read from Kafka again).
+    sqlx::query("VACUUM ANALYZE inbox_event")
+        .execute(&pool)
+        .await?;
+    let processed = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let handle = consumer(&pool, &brokers, "bench-inbox", &a)
+        .mode(Mode::Inbox)
+        .processor_batch_size(a.batch)
+        .handler(Count(processed.clone()))
+        .spawn()?;
+    let took = wait(&handle, start, "inbox processing", |c| c.processed >= n).await?;
+    let reread = handle.counts().received;
+    handle.shutdown().await?;
+    let process_rate = a.events as f64 / took.as_secs_f64();
+    println!(
+        "(d) inbox processor, trivial handler {process_rate:>9.0} events/s   (messages read again: {reread})"
+    );
+
+    let json = serde_json::json!({
+        "benchmark": "consumer",
+        "events": a.events,
+        "batch": a.batch,
+        "inbox_writers": a.writers,
+        "partitions": PARTITIONS,
+        "preload_msgs_per_s": produce_rate.round(),
+        "raw_consumer_msgs_per_s": raw_rate.round(),
+        "dedup_events_per_s": dedup_rate.round(),
+        "dedup_over_raw": ((dedup_rate / raw_rate) * 1000.0).round() / 1000.0,
+        "dedup_mean_batch": dedup_batch.round(),
+        "inbox_ingest_events_per_s": ingest_rate.round(),
+        "inbox_ingest_over_raw": ((ingest_rate / raw_rate) * 1000.0).round() / 1000.0,
+        "inbox_ingest_mean_batch": ingest_batch.round(),
+        "inbox_process_events_per_s": process_rate.round(),
+    });
+    println!("{json}");
+    if let Some(path) = a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
+    }
+    pool.close().await;
+    sqlx::query("DROP DATABASE IF EXISTS outbox_bench_consumer WITH (FORCE)")
+        .execute(&mut conn)
+        .await?;
+    Ok(())
+}
