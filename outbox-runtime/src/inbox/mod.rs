@@ -628,10 +628,14 @@ impl Consumer {
             };
             shared.set_idle(false);
             let Some(batch) = batch else { break };
-            match &mut sink {
-                Sink::Dedup(applier) => applier.process(batch, &shutdown).await,
-                Sink::Store(store) => store.process(batch, &shutdown).await,
+            let batch = shared.begin_batch(batch);
+            if !batch.is_empty() {
+                match &mut sink {
+                    Sink::Dedup(applier) => applier.process(batch, &shutdown).await,
+                    Sink::Store(store) => store.process(batch, &shutdown).await,
+                }
             }
+            shared.end_batch();
         }
         shared.stop();
         drop(rx);

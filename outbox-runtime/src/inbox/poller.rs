@@ -15,12 +15,15 @@
 //! reported as committed ([`Shared::completed`]): per partition the offset
 //! after the last message whose transaction committed, if the partition is
 //! still owned by the same assignment generation the message was polled in.
-//! Before partitions are revoked, what is committable is committed
-//! synchronously; the final commit at shutdown is synchronous too.
+//! Before partitions are revoked, the batch being applied is given time to
+//! commit (up to 10 s) and what is committable is committed synchronously;
+//! messages polled for revoked partitions and not yet applied are dropped
+//! (their new owner reads them). The final commit at shutdown is synchronous
+//! too.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rdkafka::client::ClientContext;
@@ -40,6 +43,9 @@ use crate::error::Result;
 /// How long the polling thread waits for a busy database task before it
 /// pauses the partitions and polls again.
 const PAUSE_AFTER: Duration = Duration::from_secs(30);
+
+/// How long a revocation waits for the batch being applied.
+const REVOKE_WAIT: Duration = Duration::from_secs(10);
 
 /// What the polling thread needs to know.
 pub(crate) struct PollerSettings {
@@ -79,6 +85,9 @@ pub(crate) struct Shared {
     assignment: Mutex<Assignment>,
     stop: AtomicBool,
     idle: AtomicBool,
+    /// True while the database task applies a batch.
+    applying: Mutex<bool>,
+    applied: Condvar,
     commit_offsets: bool,
 }
 
@@ -93,6 +102,8 @@ impl Shared {
             assignment: Mutex::default(),
             stop: AtomicBool::new(false),
             idle: AtomicBool::new(true),
+            applying: Mutex::new(false),
+            applied: Condvar::new(),
             commit_offsets,
         }
     }
@@ -126,6 +137,38 @@ impl Shared {
     /// Tells the database task's state: idle (waiting for a batch) or busy.
     pub fn set_idle(&self, idle: bool) {
         self.idle.store(idle, Ordering::Release);
+    }
+
+    /// The database task starts applying `batch`: returns the records of
+    /// partitions still owned by the generation they were polled in (the
+    /// others were revoked since; their new owner reads them again).
+    pub fn begin_batch(&self, mut batch: Vec<Record>) -> Vec<Record> {
+        *lock(&self.applying) = true;
+        let a = lock(&self.assignment);
+        batch.retain(|r| a.owned.get(&(r.topic.clone(), r.partition)) == Some(&r.generation));
+        batch
+    }
+
+    /// The database task finished its batch (committed, or gave up on
+    /// shutdown).
+    pub fn end_batch(&self) {
+        *lock(&self.applying) = false;
+        self.applied.notify_all();
+    }
+
+    /// Waits (at most `timeout`) for the batch being applied, so that its
+    /// offsets can be committed before its partitions are revoked.
+    fn wait_for_batch(&self, timeout: Duration) {
+        let guard = lock(&self.applying);
+        let _ = self
+            .applied
+            .wait_timeout_while(guard, timeout, |applying| *applying);
+    }
+
+    /// Drops the records of partitions revoked since they were polled.
+    fn drop_revoked(&self, records: &mut Vec<Record>) {
+        let a = lock(&self.assignment);
+        records.retain(|r| a.owned.get(&(r.topic.clone(), r.partition)) == Some(&r.generation));
     }
 
     /// Asks the polling thread to commit and stop.
@@ -229,7 +272,9 @@ impl ClientContext for Context {
 impl ConsumerContext for Context {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
-            // Hand over cleanly: commit what has committed in the database.
+            // Hand over cleanly: let the batch being applied commit, then
+            // commit its offsets (and everything before it).
+            self.shared.wait_for_batch(REVOKE_WAIT);
             self.shared.commit(consumer, CommitMode::Sync, false);
             let mut a = lock(&self.shared.assignment);
             for e in tpl.elements() {
@@ -386,6 +431,7 @@ impl Poller {
         let mut ready: Option<Vec<Record>> = None;
         let mut paused_at: Option<u64> = None;
         let mut full_since: Option<Instant> = None;
+        let mut seen_generation = self.shared.generation();
         let mut broker = BrokerState::default();
         loop {
             if self.shared.stop.load(Ordering::Acquire) || tx.is_closed() {
@@ -438,6 +484,22 @@ impl Poller {
                     if let Ok(tpl) = consumer.assignment() {
                         let _ = consumer.resume(&tpl);
                     }
+                }
+            }
+
+            // After a rebalance, forget what was polled for revoked partitions.
+            let generation = self.shared.generation();
+            if generation != seen_generation {
+                seen_generation = generation;
+                self.shared.drop_revoked(&mut batch);
+                if let Some(r) = ready.as_mut() {
+                    self.shared.drop_revoked(r);
+                    if r.is_empty() {
+                        ready = None;
+                    }
+                }
+                if batch.is_empty() {
+                    first_at = None;
                 }
             }
 
