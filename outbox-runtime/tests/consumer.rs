@@ -737,3 +737,68 @@ async fn invalid_configuration_is_a_clear_error(pool: PgPool) {
         .unwrap_err();
     assert!(err.to_string().contains("no.such.setting"), "{err}");
 }
+
+// ---- A panicking handler ---------------------------------------------------------
+
+test_event!(PanicEvent, "consumer-test-panic");
+
+/// Panics on events marked `fail`.
+struct Panicky;
+
+impl InboxHandler for Panicky {
+    type Event = PanicEvent;
+    const NAME: &'static str = "panicky";
+
+    fn handle<'a, 'c>(
+        &'a self,
+        _ctx: &'a mut HandlerContext<'c>,
+        event: PanicEvent,
+    ) -> HandlerFuture<'a>
+    where
+        'c: 'a,
+    {
+        Box::pin(async move {
+            if event.fail {
+                panic!("unexpected state for {}", event.key);
+            }
+            Ok(())
+        })
+    }
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_panicking_handler_is_a_failing_handler_and_the_consumer_goes_on(pool: PgPool) {
+    init_tracing();
+    let topic = PanicEvent::TOPIC;
+    reset_topic(&brokers(), topic).await;
+    let (mut messages, ids) = events(20, 1);
+    messages[3] = TestMessage::event(
+        ids[3],
+        "OrderPlaced",
+        "k0",
+        serde_json::json!({ "key": "k0", "seq": 3, "fail": true }),
+    );
+    produce(&brokers(), topic, &messages).await;
+    let group = unique_topic("panic");
+    let handle = consumer(&pool, &group)
+        .handler(Panicky)
+        .max_attempts(2)
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            let c = handle.counts();
+            c.processed == 19 && c.dead_lettered == 1
+        })
+        .await,
+        "{:?}",
+        handle.counts()
+    );
+    assert!(!handle.is_finished());
+    handle.shutdown().await.unwrap();
+    let letter = &dead_letter::list(&pool, &DeadLetterFilter::new().consumer(&group))
+        .await
+        .unwrap()[0];
+    assert_eq!(letter.event_id, Some(ids[3]));
+    assert_eq!(letter.error, "handler panicked: unexpected state for k0");
+}

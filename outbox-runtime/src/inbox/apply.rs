@@ -1,8 +1,12 @@
 //! Running an event's handlers inside the caller's transaction: each handler
 //! gets a [`HandlerContext`] on that transaction, and its follow-up events
-//! are flushed to the outbox right after it returns `Ok`. Also the verdicts
-//! the callers act on, and the retry delays.
+//! are flushed to the outbox right after it returns `Ok`; a panic counts as
+//! a failure. Also the verdicts the callers act on.
 
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use outbox_core::HandlerContext;
@@ -59,7 +63,10 @@ pub(crate) async fn run_handlers(
             .map_err(|rejected| Failure::Rejected { at: 0, rejected })?;
         let handler = registry.handler(event.handlers[i]);
         let mut ctx = HandlerContext::new(&mut *conn, &event.incoming);
-        if let Err(error) = handler.handle(&mut ctx, value).await {
+        let outcome = CatchUnwind(handler.handle(&mut ctx, value))
+            .await
+            .unwrap_or_else(|panic| Err(format!("handler panicked: {panic}").into()));
+        if let Err(error) = outcome {
             return Err(if handler_error_is_outage(&error) {
                 Failure::Outage(error.to_string())
             } else {
@@ -85,6 +92,30 @@ pub(crate) async fn run_handlers(
         }
     }
     Ok(())
+}
+
+/// Runs a future, turning a panic into an error (a handler that panics is a
+/// failing handler: retried, then dead-lettered; the consumer goes on).
+struct CatchUnwind<F>(F);
+
+impl<F: Future + Unpin> Future for CatchUnwind<F> {
+    type Output = Result<F::Output, String>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let inner = &mut self.0;
+        match std::panic::catch_unwind(AssertUnwindSafe(|| Pin::new(inner).poll(cx))) {
+            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "(no message)".to_owned());
+                Poll::Ready(Err(message))
+            }
+        }
+    }
 }
 
 /// Sleeps `d` unless `shutdown` comes first; returns false on shutdown.

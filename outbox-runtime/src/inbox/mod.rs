@@ -572,6 +572,8 @@ impl Consumer {
             tokio::task::spawn_blocking(move || poller.run(registry, tx, stats))
         };
         let background = CancellationToken::new();
+        // The background tasks stop with this function, however it ends.
+        let _stop_background = background.clone().drop_guard();
         let wake = Arc::new(Notify::new());
         let mut tasks = vec![tokio::spawn(
             redrive::Redriver {
