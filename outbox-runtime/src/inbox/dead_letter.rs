@@ -5,7 +5,10 @@
 //! Re-drive: [`retry`] only marks rows (`status = 'retry'`); the consumer of
 //! the row's group — the process that has the handlers — polls for marked
 //! rows ([`ConsumerBuilder::redrive_interval`](super::ConsumerBuilder::redrive_interval))
-//! and runs each one again (see [`redrive`](super::redrive)).
+//! and runs each one again, parsed anew from the stored bytes: in dedup
+//! mode once, in one transaction with the row's status (`resolved`, or
+//! `dead` again with the new error); in inbox mode the event goes back into
+//! the inbox queue.
 
 use std::fmt;
 use std::str::FromStr;

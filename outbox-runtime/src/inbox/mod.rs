@@ -1,23 +1,36 @@
 //! The consumer side: a Kafka consumer group that applies each event's
 //! effect once, with typed [`InboxHandler`]s, in one of two modes.
 //!
+//! ```ignore
+//! let handle = Consumer::builder(pool)
+//!     .group("billing")                      // also the dedup key's consumer
+//!     .brokers("kafka:9092")
+//!     .handler(on_order_placed)              // #[inbox_handler] functions
+//!     .handler(on_order_cancelled)
+//!     .mode(Mode::Dedup)                     // the default
+//!     .spawn()?;
+//! // ...
+//! handle.shutdown().await?;                  // finishes the batch, commits offsets
+//! ```
+//!
 //! - [`Mode::Dedup`] (default): a batch of messages → one transaction
 //!   (`processed_event` insert, handlers of the new events, their follow-up
-//!   events, dead letters) → `COMMIT` → the offsets. See [`dedup`].
+//!   events, dead letters) → `COMMIT` → the offsets (`dedup.rs`).
 //! - [`Mode::Inbox`] (critical or bursty flows): messages are only stored in
 //!   `inbox_event` (→ offsets); processor tasks apply them from the table,
-//!   in per-key order, with retries that hold back only the failing key. See
-//!   [`store`] and [`processor`].
+//!   in per-key order, with retries that hold back only the failing key
+//!   (`store.rs`, `processor.rs`).
 //!
 //! Offsets are committed manually, per partition, never past a message
-//! whose transaction has not committed ([`poller`]). Malformed messages and
-//! events whose handler keeps failing go to the `dead_letter` table
-//! ([`dead_letter`]); `outbox dead-letters retry` marks them and the
-//! consumer runs them again ([`redrive`]).
+//! whose transaction has not committed (`poller.rs`, the thread that owns
+//! the Kafka consumer). Malformed messages and events whose handler keeps
+//! failing go to the `dead_letter` table ([`dead_letter`]); `outbox
+//! dead-letters retry` marks them and the consumer of their group runs them
+//! again (`redrive.rs`).
 //!
-//! Submodules: [`dispatch`] (handler registry), [`record`] (parsing),
-//! [`poller`] (the Kafka thread), [`apply`] (running handlers), [`db`]
-//! (outage detection), [`dead_letter`] (table and operations).
+//! Other files: `dispatch.rs` (handler registry and routing), `record.rs`
+//! (parsing a message), `apply.rs` (running handlers), `db.rs` (outage
+//! detection, state-change logging).
 
 // The relay's back-off, shared as is (same file, no copy). It could move to
 // a crate-level module; until then clippy's duplicate-module lint is muted.
