@@ -137,6 +137,7 @@ enum DeadLettersCommand {
         /// payload_mismatch, oversized, handler_failed).
         #[arg(long)]
         reason: Option<String>,
+        /// At most this many rows.
         #[arg(long, default_value_t = 100)]
         limit: i64,
         /// Print JSON (with headers and payload) instead of a table.
