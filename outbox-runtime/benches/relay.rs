@@ -82,7 +82,7 @@ async fn sql_only(pool: &PgPool, batch: i64) -> Result<f64, sqlx::Error> {
     let mut total = 0_usize;
     loop {
         let mut tx = pool.begin().await?;
-        let rows: Vec<(
+        type Claimed = (
             i64,
             Uuid,
             String,
@@ -94,7 +94,8 @@ async fn sql_only(pool: &PgPool, batch: i64) -> Result<f64, sqlx::Error> {
             String,
             String,
             i32,
-        )> = sqlx::query_as(
+        );
+        let rows: Vec<Claimed> = sqlx::query_as(
             "SELECT id, event_id, aggregate_type, aggregate_id, event_type, topic, event_version,
                     partition_key, payload::text, headers::text, attempts
              FROM outbox_event

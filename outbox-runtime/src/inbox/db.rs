@@ -6,7 +6,7 @@
 use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
-use super::backoff::Backoff;
+use crate::backoff::Backoff;
 use outbox_core::BoxError;
 
 /// True when `error` says the database (or the connection to it) is

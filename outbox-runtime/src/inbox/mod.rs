@@ -32,11 +32,7 @@
 //! (parsing a message), `apply.rs` (running handlers), `db.rs` (outage
 //! detection, state-change logging).
 
-// The relay's back-off, shared as is (same file, no copy). It could move to
-// a crate-level module; until then clippy's duplicate-module lint is muted.
-#[allow(clippy::duplicate_mod)]
-#[path = "../relay/backoff.rs"]
-mod backoff;
+use crate::backoff;
 
 mod apply;
 mod db;

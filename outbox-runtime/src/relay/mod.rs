@@ -9,10 +9,8 @@
 //! a key that failed in batch *n* sends nothing of batch *n+1*.
 //!
 //! Submodules: [`claim`](self::claim) (the SQL), [`publish`](self::publish)
-//! (the producer), [`wake`](self::wake) (LISTEN/NOTIFY and polling),
-//! [`backoff`](self::backoff).
+//! (the producer), [`wake`](self::wake) (LISTEN/NOTIFY and polling).
 
-mod backoff;
 mod claim;
 mod publish;
 mod wake;
@@ -26,10 +24,10 @@ use sqlx::PgPool;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use self::backoff::Backoff;
 use self::claim::{Batch, Failure, Row};
 use self::publish::{FailureKind, Outcome, Publisher};
 use self::wake::Waker;
+use crate::backoff::{self, Backoff};
 use crate::error::{Error, Result};
 use crate::kafka;
 

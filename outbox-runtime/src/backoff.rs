@@ -1,4 +1,4 @@
-//! Exponential back-off, capped.
+//! Exponential back-off, capped: shared by the relay and the consumers.
 
 use std::time::Duration;
 
