@@ -521,7 +521,8 @@ impl Loop<'_> {
             }
 
             if idle && self.in_flight.is_none() && !shutdown.is_cancelled() {
-                self.finish_marking().await;
+                // The last batch's mark-and-commit goes on meanwhile; it is
+                // awaited before the next one starts and at shutdown.
                 self.waker.wait(shutdown).await;
             }
         }

@@ -27,7 +27,7 @@ pub(crate) const CHANNEL: &str = "outbox_event";
 pub(crate) const WAKE_LOCK: i64 = 8_031_453_476_610_924_407;
 
 /// How soon to look again when writers are mid-transaction.
-const WRITERS_IN_FLIGHT_RECHECK: Duration = Duration::from_millis(5);
+const WRITERS_IN_FLIGHT_RECHECK: Duration = Duration::from_millis(1);
 
 pub(crate) struct Waker {
     pool: PgPool,
