@@ -1,6 +1,7 @@
-//! Exponential back-off, capped: shared by the relay and the consumers.
+//! Exponential back-off, capped, and the up/down state of a dependency
+//! (logged on changes only): shared by the relay and the consumers.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The delay before retry number `attempt` (1-based): `first * 2^(attempt-1)`,
 /// capped at `max`.
@@ -35,6 +36,49 @@ impl Backoff {
 
     pub fn reset(&mut self) {
         self.attempt = 0;
+    }
+}
+
+/// Up/down state of a dependency, with logging on state changes only.
+pub(crate) struct Health {
+    what: &'static str,
+    down_since: Option<Instant>,
+    backoff: Backoff,
+}
+
+impl Health {
+    pub fn new(what: &'static str, first: Duration, max: Duration) -> Self {
+        Self {
+            what,
+            down_since: None,
+            backoff: Backoff::new(first, max),
+        }
+    }
+
+    /// Records a failure; returns how long to wait before retrying.
+    pub fn down(&mut self, error: &dyn std::fmt::Display) -> Duration {
+        if self.down_since.is_none() {
+            self.down_since = Some(Instant::now());
+            tracing::warn!(%error, "{} unavailable: backing off and retrying", self.what);
+        }
+        self.backoff.next()
+    }
+
+    /// True while the dependency is considered down.
+    pub fn is_down(&self) -> bool {
+        self.down_since.is_some()
+    }
+
+    /// Records a success.
+    pub fn up(&mut self) {
+        if let Some(since) = self.down_since.take() {
+            tracing::info!(
+                after_ms = since.elapsed().as_millis() as u64,
+                "{} available again: resuming",
+                self.what
+            );
+        }
+        self.backoff.reset();
     }
 }
 

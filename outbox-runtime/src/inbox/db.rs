@@ -1,12 +1,10 @@
 //! Database helpers shared by the consumer's tasks: which errors are an
 //! outage (back off, retry, lose nothing) rather than a verdict on one
-//! message, the up/down state of a dependency (logged on changes only), and
-//! text that PostgreSQL can store.
+//! message, and text that PostgreSQL can store. (The up/down state of a
+//! dependency is `crate::backoff::Health`.)
 
 use std::borrow::Cow;
-use std::time::{Duration, Instant};
 
-use crate::backoff::Backoff;
 use outbox_core::BoxError;
 
 /// True when `error` says the database (or the connection to it) is
@@ -62,44 +60,6 @@ pub(crate) fn pg_text(s: &str) -> Cow<'_, str> {
         Cow::Owned(s.replace('\0', "\u{FFFD}"))
     } else {
         Cow::Borrowed(s)
-    }
-}
-
-/// Up/down state of a dependency, with logging on state changes only.
-pub(crate) struct Health {
-    what: &'static str,
-    down_since: Option<Instant>,
-    backoff: Backoff,
-}
-
-impl Health {
-    pub fn new(what: &'static str, first: Duration, max: Duration) -> Self {
-        Self {
-            what,
-            down_since: None,
-            backoff: Backoff::new(first, max),
-        }
-    }
-
-    /// Records a failure; returns how long to wait before retrying.
-    pub fn down(&mut self, error: &dyn std::fmt::Display) -> Duration {
-        if self.down_since.is_none() {
-            self.down_since = Some(Instant::now());
-            tracing::warn!(%error, "{} unavailable: backing off and retrying", self.what);
-        }
-        self.backoff.next()
-    }
-
-    /// Records a success.
-    pub fn up(&mut self) {
-        if let Some(since) = self.down_since.take() {
-            tracing::info!(
-                after_ms = since.elapsed().as_millis() as u64,
-                "{} available again: resuming",
-                self.what
-            );
-        }
-        self.backoff.reset();
     }
 }
 

@@ -22,12 +22,12 @@ use uuid::Uuid;
 
 use super::apply::{self, Failure};
 use super::backoff;
-use super::db::Health;
 use super::dead_letter::{self, DeadLetterReason, NewDeadLetter};
 use super::dispatch::Registry;
 use super::poller::Shared;
 use super::record::{Body, Record};
 use super::{ConsumerConfig, Stats};
+use crate::backoff::Health;
 
 const INSERT_PROCESSED: &str = "\
 INSERT INTO processed_event (consumer, event_id)

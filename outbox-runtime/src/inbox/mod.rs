@@ -611,7 +611,7 @@ impl Consumer {
         }
 
         let health =
-            || db::Health::new("database", config.outage_backoff, config.outage_backoff_max);
+            || backoff::Health::new("database", config.outage_backoff, config.outage_backoff_max);
         let mut sink = match config.mode {
             Mode::Dedup => Sink::Dedup(dedup::Applier {
                 pool: &pool,

@@ -33,11 +33,12 @@ use uuid::Uuid;
 
 use super::apply::{self, Failure};
 use super::backoff;
-use super::db::{Health, pg_text};
+use super::db::pg_text;
 use super::dead_letter::{self, DeadLetterReason, NewDeadLetter};
 use super::dispatch::{Registry, Route};
 use super::record::{Event, Rejected};
 use super::{ConsumerConfig, Stats};
+use crate::backoff::Health;
 
 /// A row that may be claimed now: not waiting for a retry, and no earlier
 /// row of its key waiting for one.

@@ -26,11 +26,12 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::apply::{self, Failure};
-use super::db::{Health, is_data_error, pg_text};
+use super::db::{is_data_error, pg_text};
 use super::dead_letter::DeadLetterReason;
 use super::dispatch::Registry;
 use super::record::{self, Body, Check, Event, Raw};
 use super::{ConsumerConfig, ConsumerStats, Mode};
+use crate::backoff::Health;
 
 const CLAIM: &str = r#"
 SELECT id, topic, "partition" AS partition, "offset" AS offset, key, headers, payload

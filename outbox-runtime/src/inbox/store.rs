@@ -26,12 +26,13 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::apply;
-use super::db::{Health, is_data_error, pg_text};
+use super::db::{is_data_error, pg_text};
 use super::dead_letter::{self, DeadLetterReason, NewDeadLetter};
 use super::dedup::log_rejected;
 use super::poller::Shared;
 use super::record::{Body, Record};
 use super::{ConsumerConfig, Stats};
+use crate::backoff::Health;
 
 const INSERT_INBOX: &str = r#"
 INSERT INTO inbox_event

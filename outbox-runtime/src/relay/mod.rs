@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use self::claim::{Batch, Failure, Row};
 use self::publish::{FailureKind, Outcome, Publisher};
 use self::wake::Waker;
-use crate::backoff::{self, Backoff};
+use crate::backoff::{self, Health};
 use crate::error::{Error, Result};
 use crate::kafka;
 
@@ -320,8 +320,16 @@ impl Relay {
             stats: &self.stats,
             blocked: Blocked::default(),
             waker: Waker::new(&self.pool, self.config.listen, self.config.poll_interval),
-            broker: Health::new("broker", &self.config),
-            database: Health::new("database", &self.config),
+            broker: Health::new(
+                "broker",
+                self.config.outage_backoff,
+                self.config.outage_backoff_max,
+            ),
+            database: Health::new(
+                "database",
+                self.config.outage_backoff,
+                self.config.outage_backoff_max,
+            ),
             in_flight: None,
             marking: None,
             producer_unusable: false,
@@ -383,46 +391,6 @@ impl Blocked {
         let now = Instant::now();
         self.keys.get(&row.partition_key).is_some_and(|u| *u > now)
             || self.topics.get(&row.topic).is_some_and(|(u, _)| *u > now)
-    }
-}
-
-/// Up/down state of a dependency, with logging on state changes only.
-struct Health {
-    what: &'static str,
-    down_since: Option<Instant>,
-    backoff: Backoff,
-}
-
-impl Health {
-    fn new(what: &'static str, config: &RelayConfig) -> Self {
-        Self {
-            what,
-            down_since: None,
-            backoff: Backoff::new(config.outage_backoff, config.outage_backoff_max),
-        }
-    }
-
-    fn down(&mut self, error: &str) -> Duration {
-        if self.down_since.is_none() {
-            self.down_since = Some(Instant::now());
-            tracing::warn!(error, "{} unavailable: backing off and retrying", self.what);
-        }
-        self.backoff.next()
-    }
-
-    fn up(&mut self) {
-        if let Some(since) = self.down_since.take() {
-            tracing::info!(
-                after_ms = since.elapsed().as_millis() as u64,
-                "{} available again: resuming",
-                self.what
-            );
-        }
-        self.backoff.reset();
-    }
-
-    fn is_down(&self) -> bool {
-        self.down_since.is_some()
     }
 }
 
@@ -502,7 +470,7 @@ impl Loop<'_> {
                     self.in_flight = Some(self.send(publisher, batch, &failed_keys));
                 }
                 Some(Err(error)) => {
-                    let wait = self.database.down(&error.to_string());
+                    let wait = self.database.down(&error);
                     self.sleep(wait, shutdown).await;
                 }
                 None => {}
@@ -689,7 +657,7 @@ impl Loop<'_> {
                 Err(error) => {
                     // The batch's transaction rolled back: its rows stay
                     // unpublished and are sent again (at least once).
-                    self.database.down(&error.to_string());
+                    self.database.down(&error);
                 }
             }
         }
@@ -702,7 +670,7 @@ impl Loop<'_> {
         error: &str,
         shutdown: &CancellationToken,
     ) {
-        let wait = self.broker.down(error);
+        let wait = self.broker.down(&error);
         self.sleep(wait, shutdown).await;
         if shutdown.is_cancelled() {
             return;
