@@ -16,6 +16,14 @@ use crate::message::{Headers, OutboxMessage};
 /// partition key are sent per row only where they differ from the shared
 /// default (`$10`) and the aggregate id: most events carry neither, and the
 /// shared headers are parsed once per statement instead of once per row.
+///
+/// Same-key order = commit order: before any `id` is drawn (the one-time
+/// filter runs before the first row), the statement takes a transaction-level
+/// advisory lock per distinct partition key ([`KEY_LOCK_CLASS`], in hash
+/// order, so two writers cannot deadlock on them). A second writer of the
+/// same key waits there until the first commits or rolls back, so for every
+/// key a smaller id always commits first, and the relay, claiming in id
+/// order, publishes a key's events in the order their transactions committed.
 const INSERT_BATCH: &str = "\
 INSERT INTO outbox_event
     (event_id, aggregate_type, aggregate_id, event_type, event_version,
@@ -24,7 +32,15 @@ SELECT e, at, ai, et, ev, t, COALESCE(pk, ai), p::jsonb, COALESCE(h::jsonb, $10:
 FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int4[],
             $6::text[], $7::text[], $8::text[], $9::text[])
      WITH ORDINALITY AS u(e, at, ai, et, ev, t, pk, p, h, n)
+WHERE (SELECT count(pg_advisory_xact_lock(1868720896, s.h))
+       FROM (SELECT DISTINCT hashtext(COALESCE(k.pk, k.ai)) AS h
+             FROM UNNEST($3::text[], $7::text[]) AS k(ai, pk) ORDER BY 1) AS s) >= 0
 ORDER BY n";
+
+/// Advisory lock class (first key of the two-key form; the second is
+/// `hashtext(partition_key)`) that serializes writers of one partition key
+/// from their outbox insert to their commit.
+pub const KEY_LOCK_CLASS: i32 = 0x6F62_6B00;
 
 /// One database transaction plus the events recorded during it.
 ///
@@ -240,4 +256,15 @@ pub async fn insert_messages(
         .execute(conn)
         .await?;
     Ok(event_ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_key_lock_class_is_the_one_in_the_insert() {
+        let literal = format!("pg_advisory_xact_lock({KEY_LOCK_CLASS},");
+        assert!(INSERT_BATCH.contains(&literal), "{INSERT_BATCH}");
+    }
 }

@@ -83,6 +83,10 @@ struct RelayArgs {
     /// librdkafka message.timeout.ms.
     #[arg(long, default_value_t = 30_000)]
     delivery_timeout_ms: u64,
+    /// Lanes the partition keys are spread over, shared out among the relays
+    /// of the database (all must use the same count); 0 turns lanes off.
+    #[arg(long, env = "OUTBOX_LANES", default_value_t = 16, value_parser = clap::value_parser!(u16).range(0..=1024))]
+    lanes: u16,
 }
 
 #[derive(Subcommand)]
@@ -234,7 +238,8 @@ async fn run(cli: Cli) -> Result<(), Error> {
                 .poll_interval(Duration::from_millis(args.poll_interval_ms))
                 .listen(!args.no_listen)
                 .max_attempts(args.max_attempts)
-                .delivery_timeout(Duration::from_millis(args.delivery_timeout_ms));
+                .delivery_timeout(Duration::from_millis(args.delivery_timeout_ms))
+                .lanes(args.lanes);
             let relay = settings(&args.kafka)?
                 .into_iter()
                 .fold(relay, |r, (k, v)| r.kafka_setting(k, v))

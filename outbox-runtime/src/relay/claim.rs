@@ -1,9 +1,10 @@
-//! Claiming unpublished rows (`FOR UPDATE SKIP LOCKED`, id order) and closing
-//! a claimed batch: marking the delivered rows published and recording the
-//! failures, in the claim's own transaction.
+//! Claiming unpublished rows (`FOR UPDATE SKIP LOCKED`, id order, only of the
+//! lanes this relay owns) and closing a claimed batch: marking the delivered
+//! rows published and recording the failures, in the claim's own transaction.
 
 use sqlx::{PgPool, Postgres, Transaction};
 
+use super::lanes::{self, Claimable};
 use crate::error::Result;
 
 /// One claimed outbox row, ready to publish.
@@ -29,16 +30,41 @@ pub(crate) struct Batch {
     pub rows: Vec<Row>,
 }
 
-const CLAIM: &str = "\
+const CLAIM_COLUMNS: &str = "\
 SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version, topic,
        partition_key, payload::text AS payload, headers::text AS headers, attempts
 FROM outbox_event
 WHERE published_at IS NULL AND parked_at IS NULL
   AND partition_key <> ALL($2::text[])
-  AND topic <> ALL($3::text[])
-ORDER BY id
-LIMIT $1
-FOR UPDATE SKIP LOCKED";
+  AND topic <> ALL($3::text[])";
+
+/// Without lanes: any row no other relay holds.
+fn claim_any() -> String {
+    format!("{CLAIM_COLUMNS}\nORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED")
+}
+
+/// With lanes: rows of the lanes in `$5` that the lane connection (pid
+/// `$6`) still owns at this statement's start, lane count `$4`.
+fn claim_lanes() -> String {
+    let lane = lanes::lane_expr(4);
+    format!(
+        "{CLAIM_COLUMNS}
+  AND {lane} = ANY($5::int4[])
+  AND {lane} = ANY((SELECT array_agg(objid::int) FROM pg_locks
+       WHERE locktype = 'advisory' AND granted AND objsubid = 2
+         AND classid = {class} AND pid = $6
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))::int4[])
+ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+        class = lanes::LANE_CLASS,
+    )
+}
+
+/// Taken before the claim: see the handover notes in [`lanes`].
+const HOLD_IN_USE: &str =
+    "SELECT count(pg_advisory_xact_lock_shared($1, l)) FROM unnest($2::int4[]) AS l";
+
+static CLAIM_ANY: std::sync::LazyLock<String> = std::sync::LazyLock::new(claim_any);
+static CLAIM_LANES: std::sync::LazyLock<String> = std::sync::LazyLock::new(claim_lanes);
 
 /// `statement_timestamp()`: the time the deliveries were known, not the
 /// claim's transaction start that `now()` would give.
@@ -55,20 +81,43 @@ FROM UNNEST($1::bigint[], $2::text[], $3::bool[], $4::bool[]) AS f(id, error, co
 WHERE o.id = f.id";
 
 /// Claims up to `limit` unpublished rows, skipping rows other relays hold and
-/// the keys and topics currently blocked by failures.
+/// the keys and topics currently blocked by failures; with `lanes`, only rows
+/// of those lanes (none when the relay owns no lane).
 pub(crate) async fn claim(
     pool: &PgPool,
     limit: i64,
     blocked_keys: &[String],
     blocked_topics: &[String],
+    lanes: Option<&Claimable>,
 ) -> Result<Batch> {
     let mut tx = pool.begin().await?;
-    let rows = sqlx::query_as::<_, Row>(CLAIM)
-        .bind(limit)
-        .bind(blocked_keys)
-        .bind(blocked_topics)
-        .fetch_all(&mut *tx)
-        .await?;
+    let rows = match lanes {
+        None => {
+            sqlx::query_as::<_, Row>(CLAIM_ANY.as_str())
+                .bind(limit)
+                .bind(blocked_keys)
+                .bind(blocked_topics)
+                .fetch_all(&mut *tx)
+                .await?
+        }
+        Some(lanes) if lanes.lanes.is_empty() => Vec::new(),
+        Some(lanes) => {
+            sqlx::query(HOLD_IN_USE)
+                .bind(lanes::IN_USE_CLASS)
+                .bind(&lanes.lanes)
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query_as::<_, Row>(CLAIM_LANES.as_str())
+                .bind(limit)
+                .bind(blocked_keys)
+                .bind(blocked_topics)
+                .bind(lanes.count)
+                .bind(&lanes.lanes)
+                .bind(lanes.pid)
+                .fetch_all(&mut *tx)
+                .await?
+        }
+    };
     Ok(Batch { tx, rows })
 }
 

@@ -1,6 +1,8 @@
 //! The relay: publishes `outbox_event` rows to Kafka, at least once, in id
 //! order per partition key, and marks them published. Several relays may run
-//! at once (`FOR UPDATE SKIP LOCKED`); it never deletes rows.
+//! at once: each owns a share of the lanes (see [`lanes`](self::lanes)), so a
+//! key's events are published by one relay at a time, in order. It never
+//! deletes rows.
 //!
 //! One loop per relay overlaps the database and the broker: while batch *n*
 //! is being delivered, batch *n+1* is claimed; while batch *n+1* is being
@@ -8,10 +10,12 @@
 //! handed to the producer only after every delivery of batch *n* is known, so
 //! a key that failed in batch *n* sends nothing of batch *n+1*.
 //!
-//! Submodules: [`claim`](self::claim) (the SQL), [`publish`](self::publish)
-//! (the producer), [`wake`](self::wake) (LISTEN/NOTIFY and polling).
+//! Submodules: [`claim`](self::claim) (the SQL), [`lanes`](self::lanes)
+//! (lane ownership across relays), [`publish`](self::publish) (the producer),
+//! [`wake`](self::wake) (LISTEN/NOTIFY and polling).
 
 mod claim;
+mod lanes;
 mod publish;
 mod wake;
 
@@ -57,6 +61,11 @@ pub struct RelayConfig {
     pub outage_backoff_max: Duration,
     /// How long librdkafka keeps trying one message (`message.timeout.ms`).
     pub delivery_timeout: Duration,
+    /// Number of lanes the partition keys are spread over (default 16); the
+    /// relays of one database share them out. Every relay of a database must
+    /// use the same count. `0` turns lanes off: relays then only skip each
+    /// other's rows, and per-key order holds only with a single relay.
+    pub lanes: u16,
 }
 
 impl Default for RelayConfig {
@@ -73,6 +82,7 @@ impl Default for RelayConfig {
             outage_backoff: Duration::from_millis(100),
             outage_backoff_max: Duration::from_secs(5),
             delivery_timeout: Duration::from_secs(30),
+            lanes: 16,
         }
     }
 }
@@ -97,6 +107,9 @@ impl RelayConfig {
         }
         if self.delivery_timeout < Duration::from_millis(100) {
             return bad("delivery timeout must be >= 100 ms".into());
+        }
+        if self.lanes > 1024 {
+            return bad(format!("lanes must be 0..=1024, got {}", self.lanes));
         }
         Ok(())
     }
@@ -175,6 +188,11 @@ impl RelayBuilder {
         self.config.delivery_timeout = d;
         self
     }
+    /// Number of lanes (default 16; `0`: no lanes). See [`RelayConfig::lanes`].
+    pub fn lanes(mut self, n: u16) -> Self {
+        self.config.lanes = n;
+        self
+    }
     /// Replaces the whole configuration.
     pub fn config(mut self, config: RelayConfig) -> Self {
         self.config = config;
@@ -205,6 +223,7 @@ pub struct RelayStats {
     withheld: AtomicU64,
     batches: AtomicU64,
     order_violations: AtomicU64,
+    lanes: std::sync::Mutex<Vec<i32>>,
 }
 
 /// A snapshot of [`RelayStats`].
@@ -227,6 +246,11 @@ pub struct RelayCounts {
 }
 
 impl RelayStats {
+    /// The lanes this relay claims from right now (empty without lanes).
+    pub fn lanes(&self) -> Vec<i32> {
+        self.lanes.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
     /// The current counts.
     pub fn snapshot(&self) -> RelayCounts {
         RelayCounts {
@@ -260,6 +284,10 @@ impl RelayHandle {
     /// The relay's counters.
     pub fn counts(&self) -> RelayCounts {
         self.stats.snapshot()
+    }
+    /// The lanes the relay claims from right now (empty without lanes).
+    pub fn lanes(&self) -> Vec<i32> {
+        self.stats.lanes()
     }
     /// A token that stops the relay when cancelled.
     pub fn cancellation_token(&self) -> CancellationToken {
@@ -308,18 +336,33 @@ impl Relay {
     /// problems a retry cannot fix (e.g. an invalid producer configuration).
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
         let mut publisher = Publisher::new(self.config.producer_config())?;
+        let lanes = if self.config.lanes > 0 {
+            let shared = Arc::new(lanes::Shared::default());
+            let manager =
+                lanes::LaneManager::start(&self.pool, self.config.lanes, shared.clone()).await?;
+            let stop = CancellationToken::new();
+            Some((shared, manager.spawn(stop.clone()), stop))
+        } else {
+            None
+        };
         tracing::info!(
             brokers = %self.config.brokers,
             settings = ?kafka::redacted(&self.config.kafka_settings),
             batch_size = self.config.batch_size,
+            lanes = self.config.lanes,
             "relay started"
         );
+        let mut waker = Waker::new(&self.pool, self.config.listen, self.config.poll_interval);
+        if let Some((shared, _, _)) = &lanes {
+            waker.also_wake_on(shared.clone());
+        }
         let mut relay = Loop {
             pool: &self.pool,
             config: &self.config,
             stats: &self.stats,
             blocked: Blocked::default(),
-            waker: Waker::new(&self.pool, self.config.listen, self.config.poll_interval),
+            waker,
+            lanes: lanes.as_ref().map(|(shared, _, _)| shared.clone()),
             broker: Health::new(
                 "broker",
                 self.config.outage_backoff,
@@ -336,6 +379,11 @@ impl Relay {
         };
         relay.run(&mut publisher, &shutdown).await;
         publisher.flush(Duration::from_secs(10));
+        if let Some((_, manager, stop)) = lanes {
+            // Every claim transaction has ended: the lanes can go.
+            stop.cancel();
+            let _ = manager.await;
+        }
         tracing::info!(counts = ?self.stats.snapshot(), "relay stopped");
         Ok(())
     }
@@ -400,6 +448,7 @@ struct Loop<'a> {
     stats: &'a RelayStats,
     blocked: Blocked,
     waker: Waker,
+    lanes: Option<Arc<lanes::Shared>>,
     broker: Health,
     database: Health,
     in_flight: Option<InFlight>,
@@ -418,13 +467,19 @@ impl Loop<'_> {
             let (keys, topics) = self.blocked.current();
             let limit = self.config.batch_size as i64;
             let pool = self.pool;
+            let claimable = self.lanes.as_ref().map(|l| l.claimable());
+            if let Some(c) = &claimable {
+                if let Ok(mut held) = self.stats.lanes.lock() {
+                    held.clone_from(&c.lanes);
+                }
+            }
             let in_flight = self.in_flight.take();
             let step = Instant::now();
             let ((claimed, claim_time), (delivered, delivery_time)) = tokio::join!(
                 async move {
                     let start = Instant::now();
                     let claimed = if claim_next {
-                        Some(claim::claim(pool, limit, &keys, &topics).await)
+                        Some(claim::claim(pool, limit, &keys, &topics, claimable.as_ref()).await)
                     } else {
                         None
                     };

@@ -13,6 +13,7 @@
 //! shared, i.e. when every writer that inserted without notifying has
 //! committed or rolled back; the relay then claims once more before waiting.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -35,6 +36,7 @@ pub(crate) struct Waker {
     poll: Duration,
     listener: Option<PgListener>,
     armed: bool,
+    lanes: Option<Arc<super::lanes::Shared>>,
 }
 
 impl Waker {
@@ -45,7 +47,13 @@ impl Waker {
             poll,
             listener: None,
             armed: false,
+            lanes: None,
         }
+    }
+
+    /// Also wakes when the relay gains lanes.
+    pub fn also_wake_on(&mut self, lanes: Arc<super::lanes::Shared>) {
+        self.lanes = Some(lanes);
     }
 
     async fn connect(&mut self) {
@@ -98,8 +106,18 @@ impl Waker {
     /// poll interval, or on shutdown.
     pub async fn wait(&mut self, shutdown: &CancellationToken) {
         self.connect().await;
+        let lanes = self.lanes.clone();
+        let gained = async {
+            match &lanes {
+                Some(l) => l.gained.notified().await,
+                None => std::future::pending().await,
+            }
+        };
         let Some(listener) = self.listener.as_mut() else {
-            sleep_or_shutdown(self.poll, shutdown).await;
+            tokio::select! {
+                _ = sleep_or_shutdown(self.poll, shutdown) => {}
+                _ = gained => {}
+            }
             return;
         };
         if !self.armed {
@@ -153,6 +171,7 @@ impl Waker {
                 }
             }
             _ = shutdown.cancelled() => {}
+            _ = gained => {}
         }
     }
 }
