@@ -16,10 +16,16 @@ use common::*;
 use outbox_core::UnitOfWork;
 use outbox_runtime::{CancellationToken, Error, Relay, RelayHandle};
 use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
 use uuid::Uuid;
 
+/// A relay with a pool of its own, as a separate service instance would
+/// have (the test pool has only 5 connections).
 fn relay(pool: &PgPool) -> outbox_runtime::RelayBuilder {
-    Relay::builder(pool.clone())
+    let own = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_lazy_with((*pool.connect_options()).clone());
+    Relay::builder(own)
         .brokers(brokers())
         .delivery_timeout(Duration::from_secs(10))
 }

@@ -1,0 +1,272 @@
+//! Lanes benchmark: drain throughput of 1, 2 and 3 relay processes sharing
+//! the lanes of one outbox, and the time survivors take to take over the
+//! lanes of a relay that is SIGKILLed (lane locks back to full coverage, and
+//! an event of every lane, committed right after the kill, published).
+//!
+//! `cargo bench -p outbox-runtime --bench lanes -- [--events N] [--batch N] [--kills N] [--json PATH]`
+//!
+//! Needs PostgreSQL (DATABASE_URL names the server; the benchmark creates
+//! its own database `outbox_bench_lanes`) and a broker (KAFKA_BROKERS).
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+use uuid::Uuid;
+
+const LANES: i64 = 16;
+/// The relay's lane-ownership advisory lock class.
+const LANE_CLASS: i64 = 0x6F62_6C00;
+
+struct Args {
+    events: i64,
+    batch: i64,
+    kills: usize,
+    json: Option<String>,
+}
+
+fn args() -> Result<Args, String> {
+    let mut a = Args {
+        events: 100_000,
+        batch: 2000,
+        kills: 5,
+        json: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut value = || it.next().ok_or(format!("{arg} needs a value"));
+        match arg.as_str() {
+            "--events" => a.events = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--batch" => a.batch = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--kills" => a.kills = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--json" => a.json = Some(value()?),
+            "--bench" => {}
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    Ok(a)
+}
+
+async fn preload(pool: &PgPool, n: i64, topic: &str) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, topic, partition_key, payload, headers)
+         SELECT gen_random_uuid(), 'Order', 'order-' || (g % 1000), 'OrderPlaced', $2, 'order-' || (g % 1000),
+                jsonb_build_object('seq', g, 'note', repeat('x', 150)), '{}'::jsonb
+         FROM generate_series(1, $1) AS g",
+    )
+    .bind(n)
+    .bind(topic)
+    .execute(pool)
+    .await?;
+    sqlx::query("VACUUM ANALYZE outbox_event")
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+fn relay(url: &str, brokers: &str, batch: i64) -> std::io::Result<tokio::process::Child> {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .args(["relay", "--batch-size", &batch.to_string()])
+        .env("DATABASE_URL", url)
+        .env("KAFKA_BROKERS", brokers)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+}
+
+fn signal(child: &tokio::process::Child, sig: &str) {
+    if let Some(pid) = child.id() {
+        let _ = std::process::Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status();
+    }
+}
+
+async fn stop(mut children: Vec<tokio::process::Child>) {
+    for c in &children {
+        signal(c, "-TERM");
+    }
+    for c in &mut children {
+        let _ = tokio::time::timeout(Duration::from_secs(20), c.wait()).await;
+    }
+}
+
+/// Lane locks held, and by how many distinct sessions.
+async fn lane_holders(pool: &PgPool) -> Result<(i64, i64), sqlx::Error> {
+    sqlx::query_as(
+        "SELECT count(DISTINCT objid)::int8, count(DISTINCT pid)::int8 FROM pg_locks
+         WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND classid = $1::int8::oid
+           AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .bind(LANE_CLASS)
+    .fetch_one(pool)
+    .await
+}
+
+async fn drained(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT NOT EXISTS (SELECT 1 FROM outbox_event WHERE published_at IS NULL AND parked_at IS NULL)",
+    )
+    .fetch_one(pool)
+    .await
+}
+
+async fn any_published(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM outbox_event WHERE published_at IS NOT NULL)")
+        .fetch_one(pool)
+        .await
+}
+
+async fn wait_for<F, Fut>(
+    limit: Duration,
+    mut check: F,
+) -> Result<Duration, Box<dyn std::error::Error>>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<bool, sqlx::Error>>,
+{
+    let start = Instant::now();
+    while !check().await? {
+        if start.elapsed() > limit {
+            return Err(format!("condition not reached within {limit:?}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    Ok(start.elapsed())
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let a = args()?;
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+    let admin: PgConnectOptions = url.parse()?;
+    let mut conn = admin.connect().await?;
+    sqlx::query("DROP DATABASE IF EXISTS outbox_bench_lanes WITH (FORCE)")
+        .execute(&mut conn)
+        .await?;
+    sqlx::query("CREATE DATABASE outbox_bench_lanes")
+        .execute(&mut conn)
+        .await?;
+    let opts = admin.clone().database("outbox_bench_lanes");
+    let bench_url = format!(
+        "postgres://{}@{}:{}/outbox_bench_lanes",
+        opts.get_username(),
+        opts.get_host(),
+        opts.get_port()
+    );
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(opts)
+        .await?;
+    outbox_core::migrate(&pool).await?;
+    let run = Uuid::new_v4().simple().to_string();
+
+    println!(
+        "lanes benchmark: {} events over 1000 keys, {LANES} lanes, batch {}",
+        a.events, a.batch
+    );
+    let mut throughput = Vec::new();
+    for relays in 1..=3_usize {
+        let topic = format!("bench-lanes-{relays}-{run}");
+        outbox_runtime::kafka::create_topics(&brokers, &[], &[topic.clone()], 4, 1).await?;
+        sqlx::query("TRUNCATE outbox_event").execute(&pool).await?;
+        preload(&pool, a.events, &topic).await?;
+        let spawned = Instant::now();
+        let children = (0..relays)
+            .map(|_| relay(&bench_url, &brokers, a.batch))
+            .collect::<Result<Vec<_>, _>>()?;
+        wait_for(Duration::from_secs(60), || any_published(&pool)).await?;
+        let first = Instant::now();
+        wait_for(Duration::from_secs(300), || drained(&pool)).await?;
+        let rate = a.events as f64 / first.elapsed().as_secs_f64();
+        let _ = spawned;
+        stop(children).await;
+        println!("{relays} relay(s)   {rate:>10.0} events/s");
+        throughput.push(serde_json::json!({ "relays": relays, "events_per_s": rate.round() }));
+    }
+
+    // Takeover: three relays on an idle outbox; one is SIGKILLed; a key of
+    // every lane gets an event right after the kill.
+    let topic = format!("bench-lanes-takeover-{run}");
+    outbox_runtime::kafka::create_topics(&brokers, &[], &[topic.clone()], 4, 1).await?;
+    sqlx::query("TRUNCATE outbox_event").execute(&pool).await?;
+    let keys: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT ON (lane) k FROM
+           (SELECT 'key-' || g AS k, (hashtext('key-' || g) & 2147483647) % $1 AS lane
+            FROM generate_series(1, 1000) g) t ORDER BY lane, k",
+    )
+    .bind(LANES)
+    .fetch_all(&pool)
+    .await?;
+    let mut children = (0..3)
+        .map(|_| relay(&bench_url, &brokers, a.batch))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut locks_ms = Vec::new();
+    let mut publish_ms = Vec::new();
+    for round in 0..a.kills {
+        wait_for(Duration::from_secs(30), || async {
+            lane_holders(&pool).await.map(|(l, p)| l == LANES && p == 3)
+        })
+        .await?;
+        // Let the three settle on their shares.
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let victim = round % children.len();
+        let killed = Instant::now();
+        signal(&children[victim], "-KILL");
+        let _ = children[victim].wait().await;
+        sqlx::query(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, topic, partition_key, payload, headers)
+             SELECT gen_random_uuid(), 'Order', k, 'OrderPlaced', $2, k, '{}'::jsonb, '{}'::jsonb
+             FROM unnest($1::text[]) AS k",
+        )
+        .bind(&keys)
+        .bind(&topic)
+        .execute(&pool)
+        .await?;
+        wait_for(Duration::from_secs(30), || async {
+            lane_holders(&pool).await.map(|(l, p)| l == LANES && p == 2)
+        })
+        .await?;
+        locks_ms.push(killed.elapsed().as_secs_f64() * 1e3);
+        wait_for(Duration::from_secs(30), || drained(&pool)).await?;
+        publish_ms.push(killed.elapsed().as_secs_f64() * 1e3);
+        children[victim] = relay(&bench_url, &brokers, a.batch)?;
+    }
+    stop(children).await;
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let max = |v: &[f64]| v.iter().copied().fold(f64::NAN, f64::max);
+    let (lock_med, lock_max) = (median(&mut locks_ms), max(&locks_ms));
+    let (pub_med, pub_max) = (median(&mut publish_ms), max(&publish_ms));
+    println!(
+        "takeover after SIGKILL ({} kills): lanes re-owned median {lock_med:.0} ms (max {lock_max:.0}); an event of every lane published median {pub_med:.0} ms (max {pub_max:.0})",
+        a.kills
+    );
+    let json = serde_json::json!({
+        "benchmark": "lanes",
+        "events": a.events,
+        "lanes": LANES,
+        "batch": a.batch,
+        "throughput": throughput,
+        "takeover_kills": a.kills,
+        "takeover_lanes_reowned_ms_median": lock_med.round(),
+        "takeover_lanes_reowned_ms_max": lock_max.round(),
+        "takeover_all_lanes_published_ms_median": pub_med.round(),
+        "takeover_all_lanes_published_ms_max": pub_max.round(),
+    });
+    println!("{json}");
+    if let Some(path) = a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
+    }
+    pool.close().await;
+    sqlx::query("DROP DATABASE IF EXISTS outbox_bench_lanes WITH (FORCE)")
+        .execute(&mut conn)
+        .await?;
+    Ok(())
+}
