@@ -172,7 +172,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut throughput = Vec::new();
     for relays in 1..=3_usize {
         let topic = format!("bench-lanes-{relays}-{run}");
-        outbox_runtime::kafka::create_topics(&brokers, &[], &[topic.clone()], 4, 1).await?;
+        outbox_runtime::kafka::create_topics(&brokers, &[], std::slice::from_ref(&topic), 4, 1)
+            .await?;
         sqlx::query("TRUNCATE outbox_event").execute(&pool).await?;
         preload(&pool, a.events, &topic).await?;
         let spawned = Instant::now();
@@ -192,7 +193,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Takeover: three relays on an idle outbox; one is SIGKILLed; a key of
     // every lane gets an event right after the kill.
     let topic = format!("bench-lanes-takeover-{run}");
-    outbox_runtime::kafka::create_topics(&brokers, &[], &[topic.clone()], 4, 1).await?;
+    outbox_runtime::kafka::create_topics(&brokers, &[], std::slice::from_ref(&topic), 4, 1).await?;
     sqlx::query("TRUNCATE outbox_event").execute(&pool).await?;
     let keys: Vec<String> = sqlx::query_scalar(
         "SELECT DISTINCT ON (lane) k FROM
