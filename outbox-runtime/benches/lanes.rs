@@ -1,5 +1,5 @@
-//! Lanes benchmark: drain throughput of 1, 2 and 3 relay processes sharing
-//! the lanes of one outbox, and the time survivors take to take over the
+//! Lanes benchmark: drain throughput of one relay without lanes, and of 1, 2
+//! and 3 relay processes sharing the lanes of one outbox, and the time survivors take to take over the
 //! lanes of a relay that is SIGKILLed (lane locks back to full coverage, and
 //! an event of every lane, committed right after the kill, published).
 //!
@@ -66,8 +66,18 @@ async fn preload(pool: &PgPool, n: i64, topic: &str) -> Result<(), sqlx::Error> 
 }
 
 fn relay(url: &str, brokers: &str, batch: i64) -> std::io::Result<tokio::process::Child> {
+    relay_with_lanes(url, brokers, batch, LANES)
+}
+
+fn relay_with_lanes(
+    url: &str,
+    brokers: &str,
+    batch: i64,
+    lanes: i64,
+) -> std::io::Result<tokio::process::Child> {
     tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox"))
         .args(["relay", "--batch-size", &batch.to_string()])
+        .args(["--lanes", &lanes.to_string()])
         .env("DATABASE_URL", url)
         .env("KAFKA_BROKERS", brokers)
         .env("RUST_LOG", "warn")
@@ -169,25 +179,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "lanes benchmark: {} events over 1000 keys, {LANES} lanes, batch {}",
         a.events, a.batch
     );
+    // One relay without lanes first: the cost of lanes, in the same run.
     let mut throughput = Vec::new();
-    for relays in 1..=3_usize {
-        let topic = format!("bench-lanes-{relays}-{run}");
+    for (relays, lanes) in [(1_usize, 0_i64), (1, LANES), (2, LANES), (3, LANES)] {
+        let topic = format!("bench-lanes-{relays}-{lanes}-{run}");
         outbox_runtime::kafka::create_topics(&brokers, &[], std::slice::from_ref(&topic), 4, 1)
             .await?;
         sqlx::query("TRUNCATE outbox_event").execute(&pool).await?;
         preload(&pool, a.events, &topic).await?;
-        let spawned = Instant::now();
         let children = (0..relays)
-            .map(|_| relay(&bench_url, &brokers, a.batch))
+            .map(|_| relay_with_lanes(&bench_url, &brokers, a.batch, lanes))
             .collect::<Result<Vec<_>, _>>()?;
         wait_for(Duration::from_secs(60), || any_published(&pool)).await?;
         let first = Instant::now();
         wait_for(Duration::from_secs(300), || drained(&pool)).await?;
         let rate = a.events as f64 / first.elapsed().as_secs_f64();
-        let _ = spawned;
         stop(children).await;
-        println!("{relays} relay(s)   {rate:>10.0} events/s");
-        throughput.push(serde_json::json!({ "relays": relays, "events_per_s": rate.round() }));
+        println!("{relays} relay(s), {lanes:>2} lanes   {rate:>10.0} events/s");
+        throughput.push(
+            serde_json::json!({ "relays": relays, "lanes": lanes, "events_per_s": rate.round() }),
+        );
     }
 
     // Takeover: three relays on an idle outbox; one is SIGKILLed; a key of
