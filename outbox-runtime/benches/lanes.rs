@@ -1,7 +1,8 @@
-//! Lanes benchmark: drain throughput of one relay without lanes, and of 1, 2
-//! and 3 relay processes sharing the lanes of one outbox, and the time survivors take to take over the
-//! lanes of a relay that is SIGKILLed (lane locks back to full coverage, and
-//! an event of every lane, committed right after the kill, published).
+//! Lanes benchmark: drain throughput of one relay without lanes and of 1, 2
+//! and 3 relay processes sharing the lanes of one outbox; then the time the
+//! survivors take over the lanes of a relay that is SIGKILLed (lane locks
+//! back to full coverage, and an event of every lane, committed right after
+//! the kill, published).
 //!
 //! `cargo bench -p outbox-runtime --bench lanes -- [--events N] [--batch N] [--kills N] [--json PATH]`
 //!
