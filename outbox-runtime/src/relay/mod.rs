@@ -11,8 +11,8 @@
 //! Submodules: [`claim`](self::claim) (the SQL), [`publish`](self::publish)
 //! (the producer), [`wake`](self::wake) (LISTEN/NOTIFY and polling).
 
-mod claim;
-mod publish;
+pub(crate) mod claim;
+pub(crate) mod publish;
 mod wake;
 
 use std::collections::HashMap;
@@ -318,6 +318,7 @@ impl Relay {
             pool: &self.pool,
             config: &self.config,
             stats: &self.stats,
+            latency: crate::metrics::relay_batch_latency(),
             blocked: Blocked::default(),
             waker: Waker::new(&self.pool, self.config.listen, self.config.poll_interval),
             broker: Health::new(
@@ -334,8 +335,16 @@ impl Relay {
             marking: None,
             producer_unusable: false,
         };
+        let metrics_stop = CancellationToken::new();
+        let metrics = tokio::spawn(crate::metrics::relay_task(
+            self.pool.clone(),
+            self.stats.clone(),
+            metrics_stop.clone(),
+        ));
         relay.run(&mut publisher, &shutdown).await;
         publisher.flush(Duration::from_secs(10));
+        metrics_stop.cancel();
+        let _ = metrics.await;
         tracing::info!(counts = ?self.stats.snapshot(), "relay stopped");
         Ok(())
     }
@@ -344,6 +353,7 @@ impl Relay {
 /// A batch handed to the producer, awaiting its deliveries.
 struct InFlight {
     batch: Batch,
+    sent_at: Instant,
     outcomes: Vec<Option<Outcome>>,
     pending: Vec<(usize, rdkafka::producer::DeliveryFuture)>,
 }
@@ -398,6 +408,7 @@ struct Loop<'a> {
     pool: &'a PgPool,
     config: &'a RelayConfig,
     stats: &'a RelayStats,
+    latency: metrics::Histogram,
     blocked: Blocked,
     waker: Waker,
     broker: Health,
@@ -419,6 +430,7 @@ impl Loop<'_> {
             let limit = self.config.batch_size as i64;
             let pool = self.pool;
             let in_flight = self.in_flight.take();
+            let latency = &self.latency;
             let step = Instant::now();
             let ((claimed, claim_time), (delivered, delivery_time)) = tokio::join!(
                 async move {
@@ -433,7 +445,12 @@ impl Loop<'_> {
                 async move {
                     let start = Instant::now();
                     let delivered = match in_flight {
-                        Some(f) => Some(f.deliveries().await),
+                        Some(f) => {
+                            let sent_at = f.sent_at;
+                            let delivered = f.deliveries().await;
+                            latency.record(sent_at.elapsed());
+                            Some(delivered)
+                        }
                         None => None,
                     };
                     (delivered, start.elapsed())
@@ -522,6 +539,7 @@ impl Loop<'_> {
         };
         InFlight {
             batch,
+            sent_at: Instant::now(),
             outcomes,
             pending,
         }
