@@ -1,0 +1,74 @@
+//! The Prometheus endpoint with a relay running against the real broker:
+//! the published counter and the backlog gauges as scraped over HTTP. Its
+//! own test binary, so that no other relay in the process adds to the
+//! process-wide counters.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use outbox_runtime::Relay;
+use sqlx::PgPool;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+async fn get(addr: std::net::SocketAddr, path: &str) -> String {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    stream.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+/// The value of an unlabelled sample, if present.
+fn sample(body: &str, name: &str) -> Option<f64> {
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn the_metrics_endpoint_counts_published_events(pool: PgPool) {
+    init_tracing();
+    let server = outbox_runtime::metrics::serve("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let addr = server.local_addr();
+    // A second endpoint shares the process's recorder.
+    let second = outbox_runtime::metrics::serve("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+
+    let topic = unique_topic("metrics");
+    create_topic(&brokers(), &topic).await;
+    commit_messages(&pool, &topic, 120, 6, 40).await;
+    let relay = Relay::builder(pool.clone())
+        .brokers(brokers())
+        .batch_size(50)
+        .spawn()
+        .unwrap();
+    assert!(wait_until_published(&pool, Duration::from_secs(60)).await);
+
+    // Counters are copied every second, the backlog sampled every 5 s.
+    let mut body = String::new();
+    let ok = eventually(Duration::from_secs(15), || {
+        let fetched = get(addr, "/metrics");
+        async {
+            body = fetched.await;
+            sample(&body, "outbox_relay_published_total") == Some(120.0)
+                && sample(&body, "outbox_backlog_events") == Some(0.0)
+        }
+    })
+    .await;
+    assert!(ok, "{body}");
+    assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
+    assert!(body.contains("outbox_relay_batch_duration_seconds_bucket"), "{body}");
+    assert_eq!(sample(&body, "outbox_parked_events"), Some(0.0), "{body}");
+    assert!(sample(&body, "outbox_relay_batches_total").unwrap() >= 3.0, "{body}");
+    assert!(get(second.local_addr(), "/metrics").await.contains("outbox_relay_published_total 120"));
+    assert!(get(addr, "/other").await.starts_with("HTTP/1.1 404"));
+
+    relay.shutdown().await.unwrap();
+}
