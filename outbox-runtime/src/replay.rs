@@ -3,8 +3,9 @@
 //! creation time range, topic, aggregate type or aggregate id, to their
 //! original topic or another one.
 //!
-//! - Only **published** rows are replayed: unpublished ones are the relay's
-//!   (it publishes them anyway), parked ones wait for an operator. The
+//! - Only **published** rows are replayed, up to the newest row when the
+//!   replay starts: unpublished ones are the relay's (it publishes them
+//!   anyway), parked ones wait for an operator. The
 //!   outbox is only read — no row is changed or locked — so a replay is safe
 //!   while relays run and leaves the audit trail as it was.
 //! - Each message is the original one — same key, payload, event id and
@@ -201,10 +202,19 @@ pub async fn replay(pool: &PgPool, options: &ReplayOptions) -> Result<ReplayRepo
     let sql = page_sql();
     let f = &options.filter;
     let mut from = f.from_id.unwrap_or(i64::MIN);
+    // What the outbox holds now: rows committed during the replay are the
+    // relay's business.
+    let newest: Option<i64> = sqlx::query_scalar("SELECT max(id) FROM outbox_event")
+        .fetch_one(pool)
+        .await?;
+    let to_id = match (f.to_id, newest) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
     loop {
         let page: Vec<Row> = sqlx::query_as(&sql)
             .bind(from)
-            .bind(f.to_id)
+            .bind(to_id)
             .bind(f.since)
             .bind(f.until)
             .bind(f.topic.as_deref())

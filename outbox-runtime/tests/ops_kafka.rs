@@ -185,12 +185,19 @@ async fn replay_restores_every_event_after_the_broker_lost_its_data(pool: PgPool
             && m.key.starts_with("order-")),
         "original headers and keys"
     );
-    // In id order per key (the replay sends pages in id order).
-    let mut last: std::collections::HashMap<&str, u64> = Default::default();
+    // In outbox id order per key (the replay sends pages in id order).
+    let outbox_ids: std::collections::HashMap<Uuid, i64> =
+        sqlx::query_as::<_, (Uuid, i64)>("SELECT event_id, id FROM outbox_event")
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    let mut last: std::collections::HashMap<&str, i64> = Default::default();
     for m in &replayed {
-        let seq = m.payload["seq"].as_u64().unwrap();
-        if let Some(prev) = last.insert(m.key.as_str(), seq) {
-            assert!(prev < seq, "key {} out of order", m.key);
+        let id = outbox_ids[&m.event_id()];
+        if let Some(prev) = last.insert(m.key.as_str(), id) {
+            assert!(prev < id, "key {} out of order", m.key);
         }
     }
 
