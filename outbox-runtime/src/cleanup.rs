@@ -186,10 +186,24 @@ pub async fn cleanup(pool: &PgPool, retention: &Retention) -> Result<CleanupRepo
         pause(retention.pause).await;
     }
 
-    report.processed_events =
-        by_pages(pool, "processed_event", PROCESSED_BATCH, cutoff, retention, &mut report).await?;
-    report.inbox_events =
-        by_pages(pool, "inbox_event", INBOX_BATCH, cutoff, retention, &mut report).await?;
+    report.processed_events = by_pages(
+        pool,
+        "processed_event",
+        PROCESSED_BATCH,
+        cutoff,
+        retention,
+        &mut report,
+    )
+    .await?;
+    report.inbox_events = by_pages(
+        pool,
+        "inbox_event",
+        INBOX_BATCH,
+        cutoff,
+        retention,
+        &mut report,
+    )
+    .await?;
     tracing::info!(
         outbox_events = report.outbox_events,
         processed_events = report.processed_events,

@@ -203,9 +203,8 @@ mod exporter {
             .map_err(|e| Error::Config(format!("metrics buckets: {e}")))?
             .build_recorder();
         let handle = recorder.handle();
-        metrics::set_global_recorder(recorder).map_err(|_| {
-            Error::Config("another metrics recorder is already installed".into())
-        })?;
+        metrics::set_global_recorder(recorder)
+            .map_err(|_| Error::Config("another metrics recorder is already installed".into()))?;
         Ok(HANDLE.get_or_init(|| handle))
     }
 
@@ -284,7 +283,10 @@ mod exporter {
                 handle.run_upkeep();
                 ("200 OK", handle.render())
             }
-            ("GET", _) => ("404 Not Found", "not found: the metrics are at /metrics\n".into()),
+            ("GET", _) => (
+                "404 Not Found",
+                "not found: the metrics are at /metrics\n".into(),
+            ),
             _ => ("405 Method Not Allowed", "only GET\n".into()),
         };
         let response = format!(

@@ -251,9 +251,15 @@ mod tests {
 
     #[test]
     fn durations_parse_and_print() {
-        assert_eq!(parse_duration("30d").unwrap(), Duration::from_secs(30 * 86_400));
+        assert_eq!(
+            parse_duration("30d").unwrap(),
+            Duration::from_secs(30 * 86_400)
+        );
         assert_eq!(parse_duration("1h30m").unwrap(), Duration::from_secs(5400));
-        assert_eq!(parse_duration("2w").unwrap(), Duration::from_secs(14 * 86_400));
+        assert_eq!(
+            parse_duration("2w").unwrap(),
+            Duration::from_secs(14 * 86_400)
+        );
         for bad in ["", "30", "d", "3x", "1.5h", "-1d", "99999999999999999999w"] {
             assert!(parse_duration(bad).is_err(), "{bad}");
         }

@@ -106,7 +106,12 @@ impl ReplayOptions {
             }
         }
         if let Some(t) = &self.to_topic {
-            if t.is_empty() || t.len() > 249 || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) {
+            if t.is_empty()
+                || t.len() > 249
+                || !t
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+            {
                 return Err(Error::Config(format!(
                     "invalid --to-topic `{t}`: 1-249 characters of [a-zA-Z0-9._-]"
                 )));

@@ -64,10 +64,20 @@ async fn the_metrics_endpoint_counts_published_events(pool: PgPool) {
     };
     assert!(ok, "{body}");
     assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
-    assert!(body.contains("outbox_relay_batch_duration_seconds_bucket"), "{body}");
+    assert!(
+        body.contains("outbox_relay_batch_duration_seconds_bucket"),
+        "{body}"
+    );
     assert_eq!(sample(&body, "outbox_parked_events"), Some(0.0), "{body}");
-    assert!(sample(&body, "outbox_relay_batches_total").unwrap() >= 3.0, "{body}");
-    assert!(get(second.local_addr(), "/metrics").await.contains("outbox_relay_published_total 120"));
+    assert!(
+        sample(&body, "outbox_relay_batches_total").unwrap() >= 3.0,
+        "{body}"
+    );
+    assert!(
+        get(second.local_addr(), "/metrics")
+            .await
+            .contains("outbox_relay_published_total 120")
+    );
     assert!(get(addr, "/other").await.starts_with("HTTP/1.1 404"));
 
     relay.shutdown().await.unwrap();

@@ -55,11 +55,31 @@ async fn cleanup_deletes_old_published_and_processed_rows_only(pool: PgPool) {
     let old_parked = rows(&pool, &topic, 2).await;
     let old_dropped = rows(&pool, &topic, 1).await;
     let old = "created_at = now() - interval '40 days'";
-    set(&pool, &format!("{old}, published_at = now() - interval '40 days'"), &old_published).await;
-    set(&pool, "published_at = now() - interval '1 day'", &young_published).await;
+    set(
+        &pool,
+        &format!("{old}, published_at = now() - interval '40 days'"),
+        &old_published,
+    )
+    .await;
+    set(
+        &pool,
+        "published_at = now() - interval '1 day'",
+        &young_published,
+    )
+    .await;
     set(&pool, old, &old_unpublished).await;
-    set(&pool, &format!("{old}, parked_at = now() - interval '39 days', attempts = 5"), &old_parked).await;
-    set(&pool, &format!("{old}, parked_at = now(), discarded_at = now(), discard_reason = 'x'"), &old_dropped).await;
+    set(
+        &pool,
+        &format!("{old}, parked_at = now() - interval '39 days', attempts = 5"),
+        &old_parked,
+    )
+    .await;
+    set(
+        &pool,
+        &format!("{old}, parked_at = now(), discarded_at = now(), discard_reason = 'x'"),
+        &old_dropped,
+    )
+    .await;
 
     // Dedup rows: 2,500 old ones interleaved with 500 young ones (several
     // page ranges), of two consumers.
@@ -85,11 +105,16 @@ async fn cleanup_deletes_old_published_and_processed_rows_only(pool: PgPool) {
     .execute(&pool)
     .await
     .unwrap();
-    sqlx::query("UPDATE inbox_event SET processed = true WHERE processed_at > now() - interval '2 days'")
+    sqlx::query(
+        "UPDATE inbox_event SET processed = true WHERE processed_at > now() - interval '2 days'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE processed_event")
         .execute(&pool)
         .await
         .unwrap();
-    sqlx::query("ANALYZE processed_event").execute(&pool).await.unwrap();
 
     let retention = Retention::new(days(30)).batch_size(2);
     let report = cleanup::cleanup(&pool, &retention).await.unwrap();
@@ -120,7 +145,11 @@ async fn cleanup_deletes_old_published_and_processed_rows_only(pool: PgPool) {
     // A second pass finds nothing more.
     let again = cleanup::cleanup(&pool, &retention).await.unwrap();
     assert_eq!(
-        (again.outbox_events, again.processed_events, again.inbox_events),
+        (
+            again.outbox_events,
+            again.processed_events,
+            again.inbox_events
+        ),
         (0, 0, 0)
     );
 }
@@ -145,8 +174,19 @@ async fn a_retention_shorter_than_the_dedup_window_is_refused(pool: PgPool) {
         message.contains("retention 2d is shorter than the dedup window 7d"),
         "{message}"
     );
-    assert!(cleanup::cleanup_as_leader(&pool, &Retention::new(days(2))).await.is_err());
-    assert!(Cleanup::new(pool.clone(), Retention::new(days(2)), Duration::from_secs(1)).is_err());
+    assert!(
+        cleanup::cleanup_as_leader(&pool, &Retention::new(days(2)))
+            .await
+            .is_err()
+    );
+    assert!(
+        Cleanup::new(
+            pool.clone(),
+            Retention::new(days(2)),
+            Duration::from_secs(1)
+        )
+        .is_err()
+    );
     let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM processed_event")
         .fetch_one(&pool)
         .await
@@ -216,7 +256,12 @@ async fn concurrent_cleanup_jobs_have_one_leader(pool: PgPool) {
 async fn dropping_parked_rows_keeps_them_out_of_the_queue(pool: PgPool) {
     let topic = unique_topic("drop");
     let ids = rows(&pool, &topic, 4).await;
-    set(&pool, "parked_at = now(), attempts = 5, last_error = 'too large'", &ids[..3]).await;
+    set(
+        &pool,
+        "parked_at = now(), attempts = 5, last_error = 'too large'",
+        &ids[..3],
+    )
+    .await;
 
     // A reason is required.
     assert!(matches!(
@@ -224,9 +269,13 @@ async fn dropping_parked_rows_keeps_them_out_of_the_queue(pool: PgPool) {
         Err(Error::Config(_))
     ));
     // Only parked rows can be dropped: the unparked one is ignored.
-    let n = ops::discard_parked(&pool, Some(&[ids[0], ids[3]]), "payload rejected by the broker")
-        .await
-        .unwrap();
+    let n = ops::discard_parked(
+        &pool,
+        Some(&[ids[0], ids[3]]),
+        "payload rejected by the broker",
+    )
+    .await
+    .unwrap();
     assert_eq!(n, 1);
     let (discarded, reason, parked): (bool, Option<String>, bool) = sqlx::query_as(
         "SELECT discarded_at IS NOT NULL, discard_reason, parked_at IS NOT NULL
@@ -239,16 +288,30 @@ async fn dropping_parked_rows_keeps_them_out_of_the_queue(pool: PgPool) {
     assert!(discarded && parked, "kept, still out of the relay's queue");
     assert_eq!(reason.as_deref(), Some("payload rejected by the broker"));
 
-    let listed: Vec<i64> = ops::parked(&pool, 100).await.unwrap().iter().map(|p| p.id).collect();
+    let listed: Vec<i64> = ops::parked(&pool, 100)
+        .await
+        .unwrap()
+        .iter()
+        .map(|p| p.id)
+        .collect();
     assert_eq!(listed, ids[1..3].to_vec());
     let status = ops::status(&pool).await.unwrap();
-    assert_eq!((status.parked, status.discarded, status.unpublished), (2, 1, 1));
+    assert_eq!(
+        (status.parked, status.discarded, status.unpublished),
+        (2, 1, 1)
+    );
 
     // --all requeues the parked rows, not the dropped one; its id does.
     assert_eq!(ops::requeue_parked(&pool, None).await.unwrap(), 2);
     assert_eq!(ops::status(&pool).await.unwrap().discarded, 1);
-    assert_eq!(ops::requeue_parked(&pool, Some(&ids[..1])).await.unwrap(), 1);
+    assert_eq!(
+        ops::requeue_parked(&pool, Some(&ids[..1])).await.unwrap(),
+        1
+    );
     let status = ops::status(&pool).await.unwrap();
-    assert_eq!((status.parked, status.discarded, status.unpublished), (0, 0, 4));
+    assert_eq!(
+        (status.parked, status.discarded, status.unpublished),
+        (0, 0, 4)
+    );
     let _ = Uuid::nil();
 }

@@ -129,7 +129,12 @@ async fn replay_restores_every_event_after_the_broker_lost_its_data(pool: PgPool
             .unwrap()
     };
     let c = consumer(&pool, &brokers);
-    assert!(eventually(Duration::from_secs(60), || async { projected(&pool).await == 300 }).await);
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            projected(&pool).await == 300
+        })
+        .await
+    );
     c.shutdown().await.unwrap();
 
     // The broker loses everything: a fresh in-memory broker on the same port.
@@ -180,9 +185,11 @@ async fn replay_restores_every_event_after_the_broker_lost_its_data(pool: PgPool
         replayed.iter().map(|m| m.event_id()).collect();
     assert!(ids.iter().all(|id| replayed_ids.contains(id)));
     assert!(
-        replayed.iter().all(|m| m.headers.contains_key("correlation_id")
-            && m.headers.contains_key("traceparent")
-            && m.key.starts_with("order-")),
+        replayed
+            .iter()
+            .all(|m| m.headers.contains_key("correlation_id")
+                && m.headers.contains_key("traceparent")
+                && m.key.starts_with("order-")),
         "original headers and keys"
     );
     // In outbox id order per key (the replay sends pages in id order).
@@ -205,7 +212,12 @@ async fn replay_restores_every_event_after_the_broker_lost_its_data(pool: PgPool
     // again: the replayed events are duplicates, the new ones are applied.
     let before = calls.load(Ordering::SeqCst);
     let c = consumer(&pool, &brokers);
-    assert!(eventually(Duration::from_secs(60), || async { projected(&pool).await == 400 }).await);
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            projected(&pool).await == 400
+        })
+        .await
+    );
     assert!(
         eventually(Duration::from_secs(30), || async {
             c.counts().duplicates >= 300
@@ -220,10 +232,11 @@ async fn replay_restores_every_event_after_the_broker_lost_its_data(pool: PgPool
         100,
         "only the new events' handlers ran"
     );
-    let published: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE published_at IS NOT NULL")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let published: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE published_at IS NOT NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
     assert_eq!(published, 400, "the replay changed no row");
     drop(broker);
 }
@@ -257,7 +270,10 @@ async fn a_replay_that_cannot_deliver_stops_and_names_where_to_resume(pool: PgPo
         }
         other => panic!("expected ReplayStopped, got {other:?}"),
     }
-    assert!(error.to_string().contains(&format!("--from-id {first}")), "{error}");
+    assert!(
+        error.to_string().contains(&format!("--from-id {first}")),
+        "{error}"
+    );
     assert_eq!(ids.len(), 10);
 
     // Bad filters are refused before anything is sent.
@@ -269,10 +285,16 @@ async fn a_replay_that_cannot_deliver_stops_and_names_where_to_resume(pool: PgPo
             ..ReplayFilter::default()
         },
     );
-    assert!(matches!(replay::replay(&pool, &bad).await, Err(Error::Config(_))));
+    assert!(matches!(
+        replay::replay(&pool, &bad).await,
+        Err(Error::Config(_))
+    ));
     bad.filter = ReplayFilter::default();
     bad.to_topic = Some("no spaces".into());
-    assert!(matches!(replay::replay(&pool, &bad).await, Err(Error::Config(_))));
+    assert!(matches!(
+        replay::replay(&pool, &bad).await,
+        Err(Error::Config(_))
+    ));
 }
 
 /// Every id arrived (duplicates allowed), nothing else.
@@ -362,18 +384,28 @@ async fn one_trace_from_the_command_to_the_follow_up_event(pool: PgPool) {
     // A command that starts its own trace, and one that continues the
     // caller's (e.g. an HTTP request's).
     let mut uow = UnitOfWork::begin(&pool).await.unwrap();
-    uow.record(TraceOrder { order: "o-1".into() });
+    uow.record(TraceOrder {
+        order: "o-1".into(),
+    });
     uow.commit().await.unwrap();
     let caller = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
     let mut uow = UnitOfWork::begin(&pool).await.unwrap();
     assert!(uow.set_trace_context("not a traceparent", None).is_err());
     uow.set_trace_context(caller, Some("vendor=1")).unwrap();
-    uow.record(TraceOrder { order: "o-2".into() });
+    uow.record(TraceOrder {
+        order: "o-2".into(),
+    });
     uow.commit().await.unwrap();
 
     let originals = headers_of(&pool, "OrderPlaced").await;
     assert_eq!(originals.len(), 2);
-    let started: TraceParent = originals[0].1.traceparent.as_deref().unwrap().parse().unwrap();
+    let started: TraceParent = originals[0]
+        .1
+        .traceparent
+        .as_deref()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert_eq!(originals[1].1.traceparent.as_deref(), Some(caller));
     assert_eq!(originals[1].1.tracestate.as_deref(), Some("vendor=1"));
 

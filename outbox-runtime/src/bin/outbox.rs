@@ -418,7 +418,9 @@ async fn run(cli: Cli) -> Result<(), Error> {
             let ids = selection.ids()?;
             let pool = connect(url, 2).await?;
             let n = ops::discard_parked(&pool, ids.as_deref(), &reason).await?;
-            println!("dropped {n} parked rows (kept as discarded; `outbox parked requeue --id N` undoes it)");
+            println!(
+                "dropped {n} parked rows (kept as discarded; `outbox parked requeue --id N` undoes it)"
+            );
         }
         Command::Replay(args) => run_replay(url, args).await?,
         Command::Cleanup(args) => run_cleanup(url, args).await?,
@@ -555,10 +557,7 @@ fn print_status(s: &ops::Status) {
         "PUBLISHED",
     ];
     print!("{}", table(&header, &rows));
-    println!(
-        "notify: {}",
-        if s.notify_enabled { "on" } else { "off" }
-    );
+    println!("notify: {}", if s.notify_enabled { "on" } else { "off" });
 }
 
 /// An age for people: `850ms`, `42s`, `3m 12s`, `5h 02m`, `2d 03h`.
