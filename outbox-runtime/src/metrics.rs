@@ -4,12 +4,12 @@
 //! installs the recorder and answers `GET /metrics` on a small HTTP
 //! listener of its own.
 //!
-//! Nothing is recorded per event on the hot paths: the relay and the
-//! consumers keep their atomic counters ([`RelayCounts`](crate::RelayCounts),
-//! [`ConsumerCounts`](crate::ConsumerCounts)); a task per relay or consumer
-//! copies their increments into the metrics every second and samples the
-//! outbox's backlog every few seconds (one query on the partial indexes).
-//! Latencies are recorded once per batch.
+//! No metric is touched per event: the relay and the consumers keep their
+//! atomic counters ([`RelayCounts`], [`ConsumerCounts`]); a task per relay
+//! or consumer copies their increments into the metrics every second, and
+//! the relay's task samples the outbox's backlog every 5 seconds (one query
+//! on the partial indexes). Latencies are recorded once per batch (a
+//! consumer sums its handlers' time over the batch and records the mean).
 //!
 //! | metric | type | labels | meaning |
 //! |---|---|---|---|
@@ -26,7 +26,7 @@
 //! | `outbox_consumer_duplicates_total` | counter | `group` | dedup hits: events skipped as already applied |
 //! | `outbox_consumer_dead_lettered_total` | counter | `group` | messages and events dead-lettered |
 //! | `outbox_consumer_handler_failures_total` | counter | `group` | failed handler attempts |
-//! | `outbox_consumer_batch_duration_seconds` | histogram | `group` | one batch transaction (dedup mode) |
+//! | `outbox_consumer_batch_duration_seconds` | histogram | `group` | one batch transaction (dedup mode: received messages; inbox mode: a processor's claimed rows) |
 //! | `outbox_consumer_handler_seconds` | histogram | `group` | mean handler time per event, one sample per batch |
 //! | `outbox_consumer_lag` | gauge | `group`, `topic`, `partition` | messages between the committed offset and the end of the partition (librdkafka statistics) |
 //! | `outbox_replayed_total` | counter | | events sent again by `replay` |

@@ -681,7 +681,7 @@ async fn run_cleanup(url: Option<&str>, args: CleanupArgs) -> Result<(), Error> 
                 );
             } else {
                 println!(
-                    "deleted {} published outbox rows, {} processed_event rows, {} processed inbox rows ({} statements)",
+                    "deleted {} published outbox rows, {} processed_event rows, {} processed inbox rows (statements: {})",
                     report.outbox_events,
                     report.processed_events,
                     report.inbox_events,
