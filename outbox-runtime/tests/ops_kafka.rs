@@ -364,6 +364,40 @@ impl InboxHandler for RequestPayment {
     }
 }
 
+/// A span's name and fields.
+type SpanRecord = (String, std::collections::HashMap<String, String>);
+
+/// Records the fields of every span created (on this thread).
+#[derive(Clone, Default)]
+struct Spans(Arc<std::sync::Mutex<Vec<SpanRecord>>>);
+
+struct Fields(std::collections::HashMap<String, String>);
+
+impl tracing::field::Visit for Fields {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(field.name().to_owned(), format!("{value:?}"));
+    }
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.0.insert(field.name().to_owned(), value.to_owned());
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Spans {
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        _: &tracing::span::Id,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        let mut fields = Fields(Default::default());
+        attrs.record(&mut fields);
+        self.0
+            .lock()
+            .unwrap()
+            .push((attrs.metadata().name().to_owned(), fields.0));
+    }
+}
+
 async fn headers_of(pool: &PgPool, event_type: &str) -> Vec<(Uuid, Headers)> {
     let rows: Vec<(Uuid, sqlx::types::Json<Headers>)> = sqlx::query_as(
         "SELECT event_id, headers FROM outbox_event WHERE event_type = $1 ORDER BY id",
@@ -377,7 +411,11 @@ async fn headers_of(pool: &PgPool, event_type: &str) -> Vec<(Uuid, Headers)> {
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn one_trace_from_the_command_to_the_follow_up_event(pool: PgPool) {
-    init_tracing();
+    use tracing_subscriber::layer::SubscriberExt;
+    let spans = Spans::default();
+    // The test's runtime runs every task on this thread.
+    let _subscriber =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
     reset_topic(&brokers(), TraceOrder::TOPIC).await;
     reset_topic(&brokers(), PaymentRequested::TOPIC).await;
 
@@ -440,6 +478,18 @@ async fn one_trace_from_the_command_to_the_follow_up_event(pool: PgPool) {
         assert_ne!(next.parent_id(), sent.parent_id(), "a new parent span");
         assert_eq!(follow.correlation_id, original.correlation_id);
         assert_eq!(follow.tracestate, original.tracestate);
+        // The handling ran in a span of that trace.
+        let recorded = spans.0.lock().unwrap();
+        let span = recorded
+            .iter()
+            .find(|(name, f)| {
+                name == "handle_event"
+                    && f.get("event_id").map(String::as_str) == Some(&original_id.to_string())
+            })
+            .map(|(_, f)| f.clone())
+            .expect("a handle_event span per handled event");
+        assert_eq!(span["trace_id"], sent.trace_id());
+        assert_eq!(span["event_type"], "OrderPlaced");
     }
     assert_ne!(started.trace_id(), "0af7651916cd43dd8448eb211c80319c");
 }
