@@ -75,7 +75,11 @@ pub(crate) async fn relay_task(pool: PgPool, stats: Arc<RelayStats>, shutdown: C
         copy(stats.snapshot());
         if sampled.is_none_or(|t| t.elapsed() >= BACKLOG_INTERVAL) {
             sampled = Some(Instant::now());
-            sample_backlog(&pool).await;
+            // Never holds the relay's shutdown up (e.g. during an outage).
+            tokio::select! {
+                _ = tokio::time::timeout(BACKLOG_INTERVAL, sample_backlog(&pool)) => {}
+                _ = shutdown.cancelled() => break,
+            }
         }
         tokio::select! {
             _ = tokio::time::sleep(COPY_INTERVAL) => {}
