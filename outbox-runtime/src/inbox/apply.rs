@@ -65,22 +65,32 @@ pub(crate) async fn run_handlers(
 }
 
 /// The span of one handled event: its trace id (from the `traceparent`
-/// header, so that logs join the producer's trace), event id and type.
+/// header, so that logs join the producer's trace), event id and type. The
+/// fields are computed only when the span is enabled.
 fn handling_span(event: &Event) -> tracing::Span {
     let incoming = &event.incoming;
-    let trace_id = incoming
-        .headers
-        .traceparent
-        .as_deref()
-        .and_then(|t| t.parse::<outbox_core::TraceParent>().ok())
-        .map(|t| t.trace_id());
     tracing::info_span!(
         "handle_event",
-        trace_id = trace_id.as_deref().unwrap_or(""),
+        trace_id = %TraceIdOf(incoming.headers.traceparent.as_deref()),
         event_id = %incoming.event_id,
         event_type = %incoming.event_type,
         correlation_id = incoming.headers.correlation_id.map(tracing::field::display),
     )
+}
+
+/// Displays the trace id of a `traceparent` (empty if none or malformed).
+struct TraceIdOf<'a>(Option<&'a str>);
+
+impl std::fmt::Display for TraceIdOf<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self
+            .0
+            .and_then(|t| t.parse::<outbox_core::TraceParent>().ok())
+        {
+            Some(t) => f.write_str(&t.trace_id()),
+            None => Ok(()),
+        }
+    }
 }
 
 async fn run_handlers_inner(
