@@ -33,7 +33,8 @@ enum Command {
     Migrate,
     /// Publish the outbox to Kafka until SIGINT/SIGTERM.
     Relay(RelayArgs),
-    /// Backlog, oldest unpublished age and parked rows, per topic.
+    /// Backlog, oldest unpublished age, parked, dropped and published rows,
+    /// per topic.
     Status {
         /// Print JSON instead of a table.
         #[arg(long)]
@@ -48,12 +49,11 @@ enum Command {
     /// Messages consumers could not apply (list, retry, drop).
     #[command(subcommand)]
     DeadLetters(DeadLettersCommand),
-    /// Publish stored (published) events again, in id order, e.g. after the
-    /// broker lost data or to rebuild a projection. Rows are not changed.
+    /// Publish already published events again (after the broker lost data,
+    /// to rebuild a projection); the outbox is only read.
     Replay(ReplayArgs),
-    /// Delete published outbox rows, dedup rows and processed inbox rows
-    /// older than a window, in small batches (never unpublished or parked
-    /// rows).
+    /// Delete old published outbox rows, dedup rows and processed inbox rows,
+    /// in small batches (never unpublished or parked rows).
     Cleanup(CleanupArgs),
     /// The commit-time NOTIFY that wakes idle relays: `on`, `off` or `status`.
     Notify {
@@ -163,7 +163,7 @@ struct CleanupArgs {
 /// Which rows an operation applies to: every row, or the given ids.
 #[derive(Args)]
 struct Selection {
-    /// Every row (of --consumer, if given).
+    /// Every row.
     #[arg(long, conflicts_with = "ids")]
     all: bool,
     /// Row ids (repeatable).
@@ -259,7 +259,7 @@ enum DeadLettersCommand {
 struct DeadLetterSelection {
     #[command(flatten)]
     selection: Selection,
-    /// Only this consumer group.
+    /// Only this consumer group's dead letters (with --all: all of them).
     #[arg(long)]
     consumer: Option<String>,
 }
