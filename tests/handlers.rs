@@ -166,7 +166,17 @@ async fn inbox_handler_work_and_follow_ups_commit_with_the_transaction(pool: PgP
     );
     assert_eq!(headers.causation_id, Some(incoming.event_id));
     assert_eq!(headers.correlation_id, Some(correlation));
-    assert_eq!(headers.traceparent, incoming.headers.traceparent);
+    // The same trace, continued by the handling: same trace id, new span.
+    let sent: outbox::TraceParent = incoming
+        .headers
+        .traceparent
+        .as_deref()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let follow: outbox::TraceParent = headers.traceparent.as_deref().unwrap().parse().unwrap();
+    assert_eq!(follow.trace_id(), sent.trace_id());
+    assert_ne!(follow.parent_id(), sent.parent_id());
 }
 
 #[sqlx::test(migrator = "outbox::MIGRATOR")]

@@ -12,6 +12,7 @@ use std::future::Future;
 use std::pin::Pin;
 
 use sqlx::PgPool;
+use tracing::Instrument;
 
 use crate::error::Error;
 use crate::handler::sealed::Sealed;
@@ -102,7 +103,26 @@ pub async fn execute<H>(
 where
     H: CommandHandler,
 {
-    let mut uow = UnitOfWork::begin(pool).await?;
+    let uow = UnitOfWork::begin(pool).await?;
+    // The command's span carries the trace its events will carry, so the
+    // command's logs join the consumers' (`handle_event` spans).
+    let span = tracing::info_span!(
+        "command",
+        command = H::NAME,
+        trace_id = uow
+            .trace_context()
+            .map(|t| t.trace_id())
+            .unwrap_or_default(),
+        correlation_id = uow.headers().correlation_id.map(tracing::field::display),
+    );
+    run(uow, handler, command).instrument(span).await
+}
+
+async fn run<H: CommandHandler>(
+    mut uow: UnitOfWork,
+    handler: H,
+    command: H::Command,
+) -> Result<H::Output, H::Error> {
     match handler.handle(&mut uow, command).await {
         Ok(output) => {
             uow.commit().await?;

@@ -48,6 +48,10 @@ pub enum Error {
         decoded: &'static str,
     },
 
+    /// A W3C `traceparent` handed to the Unit of Work is malformed.
+    #[error(transparent)]
+    InvalidTraceParent(#[from] crate::trace::InvalidTraceParent),
+
     /// Applying the embedded migrations failed.
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),

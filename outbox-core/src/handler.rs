@@ -18,6 +18,7 @@ use uuid::Uuid;
 use crate::error::Result;
 use crate::event::DomainEvent;
 use crate::message::{Headers, OutboxMessage};
+use crate::trace::TraceParent;
 
 /// The error type handlers return, boxed (any `std::error::Error`).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -68,8 +69,9 @@ impl IncomingEvent {
 /// [`PgConnection`]: `query.execute(&mut **ctx)`) and an outbox recorder for
 /// follow-up events.
 ///
-/// Follow-up events inherit the handled event's correlation id and get its
-/// event id as their causation id. They are written to `outbox_event` in the
+/// Follow-up events inherit the handled event's correlation id, get its
+/// event id as their causation id, and continue its trace (same trace id,
+/// a new parent span id: see [`trace_context`](Self::trace_context)). They are written to `outbox_event` in the
 /// same transaction as the handler's work and the deduplication row, so they
 /// exist if and only if the handling committed.
 pub struct HandlerContext<'c> {
@@ -77,6 +79,7 @@ pub struct HandlerContext<'c> {
     incoming: &'c IncomingEvent,
     recorded: Vec<OutboxMessage>,
     error: Option<crate::Error>,
+    trace: Option<TraceParent>,
 }
 
 impl std::fmt::Debug for HandlerContext<'_> {
@@ -98,6 +101,7 @@ impl<'c> HandlerContext<'c> {
             incoming,
             recorded: Vec::new(),
             error: None,
+            trace: None,
         }
     }
 
@@ -109,6 +113,21 @@ impl<'c> HandlerContext<'c> {
     /// The transaction's connection, for the handler's queries.
     pub fn connection(&mut self) -> &mut PgConnection {
         self.conn
+    }
+
+    /// The trace context follow-up events carry: the handled event's trace
+    /// id with a new parent span id (the handling), or a new trace when the
+    /// handled event carried no valid `traceparent`. The same for every
+    /// follow-up of one handling.
+    pub fn trace_context(&mut self) -> TraceParent {
+        *self.trace.get_or_insert_with(|| {
+            self.incoming
+                .headers
+                .traceparent
+                .as_deref()
+                .and_then(|t| t.parse::<TraceParent>().ok())
+                .map_or_else(TraceParent::new_root, |t| t.child())
+        })
     }
 
     /// Records a follow-up event for the outbox; returns its event id.
@@ -132,12 +151,16 @@ impl<'c> HandlerContext<'c> {
     }
 
     /// Writes the recorded follow-up events to the outbox on the context's
-    /// transaction (correlation carried over, causation = the handled event).
+    /// transaction (correlation carried over, causation = the handled event,
+    /// the trace continued).
     /// Called by the consumer runtime after the handler returned `Ok`.
     #[doc(hidden)]
     pub async fn flush(&mut self) -> Result<Vec<Uuid>> {
         if let Some(error) = self.error.take() {
             return Err(error);
+        }
+        if self.recorded.is_empty() {
+            return Ok(Vec::new());
         }
         let defaults = Headers {
             correlation_id: self
@@ -146,7 +169,7 @@ impl<'c> HandlerContext<'c> {
                 .correlation_id
                 .or(Some(self.incoming.event_id)),
             causation_id: Some(self.incoming.event_id),
-            traceparent: self.incoming.headers.traceparent.clone(),
+            traceparent: Some(self.trace_context().to_string()),
             tracestate: self.incoming.headers.tracestate.clone(),
             extra: Default::default(),
         };

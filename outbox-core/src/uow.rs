@@ -10,6 +10,7 @@ use crate::aggregate::AggregateRoot;
 use crate::error::{Error, Result};
 use crate::event::DomainEvent;
 use crate::message::{Headers, OutboxMessage};
+use crate::trace::TraceParent;
 
 /// The one statement that writes a whole batch of events. `WITH ORDINALITY`
 /// and `ORDER BY` keep the identity (`id`) in record order. Headers and the
@@ -80,9 +81,10 @@ impl std::fmt::Debug for UnitOfWork {
 impl UnitOfWork {
     /// Begins a transaction on `pool`.
     ///
-    /// The Unit of Work gets a fresh correlation id, inherited by every event
-    /// it records unless [`set_correlation_id`](Self::set_correlation_id)
-    /// replaces it.
+    /// The Unit of Work gets a fresh correlation id and starts a new W3C
+    /// trace (`traceparent`), inherited by every event it records unless
+    /// [`set_correlation_id`](Self::set_correlation_id) or
+    /// [`set_trace_context`](Self::set_trace_context) replaces them.
     pub async fn begin(pool: &PgPool) -> Result<Self> {
         Ok(Self::from_transaction(pool.begin().await?))
     }
@@ -95,6 +97,7 @@ impl UnitOfWork {
             error: None,
             headers: Headers {
                 correlation_id: Some(Uuid::now_v7()),
+                traceparent: Some(TraceParent::new_root().to_string()),
                 ..Headers::default()
             },
         }
@@ -159,6 +162,23 @@ impl UnitOfWork {
     /// Sets the correlation id the recorded events carry.
     pub fn set_correlation_id(&mut self, id: Uuid) {
         self.headers.correlation_id = Some(id);
+    }
+
+    /// Continues the caller's trace: the recorded events carry this W3C
+    /// `traceparent` (the span that did the work, e.g. the incoming HTTP
+    /// request's) and `tracestate`, instead of the new trace the Unit of
+    /// Work started. A malformed `traceparent` is refused and changes
+    /// nothing.
+    pub fn set_trace_context(&mut self, traceparent: &str, tracestate: Option<&str>) -> Result<()> {
+        let parsed: TraceParent = traceparent.parse()?;
+        self.headers.traceparent = Some(parsed.to_string());
+        self.headers.tracestate = tracestate.map(str::to_owned);
+        Ok(())
+    }
+
+    /// The trace context the recorded events carry.
+    pub fn trace_context(&self) -> Option<TraceParent> {
+        self.headers.traceparent.as_deref()?.parse().ok()
     }
 
     /// Sets the causation id (the message that caused this work).

@@ -29,6 +29,24 @@ pub enum Error {
         reason: String,
     },
 
+    /// A replay stopped on deliveries that kept failing; what was sent
+    /// before stays sent.
+    #[error(
+        "replay stopped after {replayed} events: {reason}; run it again from outbox id {resume_from} (--from-id {resume_from})"
+    )]
+    ReplayStopped {
+        /// Events replayed before it stopped.
+        replayed: u64,
+        /// The first outbox id not (completely) replayed.
+        resume_from: i64,
+        /// The last delivery error.
+        reason: String,
+    },
+
+    /// Another cleanup job holds the leader lock.
+    #[error("another cleanup job is running (it holds the leader lock); nothing was deleted")]
+    CleanupBusy,
+
     /// A background task panicked or was aborted.
     #[error("background task failed: {0}")]
     Task(String),

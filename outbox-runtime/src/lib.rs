@@ -1,7 +1,9 @@
 //! Runtime of the outbox framework: the [`relay`] that publishes the outbox
 //! to Kafka, the consumer side ([`inbox`]: deduplicating or inbox consumers
 //! with typed handlers, dead letters), the operations queries behind the
-//! `outbox` CLI ([`ops`]), and the shared Kafka settings ([`kafka`]).
+//! `outbox` CLI ([`ops`]), replay ([`replay`]), retention ([`cleanup`]),
+//! Prometheus metrics ([`metrics`]), and the shared Kafka settings
+//! ([`kafka`]).
 //!
 //! The relay's producer is private to it: nothing in this crate hands a
 //! Kafka producer to application code.
@@ -10,11 +12,14 @@
 #![warn(missing_docs)]
 
 mod backoff;
+pub mod cleanup;
 mod error;
 pub mod inbox;
 pub mod kafka;
+pub mod metrics;
 pub mod ops;
 pub mod relay;
+pub mod replay;
 
 pub use error::{Error, Result};
 pub use inbox::{

@@ -1,11 +1,20 @@
 //! Operations on the outbox table used by the `outbox` CLI and by
-//! applications: status, parked rows (list, requeue), the NOTIFY switch, and
-//! the topics the stored events name.
+//! applications: status, parked rows (list, requeue, drop), the NOTIFY
+//! switch, the topics the stored events name, and the duration syntax of
+//! the CLI (`30d`, `1h30m`). Replay and retention have their own modules
+//! ([`replay`](crate::replay), [`cleanup`](crate::cleanup)).
+//!
+//! Dropping a parked row does not delete it: the row is marked discarded
+//! (`discarded_at`, `discard_reason`), stays out of the relay's queue and of
+//! the parked list, and is kept for the audit trail; the retention job
+//! never deletes it; `requeue_parked` with its id puts it back.
+
+use std::time::Duration;
 
 use serde::Serialize;
 use sqlx::PgPool;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// Backlog of one topic.
 #[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
@@ -16,8 +25,10 @@ pub struct TopicStatus {
     pub unpublished: i64,
     /// Age in seconds of the oldest unpublished row, if any.
     pub oldest_unpublished_secs: Option<f64>,
-    /// Parked rows (given up after repeated failures).
+    /// Parked rows (given up after repeated failures), dropped ones excluded.
     pub parked: i64,
+    /// Parked rows dropped by an operator (kept, never published).
+    pub discarded: i64,
     /// Published rows still kept.
     pub published: i64,
 }
@@ -29,8 +40,12 @@ pub struct Status {
     pub unpublished: i64,
     /// Age in seconds of the oldest unpublished row, if any.
     pub oldest_unpublished_secs: Option<f64>,
-    /// Parked rows.
+    /// Parked rows, dropped ones excluded.
     pub parked: i64,
+    /// Parked rows dropped by an operator.
+    pub discarded: i64,
+    /// Published rows still kept.
+    pub published: i64,
     /// Whether commits NOTIFY idle relays.
     pub notify_enabled: bool,
     /// Per topic.
@@ -45,7 +60,9 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
                 EXTRACT(EPOCH FROM now() - min(created_at)
                     FILTER (WHERE published_at IS NULL AND parked_at IS NULL))::float8
                     AS oldest_unpublished_secs,
-                count(*) FILTER (WHERE published_at IS NULL AND parked_at IS NOT NULL) AS parked,
+                count(*) FILTER (WHERE published_at IS NULL AND parked_at IS NOT NULL
+                                 AND discarded_at IS NULL) AS parked,
+                count(*) FILTER (WHERE discarded_at IS NOT NULL) AS discarded,
                 count(*) FILTER (WHERE published_at IS NOT NULL) AS published
          FROM outbox_event GROUP BY topic ORDER BY topic",
     )
@@ -53,6 +70,8 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
     .await?;
     let unpublished = topics.iter().map(|t| t.unpublished).sum();
     let parked = topics.iter().map(|t| t.parked).sum();
+    let discarded = topics.iter().map(|t| t.discarded).sum();
+    let published = topics.iter().map(|t| t.published).sum();
     let oldest_unpublished_secs = topics
         .iter()
         .filter_map(|t| t.oldest_unpublished_secs)
@@ -63,6 +82,8 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
         unpublished,
         oldest_unpublished_secs,
         parked,
+        discarded,
+        published,
         notify_enabled: notify_enabled(pool).await?,
         topics,
     })
@@ -91,7 +112,8 @@ pub struct ParkedEvent {
 pub async fn parked(pool: &PgPool, limit: i64) -> Result<Vec<ParkedEvent>> {
     Ok(sqlx::query_as(
         "SELECT id, event_id, topic, event_type, partition_key, attempts, last_error
-         FROM outbox_event WHERE parked_at IS NOT NULL AND published_at IS NULL
+         FROM outbox_event
+         WHERE parked_at IS NOT NULL AND published_at IS NULL AND discarded_at IS NULL
          ORDER BY id LIMIT $1",
     )
     .bind(limit)
@@ -100,14 +122,37 @@ pub async fn parked(pool: &PgPool, limit: i64) -> Result<Vec<ParkedEvent>> {
 }
 
 /// Puts parked rows back in the relay's queue (attempts reset); `ids = None`
-/// requeues every parked row. Returns how many were requeued.
+/// requeues every parked row except dropped ones, explicit ids requeue
+/// dropped rows too (undoing the drop). Returns how many were requeued.
 pub async fn requeue_parked(pool: &PgPool, ids: Option<&[i64]>) -> Result<u64> {
     let result = sqlx::query(
-        "UPDATE outbox_event SET parked_at = NULL, attempts = 0
+        "UPDATE outbox_event
+         SET parked_at = NULL, attempts = 0, discarded_at = NULL, discard_reason = NULL
          WHERE parked_at IS NOT NULL AND published_at IS NULL
+           AND (($1::bigint[] IS NULL AND discarded_at IS NULL) OR id = ANY($1))",
+    )
+    .bind(ids)
+    .execute(pool)
+    .await?;
+    Ok(result.rows_affected())
+}
+
+/// Drops parked rows: marks them discarded with `reason` (kept for the
+/// audit trail, never published, never deleted by the retention job);
+/// `ids = None` drops every parked row. Returns how many were dropped.
+pub async fn discard_parked(pool: &PgPool, ids: Option<&[i64]>, reason: &str) -> Result<u64> {
+    if reason.trim().is_empty() {
+        return Err(Error::Config(
+            "a reason is required to drop parked rows (--reason)".into(),
+        ));
+    }
+    let result = sqlx::query(
+        "UPDATE outbox_event SET discarded_at = now(), discard_reason = $2
+         WHERE parked_at IS NOT NULL AND published_at IS NULL AND discarded_at IS NULL
            AND ($1::bigint[] IS NULL OR id = ANY($1))",
     )
     .bind(ids)
+    .bind(reason)
     .execute(pool)
     .await?;
     Ok(result.rows_affected())
@@ -142,4 +187,83 @@ pub async fn outbox_topics(pool: &PgPool) -> Result<Vec<String>> {
             .fetch_all(pool)
             .await?,
     )
+}
+
+/// Parses a duration: a sequence of `<number><unit>` with units `s`, `m`,
+/// `h`, `d` and `w` (`30d`, `1h30m`, `90s`).
+pub fn parse_duration(text: &str) -> Result<Duration> {
+    let invalid = || {
+        Error::Config(format!(
+            "invalid duration `{text}`: use e.g. 30d, 12h, 1h30m, 90s (units s, m, h, d, w)"
+        ))
+    };
+    let mut total: u64 = 0;
+    let mut number = String::new();
+    let trimmed = text.trim();
+    if trimmed.is_empty() {
+        return Err(invalid());
+    }
+    for c in trimmed.chars() {
+        if c.is_ascii_digit() {
+            number.push(c);
+            continue;
+        }
+        let unit: u64 = match c {
+            's' => 1,
+            'm' => 60,
+            'h' => 3600,
+            'd' => 86_400,
+            'w' => 604_800,
+            _ => return Err(invalid()),
+        };
+        let n: u64 = number.parse().map_err(|_| invalid())?;
+        number.clear();
+        total = n
+            .checked_mul(unit)
+            .and_then(|v| total.checked_add(v))
+            .ok_or_else(invalid)?;
+    }
+    if !number.is_empty() {
+        return Err(invalid());
+    }
+    Ok(Duration::from_secs(total))
+}
+
+/// Formats a duration in the syntax [`parse_duration`] reads (`7d`, `1h30m`).
+pub fn format_duration(d: Duration) -> String {
+    let mut secs = d.as_secs();
+    if secs == 0 {
+        return "0s".into();
+    }
+    let mut out = String::new();
+    for (unit, size) in [("d", 86_400), ("h", 3600), ("m", 60), ("s", 1)] {
+        if secs >= size {
+            out.push_str(&format!("{}{unit}", secs / size));
+            secs %= size;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_and_print() {
+        assert_eq!(
+            parse_duration("30d").unwrap(),
+            Duration::from_secs(30 * 86_400)
+        );
+        assert_eq!(parse_duration("1h30m").unwrap(), Duration::from_secs(5400));
+        assert_eq!(
+            parse_duration("2w").unwrap(),
+            Duration::from_secs(14 * 86_400)
+        );
+        for bad in ["", "30", "d", "3x", "1.5h", "-1d", "99999999999999999999w"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+        assert_eq!(format_duration(Duration::from_secs(7 * 86_400)), "7d");
+        assert_eq!(format_duration(Duration::from_secs(5400)), "1h30m");
+    }
 }

@@ -63,10 +63,17 @@ async fn migrate_status_topics_parked_and_notify(pool: PgPool) {
 
     let o = outbox(Some(&url), &["status"]).await;
     let (out, _) = text(&o);
+    let lines: Vec<&str> = out.lines().collect();
     assert!(
-        out.contains("unpublished: 7") && out.contains(&topic),
+        lines[0].starts_with("TOPIC") && lines[0].contains("UNPUBLISHED"),
         "{out}"
     );
+    let row: Vec<&str> = lines[1].split_whitespace().collect();
+    assert_eq!(row[..2], [topic.as_str(), "7"], "{out}");
+    assert!(lines[2].starts_with("TOTAL"), "{out}");
+    // Columns are aligned: every row as wide as the header's columns.
+    assert_eq!(lines[0].find("PUBLISHED").map(|_| ()), Some(()));
+    assert!(lines[1].len() <= lines[0].len().max(lines[1].len()));
 
     // Topics named by the outbox's rows, created once, then left alone.
     let o = outbox(
@@ -196,4 +203,139 @@ async fn credentials_never_appear_in_logs(pool: PgPool) {
     assert!(!all.contains("hunter2-kafka"), "{all}");
     assert!(!all.contains("s3cr3t-db"), "{all}");
     assert!(out.status.success(), "SIGTERM → exit 0: {:?}", out.status);
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn replay_cleanup_and_parked_drop(pool: PgPool) {
+    let url = url_of(&pool);
+    let topic = unique_topic("cli-ops");
+    create_topic(&brokers(), &topic).await;
+    let ids = commit_messages(&pool, &topic, 12, 3, 12).await;
+    // Ten published (two of them long ago), two parked.
+    sqlx::query(
+        "UPDATE outbox_event SET published_at = now(), created_at = now() - interval '1 hour'
+         WHERE id IN (SELECT id FROM outbox_event ORDER BY id LIMIT 10)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE outbox_event SET created_at = now() - interval '40 days', published_at = now() - interval '40 days'
+         WHERE id IN (SELECT id FROM outbox_event ORDER BY id LIMIT 2)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE outbox_event SET parked_at = now(), attempts = 5 WHERE published_at IS NULL",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let first: i64 = sqlx::query_scalar("SELECT min(id) FROM outbox_event")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+
+    // Replay: a dry run counts, a filtered run sends.
+    let o = outbox(
+        Some(&url),
+        &["replay", "--dry-run", "--topic", &topic, "--json"],
+    )
+    .await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    let dry: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(dry["matched"], 10, "published rows only");
+    let o = outbox(Some(&url), &["replay", "--dry-run", "--since", "2h"]).await;
+    assert!(
+        text(&o).0.contains("dry run: 8 published events match"),
+        "{:?}",
+        text(&o)
+    );
+    let o = outbox(Some(&url), &["replay", "--since", "yesterday-ish"]).await;
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(text(&o).1.contains("invalid time"), "{:?}", text(&o));
+    let to = format!("{}", first + 4);
+    let o = outbox(
+        Some(&url),
+        &["replay", "--topic", &topic, "--to-id", &to, "--json"],
+    )
+    .await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(report["replayed"], 5);
+    let received = read_topic(&brokers(), &topic, 5, Duration::from_secs(30)).await;
+    assert_eq!(received.len(), 5);
+    assert!(
+        received
+            .iter()
+            .all(|m| m.headers["replay_id"] == report["replay_id"].as_str().unwrap())
+    );
+    let got: std::collections::HashSet<uuid::Uuid> =
+        received.iter().map(Received::event_id).collect();
+    assert_eq!(got, ids[..5].iter().copied().collect());
+
+    // Cleanup: a window shorter than the dedup window is refused.
+    let o = outbox(Some(&url), &["cleanup", "--older-than", "1d"]).await;
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(
+        text(&o).1.contains("shorter than the dedup window 7d"),
+        "{:?}",
+        text(&o)
+    );
+    let o = outbox(Some(&url), &["cleanup", "--older-than", "30x"]).await;
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    let o = outbox(Some(&url), &["cleanup", "--older-than", "30d", "--json"]).await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    let done: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(done["outbox_events"], 2);
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_event")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 10);
+
+    // Parked rows: drop needs a reason and a selection; dropped rows stay.
+    let o = outbox(Some(&url), &["parked", "drop", "--all"]).await;
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "--reason is required: {:?}",
+        text(&o)
+    );
+    let o = outbox(Some(&url), &["parked", "drop", "--reason", "obsolete"]).await;
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    let o = outbox(
+        Some(&url),
+        &["parked", "drop", "--all", "--reason", "obsolete"],
+    )
+    .await;
+    assert!(
+        text(&o).0.contains("dropped 2 parked rows"),
+        "{:?}",
+        text(&o)
+    );
+    let o = outbox(Some(&url), &["status", "--json"]).await;
+    let status: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        (status["parked"].as_i64(), status["discarded"].as_i64()),
+        (Some(0), Some(2))
+    );
+    let o = outbox(Some(&url), &["parked", "list", "--json"]).await;
+    let parked: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(parked.as_array().map(Vec::len), Some(0));
+
+    // dead-letters retry/drop share their selection flags.
+    let o = outbox(Some(&url), &["dead-letters", "drop"]).await;
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    let o = outbox(
+        Some(&url),
+        &["dead-letters", "retry", "--all", "--consumer", "billing"],
+    )
+    .await;
+    assert!(
+        text(&o).0.contains("marked 0 dead letters"),
+        "{:?}",
+        text(&o)
+    );
 }

@@ -1,5 +1,6 @@
 //! The `outbox` command: migrations, the relay, status, topics, parked rows,
-//! the NOTIFY switch and the consumers' dead letters. Settings come from flags or the environment
+//! replay, retention cleanup, the NOTIFY switch and the consumers' dead
+//! letters. Settings come from flags or the environment
 //! (`DATABASE_URL`, `KAFKA_BROKERS`); `-X key=value` passes librdkafka
 //! settings through (TLS, SASL). Credentials are never logged.
 
@@ -7,9 +8,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use outbox_runtime::{CancellationToken, Error, Relay, kafka, ops};
+use outbox_runtime::{CancellationToken, Error, Relay, cleanup, kafka, ops, replay};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::types::chrono::{DateTime, Utc};
 
 #[derive(Parser)]
 #[command(
@@ -31,7 +33,8 @@ enum Command {
     Migrate,
     /// Publish the outbox to Kafka until SIGINT/SIGTERM.
     Relay(RelayArgs),
-    /// Backlog, oldest unpublished age and parked rows, per topic.
+    /// Backlog, oldest unpublished age, parked, dropped and published rows,
+    /// per topic.
     Status {
         /// Print JSON instead of a table.
         #[arg(long)]
@@ -46,6 +49,12 @@ enum Command {
     /// Messages consumers could not apply (list, retry, drop).
     #[command(subcommand)]
     DeadLetters(DeadLettersCommand),
+    /// Publish already published events again (after the broker lost data,
+    /// to rebuild a projection); the outbox is only read.
+    Replay(ReplayArgs),
+    /// Delete old published outbox rows, dedup rows and processed inbox rows,
+    /// in small batches (never unpublished or parked rows).
+    Cleanup(CleanupArgs),
     /// The commit-time NOTIFY that wakes idle relays: `on`, `off` or `status`.
     Notify {
         /// on | off | status
@@ -87,6 +96,94 @@ struct RelayArgs {
     /// of the database (all must use the same count); 0 turns lanes off.
     #[arg(long, env = "OUTBOX_LANES", default_value_t = 16, value_parser = clap::value_parser!(u16).range(0..=1024))]
     lanes: u16,
+    /// Serve Prometheus metrics on this address (GET /metrics), e.g. 127.0.0.1:9464.
+    #[arg(long, value_name = "ADDR")]
+    metrics_addr: Option<std::net::SocketAddr>,
+}
+
+#[derive(Args)]
+struct ReplayArgs {
+    #[command(flatten)]
+    kafka: KafkaArgs,
+    /// Outbox ids from (inclusive).
+    #[arg(long)]
+    from_id: Option<i64>,
+    /// Outbox ids up to (inclusive).
+    #[arg(long)]
+    to_id: Option<i64>,
+    /// Events created at or after: RFC 3339 (2026-11-30T12:00:00Z) or an
+    /// age (2h = two hours ago).
+    #[arg(long, value_name = "TIME")]
+    since: Option<String>,
+    /// Events created before: RFC 3339 or an age.
+    #[arg(long, value_name = "TIME")]
+    until: Option<String>,
+    /// Only this topic.
+    #[arg(long)]
+    topic: Option<String>,
+    /// Only this aggregate type.
+    #[arg(long)]
+    aggregate_type: Option<String>,
+    /// Only this aggregate id.
+    #[arg(long)]
+    aggregate_id: Option<String>,
+    /// Publish to this topic instead of each event's own.
+    #[arg(long)]
+    to_topic: Option<String>,
+    /// Only count the events that would be replayed.
+    #[arg(long)]
+    dry_run: bool,
+    /// Rows per page.
+    #[arg(long, default_value_t = 1000)]
+    batch_size: i64,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct CleanupArgs {
+    /// Delete rows older than this (e.g. 30d, 12h).
+    #[arg(long, value_name = "DURATION")]
+    older_than: String,
+    /// The consumers' dedup window: how long a redelivery can happen (the
+    /// topics' Kafka retention plus the longest lag). A shorter
+    /// --older-than is refused.
+    #[arg(long, value_name = "DURATION", default_value = "7d")]
+    dedup_window: String,
+    /// Rows per statement.
+    #[arg(long, default_value_t = 1000)]
+    batch_size: i64,
+    /// Run every DURATION until SIGINT/SIGTERM, as the single leader among
+    /// the cleanup jobs of this database (advisory lock); without it, one
+    /// pass.
+    #[arg(long, value_name = "DURATION")]
+    every: Option<String>,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Which rows an operation applies to: every row, or the given ids.
+#[derive(Args)]
+struct Selection {
+    /// Every row.
+    #[arg(long, conflicts_with = "ids")]
+    all: bool,
+    /// Row ids (repeatable).
+    #[arg(long = "id")]
+    ids: Vec<i64>,
+}
+
+impl Selection {
+    /// `None` for every row, else the ids; refuses an empty selection.
+    fn ids(self) -> Result<Option<Vec<i64>>, Error> {
+        if !self.all && self.ids.is_empty() {
+            Err(Error::Config("pass --all or one or more --id N".into()))
+        } else {
+            Ok((!self.all).then_some(self.ids))
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -116,14 +213,21 @@ enum ParkedCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Put parked rows back in the queue.
+    /// Put parked rows back in the queue (--all: every parked row not
+    /// dropped; --id: dropped ones too).
     Requeue {
-        /// Every parked row.
-        #[arg(long, conflicts_with = "ids")]
-        all: bool,
-        /// Outbox row ids.
-        #[arg(long = "id")]
-        ids: Vec<i64>,
+        #[command(flatten)]
+        selection: Selection,
+    },
+    /// Give up on parked rows: they are marked discarded with the reason and
+    /// kept (audit trail), never published, never deleted by cleanup;
+    /// `requeue --id N` undoes it.
+    Drop {
+        #[command(flatten)]
+        selection: Selection,
+        /// Why (stored with the rows).
+        #[arg(long)]
+        reason: String,
     },
 }
 
@@ -150,29 +254,18 @@ enum DeadLettersCommand {
     },
     /// Mark dead letters for retry: the consumer of their group runs them
     /// again within its re-drive interval.
-    Retry {
-        /// Every dead letter (of --consumer, if given).
-        #[arg(long, conflicts_with = "ids")]
-        all: bool,
-        /// Dead-letter ids.
-        #[arg(long = "id")]
-        ids: Vec<i64>,
-        /// Only this consumer group.
-        #[arg(long)]
-        consumer: Option<String>,
-    },
+    Retry(DeadLetterSelection),
     /// Delete dead letters.
-    Drop {
-        /// Every dead letter (of --consumer, if given).
-        #[arg(long, conflicts_with = "ids")]
-        all: bool,
-        /// Dead-letter ids.
-        #[arg(long = "id")]
-        ids: Vec<i64>,
-        /// Only this consumer group.
-        #[arg(long)]
-        consumer: Option<String>,
-    },
+    Drop(DeadLetterSelection),
+}
+
+#[derive(Args)]
+struct DeadLetterSelection {
+    #[command(flatten)]
+    selection: Selection,
+    /// Only this consumer group's dead letters (with --all: all of them).
+    #[arg(long)]
+    consumer: Option<String>,
 }
 
 #[tokio::main]
@@ -232,6 +325,10 @@ async fn run(cli: Cli) -> Result<(), Error> {
         }
         Command::Relay(args) => {
             let pool = connect(url, 4).await?;
+            let _metrics = match args.metrics_addr {
+                Some(addr) => Some(outbox_runtime::metrics::serve(addr).await?),
+                None => None,
+            };
             let relay = Relay::builder(pool)
                 .brokers(args.kafka.brokers.clone())
                 .batch_size(args.batch_size)
@@ -316,14 +413,22 @@ async fn run(cli: Cli) -> Result<(), Error> {
                 }
             }
         }
-        Command::Parked(ParkedCommand::Requeue { all, ids }) => {
-            if !all && ids.is_empty() {
-                return Err(Error::Config("pass --all or one or more --id N".into()));
-            }
+        Command::Parked(ParkedCommand::Requeue { selection }) => {
+            let ids = selection.ids()?;
             let pool = connect(url, 2).await?;
-            let n = ops::requeue_parked(&pool, (!all).then_some(ids.as_slice())).await?;
+            let n = ops::requeue_parked(&pool, ids.as_deref()).await?;
             println!("requeued {n} parked rows");
         }
+        Command::Parked(ParkedCommand::Drop { selection, reason }) => {
+            let ids = selection.ids()?;
+            let pool = connect(url, 2).await?;
+            let n = ops::discard_parked(&pool, ids.as_deref(), &reason).await?;
+            println!(
+                "dropped {n} parked rows (kept as discarded; `outbox parked requeue --id N` undoes it)"
+            );
+        }
+        Command::Replay(args) => run_replay(url, args).await?,
+        Command::Cleanup(args) => run_cleanup(url, args).await?,
         Command::DeadLetters(command) => dead_letters(url, command).await?,
         Command::Notify { state } => {
             let pool = connect(url, 2).await?;
@@ -341,13 +446,6 @@ async fn run(cli: Cli) -> Result<(), Error> {
 
 async fn dead_letters(url: Option<&str>, command: DeadLettersCommand) -> Result<(), Error> {
     use outbox_runtime::inbox::dead_letter;
-    let selection = |all: bool, ids: Vec<i64>| {
-        if !all && ids.is_empty() {
-            Err(Error::Config("pass --all or one or more --id N".into()))
-        } else {
-            Ok((!all).then_some(ids))
-        }
-    };
     match command {
         DeadLettersCommand::List {
             consumer,
@@ -407,16 +505,22 @@ async fn dead_letters(url: Option<&str>, command: DeadLettersCommand) -> Result<
                 }
             }
         }
-        DeadLettersCommand::Retry { all, ids, consumer } => {
-            let ids = selection(all, ids)?;
+        DeadLettersCommand::Retry(DeadLetterSelection {
+            selection,
+            consumer,
+        }) => {
+            let ids = selection.ids()?;
             let pool = connect(url, 2).await?;
             let n = dead_letter::retry(&pool, consumer.as_deref(), ids.as_deref()).await?;
             println!(
                 "marked {n} dead letters for retry (their consumers pick them up within their re-drive interval)"
             );
         }
-        DeadLettersCommand::Drop { all, ids, consumer } => {
-            let ids = selection(all, ids)?;
+        DeadLettersCommand::Drop(DeadLetterSelection {
+            selection,
+            consumer,
+        }) => {
+            let ids = selection.ids()?;
             let pool = connect(url, 2).await?;
             let n = dead_letter::discard(&pool, consumer.as_deref(), ids.as_deref()).await?;
             println!("dropped {n} dead letters");
@@ -426,28 +530,178 @@ async fn dead_letters(url: Option<&str>, command: DeadLettersCommand) -> Result<
 }
 
 fn print_status(s: &ops::Status) {
-    let age = |a: Option<f64>| a.map_or_else(|| "-".to_owned(), |a| format!("{a:.1}s"));
-    println!(
-        "unpublished: {}   oldest unpublished: {}   parked: {}   notify: {}",
-        s.unpublished,
-        age(s.oldest_unpublished_secs),
-        s.parked,
-        if s.notify_enabled { "on" } else { "off" }
-    );
-    println!(
-        "{:<32} {:>12} {:>10} {:>8} {:>12}",
-        "topic", "unpublished", "oldest", "parked", "published"
-    );
-    for t in &s.topics {
+    let age = |a: Option<f64>| a.map_or_else(|| "-".to_owned(), ops_age);
+    let rows: Vec<[String; 6]> = s
+        .topics
+        .iter()
+        .map(|t| {
+            [
+                t.topic.clone(),
+                t.unpublished.to_string(),
+                age(t.oldest_unpublished_secs),
+                t.parked.to_string(),
+                t.discarded.to_string(),
+                t.published.to_string(),
+            ]
+        })
+        .chain(std::iter::once([
+            "TOTAL".to_owned(),
+            s.unpublished.to_string(),
+            age(s.oldest_unpublished_secs),
+            s.parked.to_string(),
+            s.discarded.to_string(),
+            s.published.to_string(),
+        ]))
+        .collect();
+    let header = [
+        "TOPIC",
+        "UNPUBLISHED",
+        "OLDEST UNPUBLISHED",
+        "PARKED",
+        "DROPPED",
+        "PUBLISHED",
+    ];
+    print!("{}", table(&header, &rows));
+    println!("notify: {}", if s.notify_enabled { "on" } else { "off" });
+}
+
+/// An age for people: `850ms`, `42s`, `3m 12s`, `5h 02m`, `2d 03h`.
+fn ops_age(secs: f64) -> String {
+    let s = secs.max(0.0);
+    if s < 1.0 {
+        return format!("{:.0}ms", s * 1e3);
+    }
+    let s = s as u64;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m {:02}s", s / 60, s % 60),
+        3600..86_400 => format!("{}h {:02}m", s / 3600, (s % 3600) / 60),
+        _ => format!("{}d {:02}h", s / 86_400, (s % 86_400) / 3600),
+    }
+}
+
+/// A text table: the first column left-aligned, the others right-aligned,
+/// columns as wide as their widest cell.
+fn table<const N: usize>(header: &[&str; N], rows: &[[String; N]]) -> String {
+    let mut widths = header.map(str::len);
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: &[&str]| {
+        let mut out = String::new();
+        for (i, (cell, w)) in cells.iter().zip(widths).enumerate() {
+            if i == 0 {
+                out.push_str(&format!("{cell:<w$}"));
+            } else {
+                out.push_str(&format!("  {cell:>w$}"));
+            }
+        }
+        out.trim_end().to_owned() + "\n"
+    };
+    let mut out = line(header);
+    for row in rows {
+        let cells: Vec<&str> = row.iter().map(String::as_str).collect();
+        out.push_str(&line(&cells));
+    }
+    out
+}
+
+async fn run_replay(url: Option<&str>, args: ReplayArgs) -> Result<(), Error> {
+    let filter = replay::ReplayFilter {
+        from_id: args.from_id,
+        to_id: args.to_id,
+        since: args.since.as_deref().map(parse_time).transpose()?,
+        until: args.until.as_deref().map(parse_time).transpose()?,
+        topic: args.topic,
+        aggregate_type: args.aggregate_type,
+        aggregate_id: args.aggregate_id,
+    };
+    let pool = connect(url, 2).await?;
+    if args.dry_run {
+        let n = replay::count(&pool, &filter).await?;
+        if args.json {
+            println!("{}", serde_json::json!({ "dry_run": true, "matched": n }));
+        } else {
+            println!("dry run: {n} published events match; nothing sent");
+        }
+        return Ok(());
+    }
+    let mut options = replay::ReplayOptions::new(args.kafka.brokers.clone(), filter);
+    options.kafka_settings = settings(&args.kafka)?;
+    options.to_topic = args.to_topic;
+    options.batch_size = args.batch_size;
+    let report = replay::replay(&pool, &options).await?;
+    if args.json {
         println!(
-            "{:<32} {:>12} {:>10} {:>8} {:>12}",
-            t.topic,
-            t.unpublished,
-            age(t.oldest_unpublished_secs),
-            t.parked,
-            t.published
+            "{}",
+            serde_json::to_string_pretty(&report).unwrap_or_default()
+        );
+    } else {
+        let range = match (report.first_id, report.last_id) {
+            (Some(a), Some(b)) => format!(" (outbox ids {a}..={b})"),
+            _ => String::new(),
+        };
+        println!(
+            "replayed {} events{range}; replay id {}",
+            report.replayed, report.replay_id
         );
     }
+    Ok(())
+}
+
+/// RFC 3339, or an age (`2h`: two hours ago).
+fn parse_time(text: &str) -> Result<DateTime<Utc>, Error> {
+    if let Ok(t) = DateTime::parse_from_rfc3339(text) {
+        return Ok(t.with_timezone(&Utc));
+    }
+    let age = ops::parse_duration(text).map_err(|_| {
+        Error::Config(format!(
+            "invalid time `{text}`: use RFC 3339 (2026-11-30T12:00:00Z) or an age (2h, 30d)"
+        ))
+    })?;
+    if age > Duration::from_secs(100 * 365 * 86_400) {
+        return Err(Error::Config(format!("age `{text}` is too long")));
+    }
+    Ok(Utc::now() - age)
+}
+
+async fn run_cleanup(url: Option<&str>, args: CleanupArgs) -> Result<(), Error> {
+    let retention = cleanup::Retention::new(ops::parse_duration(&args.older_than)?)
+        .dedup_window(ops::parse_duration(&args.dedup_window)?)
+        .batch_size(args.batch_size);
+    retention.validate()?;
+    let every = args.every.as_deref().map(ops::parse_duration).transpose()?;
+    let pool = connect(url, 3).await?;
+    match every {
+        None => {
+            let report = cleanup::cleanup_as_leader(&pool, &retention)
+                .await?
+                .ok_or(Error::CleanupBusy)?;
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).unwrap_or_default()
+                );
+            } else {
+                println!(
+                    "deleted {} published outbox rows, {} processed_event rows, {} processed inbox rows (statements: {})",
+                    report.outbox_events,
+                    report.processed_events,
+                    report.inbox_events,
+                    report.statements
+                );
+            }
+        }
+        Some(every) => {
+            let job = cleanup::Cleanup::new(pool, retention, every)?;
+            let token = CancellationToken::new();
+            tokio::spawn(stop_on_signal(token.clone()));
+            job.run(token).await;
+        }
+    }
+    Ok(())
 }
 
 async fn stop_on_signal(token: CancellationToken) {

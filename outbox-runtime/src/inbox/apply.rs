@@ -12,6 +12,7 @@ use std::time::Duration;
 use outbox_core::HandlerContext;
 use sqlx::PgConnection;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::db::{handler_error_is_outage, is_outage};
 use super::dispatch::Registry;
@@ -53,6 +54,46 @@ impl From<sqlx::Error> for Failure {
 /// transaction), flushing each handler's follow-up events. The caller rolls
 /// back on any error.
 pub(crate) async fn run_handlers(
+    conn: &mut PgConnection,
+    registry: &Registry,
+    event: &mut Event,
+) -> Result<(), Failure> {
+    let span = handling_span(event);
+    run_handlers_inner(conn, registry, event)
+        .instrument(span)
+        .await
+}
+
+/// The span of one handled event: its trace id (from the `traceparent`
+/// header, so that logs join the producer's trace), event id and type. The
+/// fields are computed only when the span is enabled.
+fn handling_span(event: &Event) -> tracing::Span {
+    let incoming = &event.incoming;
+    tracing::info_span!(
+        "handle_event",
+        trace_id = %TraceIdOf(incoming.headers.traceparent.as_deref()),
+        event_id = %incoming.event_id,
+        event_type = %incoming.event_type,
+        correlation_id = incoming.headers.correlation_id.map(tracing::field::display),
+    )
+}
+
+/// Displays the trace id of a `traceparent` (empty if none or malformed).
+struct TraceIdOf<'a>(Option<&'a str>);
+
+impl std::fmt::Display for TraceIdOf<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self
+            .0
+            .and_then(|t| t.parse::<outbox_core::TraceParent>().ok())
+        {
+            Some(t) => f.write_str(&t.trace_id()),
+            None => Ok(()),
+        }
+    }
+}
+
+async fn run_handlers_inner(
     conn: &mut PgConnection,
     registry: &Registry,
     event: &mut Event,

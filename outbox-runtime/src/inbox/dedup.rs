@@ -52,6 +52,7 @@ pub(crate) struct Applier<'a> {
     pub stats: &'a Stats,
     pub shared: &'a Shared,
     pub db: Health,
+    pub latency: crate::metrics::ConsumerLatency,
 }
 
 impl Applier<'_> {
@@ -165,6 +166,8 @@ impl Applier<'_> {
 
     /// One transaction over `records`.
     async fn transaction(&self, records: &mut [Record]) -> Result<Report, Failure> {
+        let started = Instant::now();
+        let mut handler_time = std::time::Duration::ZERO;
         let mut tx = self.pool.begin().await?;
         let ids: Vec<Uuid> = records
             .iter()
@@ -192,9 +195,11 @@ impl Applier<'_> {
                         report.duplicates += 1;
                         continue;
                     }
+                    let t = Instant::now();
                     apply::run_handlers(&mut tx, self.registry, e)
                         .await
                         .map_err(|f| f.at(i))?;
+                    handler_time += t.elapsed();
                     report.processed += 1;
                 }
                 Body::Ignored => report.ignored += 1,
@@ -219,6 +224,12 @@ impl Applier<'_> {
             .map(|l| (l.rejected.reason, l.rejected.error.clone()))
             .collect();
         tx.commit().await?;
+        self.latency.batch.record(started.elapsed());
+        if report.processed > 0 {
+            self.latency
+                .handler
+                .record(handler_time.as_secs_f64() / report.processed as f64);
+        }
         Ok(report)
     }
 

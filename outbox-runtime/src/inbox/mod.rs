@@ -222,6 +222,8 @@ impl ConsumerConfig {
             ("enable.partition.eof".into(), "false".into()),
             // Reconnect within a second once the broker is back.
             ("reconnect.backoff.max.ms".into(), "1000".into()),
+            // The consumer lag metric comes from librdkafka's statistics.
+            ("statistics.interval.ms".into(), "5000".into()),
             (
                 "client.id".into(),
                 format!("outbox-consumer-{}", self.group),
@@ -562,6 +564,7 @@ impl Consumer {
                 linger: config.batch_linger,
                 max_bytes: config.max_payload_bytes,
                 check,
+                group: config.group.clone(),
             },
             shared.clone(),
         )?;
@@ -584,7 +587,12 @@ impl Consumer {
         // The background tasks stop with this function, however it ends.
         let _stop_background = background.clone().drop_guard();
         let wake = Arc::new(Notify::new());
-        let mut tasks = vec![tokio::spawn(
+        let mut tasks = vec![tokio::spawn(crate::metrics::consumer_task(
+            config.group.clone(),
+            stats.clone(),
+            background.clone(),
+        ))];
+        tasks.push(tokio::spawn(
             redrive::Redriver {
                 pool: pool.clone(),
                 config: config.clone(),
@@ -593,7 +601,7 @@ impl Consumer {
                 wake: wake.clone(),
             }
             .run(background.clone()),
-        )];
+        ));
         if config.mode == Mode::Inbox {
             for worker in 0..config.processors {
                 tasks.push(tokio::spawn(
@@ -620,6 +628,7 @@ impl Consumer {
                 stats: &stats,
                 shared: &shared,
                 db: health(),
+                latency: crate::metrics::ConsumerLatency::new(&config.group),
             }),
             Mode::Inbox => Sink::Store(store::Store {
                 pool: &pool,

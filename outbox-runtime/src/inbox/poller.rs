@@ -55,6 +55,8 @@ pub(crate) struct PollerSettings {
     pub linger: Duration,
     pub max_bytes: usize,
     pub check: Check,
+    /// The group, for the lag metric.
+    pub group: String,
 }
 
 type Partition = (Arc<str>, i32);
@@ -250,6 +252,7 @@ impl Shared {
 /// The consumer's librdkafka context: rebalance bookkeeping and logging.
 struct Context {
     shared: Arc<Shared>,
+    group: String,
 }
 
 impl ClientContext for Context {
@@ -266,6 +269,10 @@ impl ClientContext for Context {
 
     fn error(&self, error: KafkaError, reason: &str) {
         tracing::debug!(target: "librdkafka", %error, reason);
+    }
+
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        crate::metrics::record_lag(&self.group, &statistics);
     }
 }
 
@@ -390,6 +397,7 @@ impl Poller {
     fn create(settings: &PollerSettings, shared: &Arc<Shared>) -> Result<BaseConsumer<Context>> {
         let consumer: BaseConsumer<Context> = settings.client.create_with_context(Context {
             shared: shared.clone(),
+            group: settings.group.clone(),
         })?;
         let topics: Vec<&str> = settings.topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topics)?;

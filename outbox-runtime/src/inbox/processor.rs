@@ -147,6 +147,7 @@ pub(crate) struct Processor {
     workers: usize,
     candidates_sql: String,
     claim_sql: String,
+    latency: crate::metrics::ConsumerLatency,
 }
 
 impl Processor {
@@ -159,6 +160,7 @@ impl Processor {
         worker: usize,
     ) -> Self {
         let workers = config.processors.max(1);
+        let latency = crate::metrics::ConsumerLatency::new(&config.group);
         Self {
             pool,
             config,
@@ -169,6 +171,7 @@ impl Processor {
             workers,
             candidates_sql: candidates_sql(),
             claim_sql: claim_sql(),
+            latency,
         }
     }
 
@@ -237,10 +240,17 @@ impl Processor {
         if rows.is_empty() {
             return Ok(0);
         }
+        let started = std::time::Instant::now();
         let mut items: Vec<Item> = rows.iter().map(|r| self.item(r)).collect();
         match self.fast(&mut tx, &rows, &mut items).await {
             Ok(batch) => {
                 tx.commit().await.map_err(|e| e.to_string())?;
+                self.latency.batch.record(started.elapsed());
+                if batch.processed > 0 {
+                    self.latency
+                        .handler
+                        .record(batch.handler_time.as_secs_f64() / batch.processed as f64);
+                }
                 if !batch.rejected.is_empty() {
                     super::dedup::log_rejected(group, &batch.rejected);
                 }
@@ -362,9 +372,11 @@ impl Processor {
             match item {
                 Item::Event(event) => {
                     if fresh.contains(&row.event_id) {
+                        let t = std::time::Instant::now();
                         apply::run_handlers(tx, &self.registry, event)
                             .await
                             .map_err(|f| f.at(i))?;
+                        batch.handler_time += t.elapsed();
                         batch.processed += 1;
                     } else {
                         batch.duplicates += 1;
@@ -482,6 +494,7 @@ impl Processor {
 #[derive(Default)]
 struct Batch {
     processed: u64,
+    handler_time: std::time::Duration,
     duplicates: u64,
     ignored: u64,
     rejected: Vec<(DeadLetterReason, String)>,

@@ -14,9 +14,9 @@
 //! (lane ownership across relays), [`publish`](self::publish) (the producer),
 //! [`wake`](self::wake) (LISTEN/NOTIFY and polling).
 
-mod claim;
+pub(crate) mod claim;
 mod lanes;
-mod publish;
+pub(crate) mod publish;
 mod wake;
 
 use std::collections::HashMap;
@@ -360,6 +360,7 @@ impl Relay {
             pool: &self.pool,
             config: &self.config,
             stats: &self.stats,
+            latency: crate::metrics::relay_batch_latency(),
             blocked: Blocked::default(),
             waker,
             lanes: lanes.as_ref().map(|(shared, _, _)| shared.clone()),
@@ -377,6 +378,12 @@ impl Relay {
             marking: None,
             producer_unusable: false,
         };
+        let metrics_stop = CancellationToken::new();
+        let metrics = tokio::spawn(crate::metrics::relay_task(
+            self.pool.clone(),
+            self.stats.clone(),
+            metrics_stop.clone(),
+        ));
         relay.run(&mut publisher, &shutdown).await;
         publisher.flush(Duration::from_secs(10));
         if let Some((_, manager, stop)) = lanes {
@@ -384,6 +391,8 @@ impl Relay {
             stop.cancel();
             let _ = manager.await;
         }
+        metrics_stop.cancel();
+        let _ = metrics.await;
         tracing::info!(counts = ?self.stats.snapshot(), "relay stopped");
         Ok(())
     }
@@ -392,6 +401,7 @@ impl Relay {
 /// A batch handed to the producer, awaiting its deliveries.
 struct InFlight {
     batch: Batch,
+    sent_at: Instant,
     outcomes: Vec<Option<Outcome>>,
     pending: Vec<(usize, rdkafka::producer::DeliveryFuture)>,
 }
@@ -446,6 +456,7 @@ struct Loop<'a> {
     pool: &'a PgPool,
     config: &'a RelayConfig,
     stats: &'a RelayStats,
+    latency: metrics::Histogram,
     blocked: Blocked,
     waker: Waker,
     lanes: Option<Arc<lanes::Shared>>,
@@ -474,6 +485,7 @@ impl Loop<'_> {
                 }
             }
             let in_flight = self.in_flight.take();
+            let latency = &self.latency;
             let step = Instant::now();
             let ((claimed, claim_time), (delivered, delivery_time)) = tokio::join!(
                 async move {
@@ -488,7 +500,12 @@ impl Loop<'_> {
                 async move {
                     let start = Instant::now();
                     let delivered = match in_flight {
-                        Some(f) => Some(f.deliveries().await),
+                        Some(f) => {
+                            let sent_at = f.sent_at;
+                            let delivered = f.deliveries().await;
+                            latency.record(sent_at.elapsed());
+                            Some(delivered)
+                        }
                         None => None,
                     };
                     (delivered, start.elapsed())
@@ -577,6 +594,7 @@ impl Loop<'_> {
         };
         InFlight {
             batch,
+            sent_at: Instant::now(),
             outcomes,
             pending,
         }

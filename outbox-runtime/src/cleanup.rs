@@ -1,0 +1,437 @@
+//! Retention: deleting what the outbox and the consumers no longer need —
+//! published `outbox_event` rows, `processed_event` rows and processed
+//! `inbox_event` rows older than a window — in small batches, each its own
+//! short statement, so that no long lock is held and the relay and the
+//! consumers keep running.
+//!
+//! Never deleted: unpublished outbox rows, parked ones (dropped or not),
+//! inbox rows not yet processed or dead-lettered, and dead letters.
+//!
+//! The window may not be shorter than the deduplication window: a
+//! `processed_event` row is what makes a redelivered event a duplicate, so
+//! it must outlive every redelivery (the Kafka retention of the topics and
+//! the longest a consumer may lag). [`Retention::validate`] refuses it.
+//!
+//! A scheduled job ([`Cleanup`]) runs the pass periodically with a single
+//! leader across processes: the one holding a session-level advisory lock.
+//!
+//! How the batches walk the tables: `outbox_event` in id order (a keyset
+//! cursor, `FOR UPDATE SKIP LOCKED`, bounded by the first row younger than
+//! the window); `processed_event` and `inbox_event`, which have no index on
+//! their timestamps (adding one would cost every consumed event), by ranges
+//! of heap pages (a TID range scan): one sequential pass per run.
+
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use sqlx::PgPool;
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::Postgres;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{Error, Result};
+use crate::ops::format_duration;
+
+/// Advisory lock key of the cleanup leader (`"outbox_c"` as a big-endian
+/// 64-bit integer).
+pub const LEADER_LOCK: i64 = 0x6f75_7462_6f78_5f63;
+
+/// The default deduplication window (7 days).
+pub const DEFAULT_DEDUP_WINDOW: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// What to delete and how.
+#[derive(Debug, Clone)]
+pub struct Retention {
+    /// Rows older than this are deleted (published outbox rows by
+    /// `published_at`, dedup rows and processed inbox rows by `processed_at`).
+    pub older_than: Duration,
+    /// How long consumers need their dedup rows (at least the topics' Kafka
+    /// retention plus the longest consumer lag). `older_than` may not be
+    /// shorter.
+    pub dedup_window: Duration,
+    /// Rows per statement (about, for the page-range passes).
+    pub batch_size: i64,
+    /// Pause between two statements (gives the I/O to the live traffic).
+    pub pause: Duration,
+}
+
+impl Retention {
+    /// A retention of `older_than`, with the default dedup window (7 days),
+    /// 1,000 rows per statement and no pause.
+    pub fn new(older_than: Duration) -> Self {
+        Self {
+            older_than,
+            dedup_window: DEFAULT_DEDUP_WINDOW,
+            batch_size: 1000,
+            pause: Duration::ZERO,
+        }
+    }
+
+    /// Sets the dedup window.
+    pub fn dedup_window(mut self, d: Duration) -> Self {
+        self.dedup_window = d;
+        self
+    }
+
+    /// Sets the rows per statement.
+    pub fn batch_size(mut self, n: i64) -> Self {
+        self.batch_size = n;
+        self
+    }
+
+    /// Refuses a window shorter than the dedup window, and empty settings.
+    pub fn validate(&self) -> Result<()> {
+        if self.older_than < self.dedup_window {
+            return Err(Error::Config(format!(
+                "retention {} is shorter than the dedup window {}: consumers would apply a \
+                 redelivered event again once its dedup row is gone; keep at least the dedup \
+                 window (pass a longer --older-than, or a shorter --dedup-window if the topics' \
+                 Kafka retention and the consumers' lag allow it)",
+                format_duration(self.older_than),
+                format_duration(self.dedup_window)
+            )));
+        }
+        if self.older_than.is_zero() {
+            return Err(Error::Config("retention must be > 0".into()));
+        }
+        if !(1..=100_000).contains(&self.batch_size) {
+            return Err(Error::Config(format!(
+                "cleanup batch size must be 1..=100000, got {}",
+                self.batch_size
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Rows one cleanup pass deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct CleanupReport {
+    /// Published `outbox_event` rows.
+    pub outbox_events: u64,
+    /// `processed_event` rows.
+    pub processed_events: u64,
+    /// Processed `inbox_event` rows.
+    pub inbox_events: u64,
+    /// Statements run.
+    pub statements: u64,
+}
+
+const OUTBOX_BOUND: &str = "\
+SELECT COALESCE(
+    (SELECT id FROM outbox_event WHERE created_at >= $1 ORDER BY id LIMIT 1),
+    (SELECT max(id) + 1 FROM outbox_event),
+    0)";
+
+const OUTBOX_BATCH: &str = "\
+WITH batch AS (
+    SELECT id FROM outbox_event
+    WHERE id > $1 AND id < $2 AND published_at < $3
+    ORDER BY id LIMIT $4
+    FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM outbox_event o USING batch b WHERE o.id = b.id RETURNING o.id
+)
+SELECT count(*), max(id) FROM gone";
+
+/// Rows per page of a table, and its size in pages.
+const TABLE_PAGES: &str = "\
+SELECT CASE WHEN c.relpages > 0 AND c.reltuples > 0
+            THEN c.reltuples / c.relpages ELSE 100 END::float8,
+       (pg_relation_size(c.oid) / current_setting('block_size')::bigint)::bigint
+FROM pg_class c WHERE c.oid = $1::regclass";
+
+const PROCESSED_BATCH: &str = "\
+DELETE FROM processed_event
+WHERE ctid >= $1::tid AND ctid < $2::tid AND processed_at < $3";
+
+const INBOX_BATCH: &str = "\
+DELETE FROM inbox_event
+WHERE ctid >= $1::tid AND ctid < $2::tid AND processed AND processed_at < $3";
+
+/// One cleanup pass, without the leader lock (see [`cleanup_as_leader`]).
+/// Validates `retention` first; deletes nothing if it is refused.
+pub async fn cleanup(pool: &PgPool, retention: &Retention) -> Result<CleanupReport> {
+    retention.validate()?;
+    let cutoff: sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc> =
+        sqlx::query_scalar("SELECT now() - make_interval(secs => $1)")
+            .bind(retention.older_than.as_secs_f64())
+            .fetch_one(pool)
+            .await?;
+    let mut report = CleanupReport::default();
+    let started = Instant::now();
+
+    // Published outbox rows, in id order.
+    let bound: i64 = sqlx::query_scalar(OUTBOX_BOUND)
+        .bind(cutoff)
+        .fetch_one(pool)
+        .await?;
+    let mut after = 0_i64;
+    loop {
+        let (n, last): (i64, Option<i64>) = sqlx::query_as(OUTBOX_BATCH)
+            .bind(after)
+            .bind(bound)
+            .bind(cutoff)
+            .bind(retention.batch_size)
+            .fetch_one(pool)
+            .await?;
+        report.statements += 1;
+        report.outbox_events += n as u64;
+        match last {
+            Some(last) if n >= retention.batch_size => after = last,
+            _ => break,
+        }
+        pause(retention.pause).await;
+    }
+
+    report.processed_events = by_pages(
+        pool,
+        "processed_event",
+        PROCESSED_BATCH,
+        cutoff,
+        retention,
+        &mut report,
+    )
+    .await?;
+    report.inbox_events = by_pages(
+        pool,
+        "inbox_event",
+        INBOX_BATCH,
+        cutoff,
+        retention,
+        &mut report,
+    )
+    .await?;
+    tracing::info!(
+        outbox_events = report.outbox_events,
+        processed_events = report.processed_events,
+        inbox_events = report.inbox_events,
+        statements = report.statements,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        older_than = %format_duration(retention.older_than),
+        "cleanup pass done"
+    );
+    Ok(report)
+}
+
+async fn by_pages(
+    pool: &PgPool,
+    table: &str,
+    delete: &str,
+    cutoff: sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc>,
+    retention: &Retention,
+    report: &mut CleanupReport,
+) -> Result<u64> {
+    let (per_page, pages): (f64, i64) = sqlx::query_as(TABLE_PAGES)
+        .bind(table)
+        .fetch_one(pool)
+        .await?;
+    let step = ((retention.batch_size as f64 / per_page.max(1.0)) as i64).clamp(1, 100_000);
+    let mut deleted = 0;
+    let mut page = 0_i64;
+    while page < pages {
+        let next = page + step;
+        let result = sqlx::query(delete)
+            .bind(format!("({page},0)"))
+            .bind(format!("({next},0)"))
+            .bind(cutoff)
+            .execute(pool)
+            .await?;
+        report.statements += 1;
+        deleted += result.rows_affected();
+        page = next;
+        if page < pages {
+            pause(retention.pause).await;
+        }
+    }
+    Ok(deleted)
+}
+
+async fn pause(d: Duration) {
+    if !d.is_zero() {
+        tokio::time::sleep(d).await;
+    }
+}
+
+/// A connection holding the cleanup leader lock; the lock is released when
+/// it is dropped (the connection is closed, not returned to the pool).
+struct Leadership(Option<PoolConnection<Postgres>>);
+
+impl Leadership {
+    async fn try_take(pool: &PgPool) -> Result<Option<Self>> {
+        let mut conn = pool.acquire().await?;
+        let taken: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(LEADER_LOCK)
+            .fetch_one(&mut *conn)
+            .await?;
+        Ok(taken.then(|| Self(Some(conn))))
+    }
+
+    /// Whether the lock's connection is still alive (a lost connection
+    /// loses the lock).
+    async fn alive(&mut self) -> bool {
+        match self.0.as_mut() {
+            Some(conn) => sqlx::query("SELECT 1").execute(&mut **conn).await.is_ok(),
+            None => false,
+        }
+    }
+}
+
+impl Drop for Leadership {
+    fn drop(&mut self) {
+        if let Some(conn) = self.0.take() {
+            // Closing the session releases its advisory locks.
+            drop(conn.detach());
+        }
+    }
+}
+
+/// One cleanup pass if no other cleanup job holds the leader lock; `None`
+/// when another one does.
+pub async fn cleanup_as_leader(
+    pool: &PgPool,
+    retention: &Retention,
+) -> Result<Option<CleanupReport>> {
+    retention.validate()?;
+    let Some(leadership) = Leadership::try_take(pool).await? else {
+        return Ok(None);
+    };
+    let report = cleanup(pool, retention).await;
+    drop(leadership);
+    report.map(Some)
+}
+
+/// A scheduled cleanup: every `interval`, one pass — by the single leader
+/// among every `Cleanup` running against the database (the holder of the
+/// advisory lock [`LEADER_LOCK`]; the others check every interval whether
+/// they can take over).
+#[derive(Debug, Clone)]
+pub struct Cleanup {
+    pool: PgPool,
+    retention: Retention,
+    interval: Duration,
+}
+
+/// What a running [`Cleanup`] did so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CleanupCounts {
+    /// Whether this job currently holds the leader lock.
+    pub leader: bool,
+    /// Passes run by this job.
+    pub passes: u64,
+    /// Rows deleted by this job, over all passes.
+    pub deleted: u64,
+    /// Passes that failed (logged; retried at the next interval).
+    pub failures: u64,
+}
+
+/// A running [`Cleanup`].
+#[derive(Debug)]
+pub struct CleanupHandle {
+    token: CancellationToken,
+    counts: tokio::sync::watch::Receiver<CleanupCounts>,
+    task: JoinHandle<()>,
+}
+
+impl CleanupHandle {
+    /// What the job did so far.
+    pub fn counts(&self) -> CleanupCounts {
+        *self.counts.borrow()
+    }
+
+    /// Stops the job (after the statement in flight) and releases the lock.
+    pub async fn shutdown(self) -> Result<()> {
+        self.token.cancel();
+        self.task.await.map_err(|e| Error::Task(e.to_string()))
+    }
+}
+
+impl Cleanup {
+    /// A job running `retention` every `interval` on `pool` (which needs 2
+    /// connections: one holds the lock).
+    pub fn new(pool: PgPool, retention: Retention, interval: Duration) -> Result<Self> {
+        retention.validate()?;
+        if interval.is_zero() {
+            return Err(Error::Config("cleanup interval must be > 0".into()));
+        }
+        Ok(Self {
+            pool,
+            retention,
+            interval,
+        })
+    }
+
+    /// Runs the job on a tokio task.
+    pub fn spawn(self) -> CleanupHandle {
+        let token = CancellationToken::new();
+        let (tx, counts) = tokio::sync::watch::channel(CleanupCounts::default());
+        let task = tokio::spawn(self.run_with(token.clone(), tx));
+        CleanupHandle {
+            token,
+            counts,
+            task,
+        }
+    }
+
+    /// Runs the job until `shutdown` is cancelled.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let (tx, _rx) = tokio::sync::watch::channel(CleanupCounts::default());
+        self.run_with(shutdown, tx).await;
+    }
+
+    async fn run_with(
+        self,
+        shutdown: CancellationToken,
+        counts: tokio::sync::watch::Sender<CleanupCounts>,
+    ) {
+        let mut leadership: Option<Leadership> = None;
+        loop {
+            if let Some(l) = leadership.as_mut() {
+                if !l.alive().await {
+                    tracing::warn!("cleanup leader lost its lock connection");
+                    leadership = None;
+                }
+            }
+            if leadership.is_none() {
+                match Leadership::try_take(&self.pool).await {
+                    Ok(Some(l)) => {
+                        tracing::info!("cleanup: this job is the leader");
+                        leadership = Some(l);
+                    }
+                    Ok(None) => {
+                        tracing::debug!("cleanup: another job is the leader");
+                    }
+                    Err(error) => tracing::warn!(%error, "cleanup: could not reach the database"),
+                }
+            }
+            let leader = leadership.is_some();
+            counts.send_modify(|c| c.leader = leader);
+            if leader {
+                let pass = tokio::select! {
+                    r = cleanup(&self.pool, &self.retention) => Some(r),
+                    _ = shutdown.cancelled() => None,
+                };
+                match pass {
+                    Some(Ok(r)) => counts.send_modify(|c| {
+                        c.passes += 1;
+                        c.deleted += r.outbox_events + r.processed_events + r.inbox_events;
+                    }),
+                    Some(Err(error)) => {
+                        tracing::warn!(%error, "cleanup pass failed: retrying at the next interval");
+                        counts.send_modify(|c| c.failures += 1);
+                    }
+                    None => break,
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(self.interval) => {}
+                _ = shutdown.cancelled() => break,
+            }
+        }
+        drop(leadership);
+        counts.send_modify(|c| c.leader = false);
+    }
+}

@@ -1,0 +1,305 @@
+//! Metrics of the relay and the consumers, through the [`metrics`] facade
+//! (any recorder the application installs receives them), and — with the
+//! `prometheus` feature (default) — a Prometheus exporter: [`serve`]
+//! installs the recorder and answers `GET /metrics` on a small HTTP
+//! listener of its own.
+//!
+//! No metric is touched per event: the relay and the consumers keep their
+//! atomic counters ([`RelayCounts`], [`ConsumerCounts`]); a task per relay
+//! or consumer copies their increments into the metrics every second, and
+//! the relay's task samples the outbox's backlog every 5 seconds (one query
+//! on the partial indexes). Latencies are recorded once per batch (a
+//! consumer sums its handlers' time over the batch and records the mean).
+//!
+//! | metric | type | labels | meaning |
+//! |---|---|---|---|
+//! | `outbox_relay_published_total` | counter | | events published (acknowledged, marked) |
+//! | `outbox_relay_failed_total` | counter | | failed delivery attempts |
+//! | `outbox_relay_parked_total` | counter | | events parked |
+//! | `outbox_relay_batches_total` | counter | | batches processed |
+//! | `outbox_relay_batch_duration_seconds` | histogram | | a batch, from handing it to the producer to the last acknowledgement |
+//! | `outbox_backlog_events` | gauge | | unpublished, not parked events |
+//! | `outbox_oldest_unpublished_seconds` | gauge | | age of the oldest of them (0 when none) |
+//! | `outbox_parked_events` | gauge | | parked events (dropped ones excluded) |
+//! | `outbox_consumer_received_total` | counter | `group` | messages received from Kafka |
+//! | `outbox_consumer_processed_total` | counter | `group` | events whose handlers ran and committed |
+//! | `outbox_consumer_duplicates_total` | counter | `group` | dedup hits: events skipped as already applied |
+//! | `outbox_consumer_dead_lettered_total` | counter | `group` | messages and events dead-lettered |
+//! | `outbox_consumer_handler_failures_total` | counter | `group` | failed handler attempts |
+//! | `outbox_consumer_batch_duration_seconds` | histogram | `group` | one batch transaction (dedup mode: received messages; inbox mode: a processor's claimed rows) |
+//! | `outbox_consumer_handler_seconds` | histogram | `group` | mean handler time per event, one sample per batch |
+//! | `outbox_consumer_lag` | gauge | `group`, `topic`, `partition` | messages between the committed offset and the end of the partition (librdkafka statistics) |
+//! | `outbox_replayed_total` | counter | | events sent again by `replay` |
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use metrics::{Counter, Histogram, counter, gauge, histogram};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::inbox::{ConsumerCounts, ConsumerStats};
+use crate::relay::{RelayCounts, RelayStats};
+
+/// How often counters are copied into the metrics.
+const COPY_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How often the relay samples the outbox's backlog.
+pub const BACKLOG_INTERVAL: Duration = Duration::from_secs(5);
+
+const BACKLOG: &str = "\
+SELECT (SELECT count(*) FROM outbox_event
+        WHERE published_at IS NULL AND parked_at IS NULL),
+       (SELECT EXTRACT(EPOCH FROM now() - min(created_at))::float8 FROM outbox_event
+        WHERE published_at IS NULL AND parked_at IS NULL),
+       (SELECT count(*) FROM outbox_event
+        WHERE published_at IS NULL AND parked_at IS NOT NULL AND discarded_at IS NULL)";
+
+/// Copies a relay's counters into the metrics and samples the backlog,
+/// until `shutdown`; then copies once more.
+pub(crate) async fn relay_task(pool: PgPool, stats: Arc<RelayStats>, shutdown: CancellationToken) {
+    let published = counter!("outbox_relay_published_total");
+    let failed = counter!("outbox_relay_failed_total");
+    let parked = counter!("outbox_relay_parked_total");
+    let batches = counter!("outbox_relay_batches_total");
+    let lanes = gauge!("outbox_relay_lanes_owned");
+    let mut last = RelayCounts::default();
+    let mut copy = |now: RelayCounts| {
+        lanes.set(stats.lanes().len() as f64);
+        published.increment(now.published - last.published);
+        failed.increment(now.failed - last.failed);
+        parked.increment(now.parked - last.parked);
+        batches.increment(now.batches - last.batches);
+        last = now;
+    };
+    let mut sampled: Option<Instant> = None;
+    loop {
+        copy(stats.snapshot());
+        if sampled.is_none_or(|t| t.elapsed() >= BACKLOG_INTERVAL) {
+            sampled = Some(Instant::now());
+            // Never holds the relay's shutdown up (e.g. during an outage).
+            tokio::select! {
+                _ = tokio::time::timeout(BACKLOG_INTERVAL, sample_backlog(&pool)) => {}
+                _ = shutdown.cancelled() => break,
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(COPY_INTERVAL) => {}
+            _ = shutdown.cancelled() => break,
+        }
+    }
+    copy(stats.snapshot());
+}
+
+async fn sample_backlog(pool: &PgPool) {
+    let row: Result<(i64, Option<f64>, i64), _> = sqlx::query_as(BACKLOG).fetch_one(pool).await;
+    match row {
+        Ok((backlog, oldest, parked)) => {
+            gauge!("outbox_backlog_events").set(backlog as f64);
+            gauge!("outbox_oldest_unpublished_seconds").set(oldest.unwrap_or(0.0));
+            gauge!("outbox_parked_events").set(parked as f64);
+        }
+        Err(error) => tracing::debug!(%error, "backlog sample failed"),
+    }
+}
+
+/// Copies a consumer's counters into the metrics until `shutdown`; then
+/// copies once more.
+pub(crate) async fn consumer_task(
+    group: String,
+    stats: Arc<ConsumerStats>,
+    shutdown: CancellationToken,
+) {
+    let labels = [("group", group)];
+    let received = counter!("outbox_consumer_received_total", &labels);
+    let processed = counter!("outbox_consumer_processed_total", &labels);
+    let duplicates = counter!("outbox_consumer_duplicates_total", &labels);
+    let dead = counter!("outbox_consumer_dead_lettered_total", &labels);
+    let failures = counter!("outbox_consumer_handler_failures_total", &labels);
+    let mut last = ConsumerCounts::default();
+    let mut copy = |now: ConsumerCounts| {
+        let add = |c: &Counter, n: u64, l: u64| c.increment(n.saturating_sub(l));
+        add(&received, now.received, last.received);
+        add(&processed, now.processed, last.processed);
+        add(&duplicates, now.duplicates, last.duplicates);
+        add(&dead, now.dead_lettered, last.dead_lettered);
+        add(&failures, now.handler_failures, last.handler_failures);
+        last = now;
+    };
+    loop {
+        copy(stats.snapshot());
+        tokio::select! {
+            _ = tokio::time::sleep(COPY_INTERVAL) => {}
+            _ = shutdown.cancelled() => break,
+        }
+    }
+    copy(stats.snapshot());
+}
+
+/// The per-batch latency histograms of one consumer.
+#[derive(Clone)]
+pub(crate) struct ConsumerLatency {
+    pub batch: Histogram,
+    pub handler: Histogram,
+}
+
+impl ConsumerLatency {
+    pub fn new(group: &str) -> Self {
+        let labels = [("group", group.to_owned())];
+        Self {
+            batch: histogram!("outbox_consumer_batch_duration_seconds", &labels),
+            handler: histogram!("outbox_consumer_handler_seconds", &labels),
+        }
+    }
+}
+
+/// The relay's batch latency histogram.
+pub(crate) fn relay_batch_latency() -> Histogram {
+    histogram!("outbox_relay_batch_duration_seconds")
+}
+
+/// Records the consumer lag per partition from librdkafka's statistics.
+pub(crate) fn record_lag(group: &str, statistics: &rdkafka::Statistics) {
+    for (topic, t) in &statistics.topics {
+        for (partition, p) in &t.partitions {
+            if *partition < 0 || p.consumer_lag < 0 {
+                continue;
+            }
+            gauge!(
+                "outbox_consumer_lag",
+                "group" => group.to_owned(),
+                "topic" => topic.clone(),
+                "partition" => partition.to_string()
+            )
+            .set(p.consumer_lag as f64);
+        }
+    }
+}
+
+#[cfg(feature = "prometheus")]
+pub use self::exporter::{MetricsServer, serve};
+
+#[cfg(feature = "prometheus")]
+mod exporter {
+    use std::net::SocketAddr;
+    use std::sync::OnceLock;
+
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+    use tokio::task::JoinHandle;
+
+    use crate::error::{Error, Result};
+
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+    /// Latency buckets, in seconds (1 ms to 30 s).
+    const BUCKETS: &[f64] = &[
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    ];
+
+    /// The process's Prometheus recorder, installed as the global `metrics`
+    /// recorder on first use. Fails if another recorder is installed.
+    pub fn handle() -> Result<&'static PrometheusHandle> {
+        if let Some(h) = HANDLE.get() {
+            return Ok(h);
+        }
+        let recorder = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), BUCKETS)
+            .map_err(|e| Error::Config(format!("metrics buckets: {e}")))?
+            .build_recorder();
+        let handle = recorder.handle();
+        metrics::set_global_recorder(recorder)
+            .map_err(|_| Error::Config("another metrics recorder is already installed".into()))?;
+        Ok(HANDLE.get_or_init(|| handle))
+    }
+
+    /// A running `/metrics` endpoint; stops when dropped.
+    #[derive(Debug)]
+    pub struct MetricsServer {
+        addr: SocketAddr,
+        task: JoinHandle<()>,
+    }
+
+    impl MetricsServer {
+        /// The address it listens on (the actual port when 0 was asked).
+        pub fn local_addr(&self) -> SocketAddr {
+            self.addr
+        }
+    }
+
+    impl Drop for MetricsServer {
+        fn drop(&mut self) {
+            self.task.abort();
+        }
+    }
+
+    /// Installs the Prometheus recorder (once per process) and serves the
+    /// text exposition format on `GET /metrics` at `addr` (e.g.
+    /// `127.0.0.1:9464`; port 0 picks a free port).
+    pub async fn serve(addr: SocketAddr) -> Result<MetricsServer> {
+        let handle = handle()?;
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|e| Error::Config(format!("cannot listen for metrics on {addr}: {e}")))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::Config(format!("metrics listener: {e}")))?;
+        tracing::info!(%addr, "metrics at http://{addr}/metrics");
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                tokio::spawn(answer(stream, handle));
+            }
+        });
+        Ok(MetricsServer { addr, task })
+    }
+
+    /// Answers one HTTP/1 request and closes the connection.
+    async fn answer(mut stream: TcpStream, handle: &'static PrometheusHandle) {
+        let mut request = Vec::with_capacity(1024);
+        let mut buf = [0_u8; 1024];
+        let read = async {
+            while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 16 * 1024 {
+                match stream.read(&mut buf).await {
+                    Ok(0) | Err(_) => return false,
+                    Ok(n) => request.extend_from_slice(&buf[..n]),
+                }
+            }
+            true
+        };
+        let complete = tokio::time::timeout(std::time::Duration::from_secs(5), read)
+            .await
+            .unwrap_or(false);
+        if !complete {
+            return;
+        }
+        let line = request
+            .split(|b| *b == b'\r')
+            .next()
+            .map(String::from_utf8_lossy)
+            .unwrap_or_default();
+        let mut parts = line.split(' ');
+        let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+        let path = path.split('?').next().unwrap_or("");
+        let (status, body) = match (method, path) {
+            ("GET", "/metrics") => {
+                handle.run_upkeep();
+                ("200 OK", handle.render())
+            }
+            ("GET", _) => (
+                "404 Not Found",
+                "not found: the metrics are at /metrics\n".into(),
+            ),
+            _ => ("405 Method Not Allowed", "only GET\n".into()),
+        };
+        let response = format!(
+            "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let _ = stream.write_all(response.as_bytes()).await;
+        let _ = stream.shutdown().await;
+    }
+}

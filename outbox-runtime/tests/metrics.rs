@@ -1,0 +1,165 @@
+//! The Prometheus endpoint with a relay and a consumer running against the
+//! real broker: the published counter, the backlog gauges, the consumer's
+//! counters and lag, as scraped over HTTP. Its
+//! own test binary, so that no other relay in the process adds to the
+//! process-wide counters.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler};
+use outbox_runtime::{Consumer, Relay};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+async fn get(addr: std::net::SocketAddr, path: &str) -> String {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    stream.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Placed {
+    key: String,
+    seq: u64,
+}
+
+impl DomainEvent for Placed {
+    const TOPIC: &'static str = "metrics-test-orders";
+    const AGGREGATE_TYPE: &'static str = "Order";
+    const EVENT_TYPES: &'static [&'static str] = &["OrderPlaced"];
+    fn event_type(&self) -> &'static str {
+        "OrderPlaced"
+    }
+    fn event_version(&self) -> u32 {
+        1
+    }
+    fn aggregate_id(&self) -> String {
+        self.key.clone()
+    }
+}
+
+struct Noop;
+
+impl InboxHandler for Noop {
+    type Event = Placed;
+    const NAME: &'static str = "noop";
+
+    fn handle<'a, 'c>(&'a self, _: &'a mut HandlerContext<'c>, _: Placed) -> HandlerFuture<'a>
+    where
+        'c: 'a,
+    {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// The value of the first sample of `name` whose labels contain `labels`.
+fn labelled(body: &str, name: &str, labels: &[&str]) -> Option<f64> {
+    body.lines().find_map(|l| {
+        let rest = l.strip_prefix(name)?.strip_prefix('{')?;
+        let (set, value) = rest.split_once("} ")?;
+        labels
+            .iter()
+            .all(|x| set.contains(x))
+            .then(|| value.trim().parse().ok())?
+    })
+}
+
+/// The value of an unlabelled sample, if present.
+fn sample(body: &str, name: &str) -> Option<f64> {
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn the_metrics_endpoint_counts_published_events(pool: PgPool) {
+    init_tracing();
+    let server = outbox_runtime::metrics::serve("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let addr = server.local_addr();
+    // A second endpoint shares the process's recorder.
+    let second = outbox_runtime::metrics::serve("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+
+    let topic = Placed::TOPIC;
+    reset_topic(&brokers(), topic).await;
+    commit_messages(&pool, topic, 120, 6, 40).await;
+    let relay = Relay::builder(pool.clone())
+        .brokers(brokers())
+        .batch_size(50)
+        .spawn()
+        .unwrap();
+    assert!(wait_until_published(&pool, Duration::from_secs(60)).await);
+
+    // Counters are copied every second, the backlog sampled every 5 s.
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let (ok, body) = loop {
+        let body = get(addr, "/metrics").await;
+        let ok = sample(&body, "outbox_relay_published_total") == Some(120.0)
+            && sample(&body, "outbox_backlog_events") == Some(0.0);
+        if ok || std::time::Instant::now() > deadline {
+            break (ok, body);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(ok, "{body}");
+    assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
+    assert!(
+        body.contains("outbox_relay_batch_duration_seconds_bucket"),
+        "{body}"
+    );
+    assert_eq!(sample(&body, "outbox_parked_events"), Some(0.0), "{body}");
+    assert!(
+        sample(&body, "outbox_relay_batches_total").unwrap() >= 3.0,
+        "{body}"
+    );
+    assert!(
+        get(second.local_addr(), "/metrics")
+            .await
+            .contains("outbox_relay_published_total 120")
+    );
+    assert!(get(addr, "/other").await.starts_with("HTTP/1.1 404"));
+
+    relay.shutdown().await.unwrap();
+
+    // A consumer: its counters by group, and its lag once caught up.
+    let group = unique_topic("metrics-group");
+    let consumer = Consumer::builder(pool.clone())
+        .group(&group)
+        .brokers(brokers())
+        .handler(Noop)
+        .spawn()
+        .unwrap();
+    let g = format!("group=\"{group}\"");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let (ok, body) = loop {
+        let body = get(addr, "/metrics").await;
+        let ok = labelled(&body, "outbox_consumer_processed_total", &[&g]) == Some(120.0)
+            && labelled(&body, "outbox_consumer_received_total", &[&g]) == Some(120.0)
+            && labelled(&body, "outbox_consumer_lag", &[&g, "partition=\"0\""]) == Some(0.0);
+        if ok || std::time::Instant::now() > deadline {
+            break (ok, body);
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    assert!(ok, "{body}");
+    assert_eq!(
+        labelled(&body, "outbox_consumer_duplicates_total", &[&g]),
+        Some(0.0)
+    );
+    assert!(
+        body.contains("outbox_consumer_batch_duration_seconds_bucket"),
+        "{body}"
+    );
+    consumer.shutdown().await.unwrap();
+}

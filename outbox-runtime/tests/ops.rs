@@ -1,0 +1,317 @@
+//! Operations against a real PostgreSQL (fresh database per test): the
+//! retention cleanup (what it deletes, what it never touches, the refused
+//! window, one leader among concurrent jobs) and dropping parked rows.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use outbox_runtime::cleanup::{self, Cleanup, Retention};
+use outbox_runtime::{Error, ops};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+const DAY: u64 = 86_400;
+
+fn days(n: u64) -> Duration {
+    Duration::from_secs(n * DAY)
+}
+
+/// Commits `n` outbox rows on `topic`; returns their ids.
+async fn rows(pool: &PgPool, topic: &str, n: usize) -> Vec<i64> {
+    let ids = commit_messages(pool, topic, n, n, n).await;
+    sqlx::query_scalar("SELECT id FROM outbox_event WHERE event_id = ANY($1) ORDER BY id")
+        .bind(&ids)
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+async fn set(pool: &PgPool, sql: &str, ids: &[i64]) {
+    sqlx::query(&format!("UPDATE outbox_event SET {sql} WHERE id = ANY($1)"))
+        .bind(ids)
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+async fn remaining(pool: &PgPool, ids: &[i64]) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE id = ANY($1)")
+        .bind(ids)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn cleanup_deletes_old_published_and_processed_rows_only(pool: PgPool) {
+    let topic = unique_topic("cleanup");
+    // Outbox: old published (deleted), young published, old unpublished,
+    // old parked, old dropped (all kept).
+    let old_published = rows(&pool, &topic, 7).await;
+    let young_published = rows(&pool, &topic, 3).await;
+    let old_unpublished = rows(&pool, &topic, 2).await;
+    let old_parked = rows(&pool, &topic, 2).await;
+    let old_dropped = rows(&pool, &topic, 1).await;
+    let old = "created_at = now() - interval '40 days'";
+    set(
+        &pool,
+        &format!("{old}, published_at = now() - interval '40 days'"),
+        &old_published,
+    )
+    .await;
+    set(
+        &pool,
+        "published_at = now() - interval '1 day'",
+        &young_published,
+    )
+    .await;
+    set(&pool, old, &old_unpublished).await;
+    set(
+        &pool,
+        &format!("{old}, parked_at = now() - interval '39 days', attempts = 5"),
+        &old_parked,
+    )
+    .await;
+    set(
+        &pool,
+        &format!("{old}, parked_at = now(), discarded_at = now(), discard_reason = 'x'"),
+        &old_dropped,
+    )
+    .await;
+
+    // Dedup rows: 2,500 old ones interleaved with 500 young ones (several
+    // page ranges), of two consumers.
+    sqlx::query(
+        "INSERT INTO processed_event (consumer, event_id, processed_at)
+         SELECT CASE WHEN g % 2 = 0 THEN 'billing' ELSE 'shipping' END, gen_random_uuid(),
+                CASE WHEN g % 6 = 0 THEN now() - interval '1 day' ELSE now() - interval '40 days' END
+         FROM generate_series(1, 3000) g",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // Inbox: old processed (deleted); old pending, old dead-lettered,
+    // young processed (kept).
+    sqlx::query(
+        "INSERT INTO inbox_event (event_id, payload, consumer, received_at, processed, processed_at, dead_lettered_at)
+         SELECT gen_random_uuid(), '{}'::jsonb, 'billing', now() - interval '41 days',
+                k = 'old_done', CASE k WHEN 'old_done' THEN now() - interval '40 days'
+                                       WHEN 'young_done' THEN now() - interval '1 day' END,
+                CASE WHEN k = 'old_dead' THEN now() - interval '40 days' END
+         FROM (VALUES ('old_done'), ('old_done'), ('old_done'), ('old_pending'), ('old_dead'), ('young_done')) v(k)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE inbox_event SET processed = true WHERE processed_at > now() - interval '2 days'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE processed_event")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let retention = Retention::new(days(30)).batch_size(2);
+    let report = cleanup::cleanup(&pool, &retention).await.unwrap();
+    assert_eq!(report.outbox_events, 7);
+    assert_eq!(report.processed_events, 2500);
+    assert_eq!(report.inbox_events, 3);
+    // Two rows per statement: the outbox alone needs four statements.
+    assert!(report.statements > 4, "{report:?}");
+
+    assert_eq!(remaining(&pool, &old_published).await, 0);
+    assert_eq!(remaining(&pool, &young_published).await, 3);
+    assert_eq!(remaining(&pool, &old_unpublished).await, 2);
+    assert_eq!(remaining(&pool, &old_parked).await, 2);
+    assert_eq!(remaining(&pool, &old_dropped).await, 1);
+    let young: i64 = sqlx::query_scalar("SELECT count(*) FROM processed_event")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(young, 500);
+    let inbox: Vec<(bool, bool)> = sqlx::query_as(
+        "SELECT processed, dead_lettered_at IS NOT NULL FROM inbox_event ORDER BY seq",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(inbox, vec![(false, false), (false, true), (true, false)]);
+
+    // A second pass finds nothing more.
+    let again = cleanup::cleanup(&pool, &retention).await.unwrap();
+    assert_eq!(
+        (
+            again.outbox_events,
+            again.processed_events,
+            again.inbox_events
+        ),
+        (0, 0, 0)
+    );
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_retention_shorter_than_the_dedup_window_is_refused(pool: PgPool) {
+    sqlx::query(
+        "INSERT INTO processed_event (consumer, event_id, processed_at)
+         VALUES ('billing', gen_random_uuid(), now() - interval '3 days')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // 2 days < the default 7-day dedup window.
+    let error = cleanup::cleanup(&pool, &Retention::new(days(2)))
+        .await
+        .unwrap_err();
+    let Error::Config(message) = &error else {
+        panic!("expected a configuration error, got {error:?}");
+    };
+    assert!(
+        message.contains("retention 2d is shorter than the dedup window 7d"),
+        "{message}"
+    );
+    assert!(
+        cleanup::cleanup_as_leader(&pool, &Retention::new(days(2)))
+            .await
+            .is_err()
+    );
+    assert!(
+        Cleanup::new(
+            pool.clone(),
+            Retention::new(days(2)),
+            Duration::from_secs(1)
+        )
+        .is_err()
+    );
+    let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM processed_event")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(kept, 1, "nothing deleted");
+
+    // With a shorter dedup window declared, the same retention runs.
+    let r = Retention::new(days(2)).dedup_window(days(1));
+    let report = cleanup::cleanup(&pool, &r).await.unwrap();
+    assert_eq!(report.processed_events, 1);
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn concurrent_cleanup_jobs_have_one_leader(pool: PgPool) {
+    let interval = Duration::from_millis(100);
+    let pool_b = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(3)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let a = Cleanup::new(pool.clone(), Retention::new(days(30)), interval)
+        .unwrap()
+        .spawn();
+    let b = Cleanup::new(pool_b.clone(), Retention::new(days(30)), interval)
+        .unwrap()
+        .spawn();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            a.counts().passes + b.counts().passes >= 5
+        })
+        .await
+    );
+    let (ca, cb) = (a.counts(), b.counts());
+    assert!(ca.leader != cb.leader, "exactly one leader: {ca:?} {cb:?}");
+    let (leader, follower) = if ca.leader { (a, b) } else { (b, a) };
+    assert_eq!(follower.counts().passes, 0, "the follower never ran a pass");
+    // A one-off pass is refused while a job leads.
+    assert_eq!(
+        cleanup::cleanup_as_leader(&pool, &Retention::new(days(30)))
+            .await
+            .unwrap(),
+        None
+    );
+
+    // The leader stops: the follower takes over.
+    leader.shutdown().await.unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            let c = follower.counts();
+            c.leader && c.passes >= 1
+        })
+        .await,
+        "{:?}",
+        follower.counts()
+    );
+    follower.shutdown().await.unwrap();
+    assert!(
+        cleanup::cleanup_as_leader(&pool, &Retention::new(days(30)))
+            .await
+            .unwrap()
+            .is_some(),
+        "the lock is free once every job stopped"
+    );
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn dropping_parked_rows_keeps_them_out_of_the_queue(pool: PgPool) {
+    let topic = unique_topic("drop");
+    let ids = rows(&pool, &topic, 4).await;
+    set(
+        &pool,
+        "parked_at = now(), attempts = 5, last_error = 'too large'",
+        &ids[..3],
+    )
+    .await;
+
+    // A reason is required.
+    assert!(matches!(
+        ops::discard_parked(&pool, Some(&ids[..1]), " ").await,
+        Err(Error::Config(_))
+    ));
+    // Only parked rows can be dropped: the unparked one is ignored.
+    let n = ops::discard_parked(
+        &pool,
+        Some(&[ids[0], ids[3]]),
+        "payload rejected by the broker",
+    )
+    .await
+    .unwrap();
+    assert_eq!(n, 1);
+    let (discarded, reason, parked): (bool, Option<String>, bool) = sqlx::query_as(
+        "SELECT discarded_at IS NOT NULL, discard_reason, parked_at IS NOT NULL
+         FROM outbox_event WHERE id = $1",
+    )
+    .bind(ids[0])
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(discarded && parked, "kept, still out of the relay's queue");
+    assert_eq!(reason.as_deref(), Some("payload rejected by the broker"));
+
+    let listed: Vec<i64> = ops::parked(&pool, 100)
+        .await
+        .unwrap()
+        .iter()
+        .map(|p| p.id)
+        .collect();
+    assert_eq!(listed, ids[1..3].to_vec());
+    let status = ops::status(&pool).await.unwrap();
+    assert_eq!(
+        (status.parked, status.discarded, status.unpublished),
+        (2, 1, 1)
+    );
+
+    // --all requeues the parked rows, not the dropped one; its id does.
+    assert_eq!(ops::requeue_parked(&pool, None).await.unwrap(), 2);
+    assert_eq!(ops::status(&pool).await.unwrap().discarded, 1);
+    assert_eq!(
+        ops::requeue_parked(&pool, Some(&ids[..1])).await.unwrap(),
+        1
+    );
+    let status = ops::status(&pool).await.unwrap();
+    assert_eq!(
+        (status.parked, status.discarded, status.unpublished),
+        (0, 0, 4)
+    );
+    let _ = Uuid::nil();
+}
