@@ -1,6 +1,8 @@
 //! `billing-service`: see the crate's README. Stops gracefully on SIGTERM or
 //! Ctrl-C (exit code 0).
 
+use std::io::IsTerminal;
+
 use billing_service::{Config, run};
 use outbox::runtime::CancellationToken;
 
@@ -10,6 +12,7 @@ async fn main() -> std::process::ExitCode {
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let config = Config::from_env();
     let shutdown = CancellationToken::new();

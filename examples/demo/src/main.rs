@@ -179,6 +179,37 @@ async fn drive(
     problems.extend(refused.problems);
 
     println!(
+        "== warm-up: one order, sent and paid before the stream (the services' clients connect)"
+    );
+    let url = format!("{base}/orders");
+    let warmup = send::place(&client, &url, plan.orders)
+        .await
+        .map_err(|e| format!("the warm-up order was not accepted: {e}"))?;
+    let warm_started = Instant::now();
+    loop {
+        let paid: bool = sqlx::query_scalar("SELECT paid_at IS NOT NULL FROM orders WHERE id = $1")
+            .bind(warmup.id)
+            .fetch_one(orders_db)
+            .await?;
+        if paid {
+            println!("  paid after {:.2} s", warm_started.elapsed().as_secs_f64());
+            break;
+        }
+        if let Some(exited) = services.exited() {
+            return Err(exited.into());
+        }
+        if warm_started.elapsed() >= plan.timeout {
+            return Err(format!(
+                "the warm-up order was not paid within {} s",
+                plan.timeout.as_secs()
+            )
+            .into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let baseline = Counts::read(orders_db, billing_db).await?;
+
+    println!(
         "== sending {} orders to {base}/orders ({} at a time)",
         plan.orders, plan.concurrency
     );
@@ -195,7 +226,7 @@ async fn drive(
     let mut tick = tokio::time::interval(Duration::from_millis(200));
     let counts = loop {
         tick.tick().await;
-        let counts = Counts::read(orders_db, billing_db).await?;
+        let counts = Counts::read(orders_db, billing_db).await?.since(&baseline);
         progress.update(&counts, started.elapsed());
         if sent.is_none() && sender.is_finished() {
             sent = Some((&mut sender).await?);
@@ -230,6 +261,7 @@ async fn drive(
     println!("== summary");
     let report = verify::Report {
         sent: &sent,
+        warmup,
         refused: refused.count,
         all_paid_after,
     };

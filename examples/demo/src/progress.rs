@@ -9,7 +9,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sqlx::PgPool;
 
 /// The four counts, in the order events flow.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counts {
     /// Rows in `orders` (orders service).
     pub created: u64,
@@ -45,6 +45,16 @@ impl Counts {
         })
     }
 
+    /// The counts since `baseline` was read.
+    pub fn since(&self, baseline: &Counts) -> Counts {
+        Counts {
+            created: self.created.saturating_sub(baseline.created),
+            published: self.published.saturating_sub(baseline.published),
+            captured: self.captured.saturating_sub(baseline.captured),
+            paid: self.paid.saturating_sub(baseline.paid),
+        }
+    }
+
     /// Whether every stage reached `n`.
     pub fn all_reached(&self, n: u64) -> bool {
         self.created >= n && self.published >= n && self.captured >= n && self.paid >= n
@@ -66,7 +76,7 @@ const LABELS: [&str; 4] = [
 pub struct Progress {
     total: u64,
     bars: Option<(MultiProgress, Vec<ProgressBar>)>,
-    last_line: Option<Instant>,
+    last_line: Option<(Instant, Counts)>,
 }
 
 impl Progress {
@@ -107,10 +117,9 @@ impl Progress {
             None => {
                 if self
                     .last_line
-                    .is_none_or(|at| at.elapsed() >= Duration::from_secs(2))
+                    .is_none_or(|(at, _)| at.elapsed() >= Duration::from_secs(2))
                 {
                     self.line(counts, elapsed);
-                    self.last_line = Some(Instant::now());
                 }
             }
         }
@@ -125,11 +134,16 @@ impl Progress {
                     bar.abandon();
                 }
             }
-            None => self.line(counts, elapsed),
+            None => {
+                if self.last_line.is_none_or(|(_, shown)| shown != *counts) {
+                    self.line(counts, elapsed);
+                }
+            }
         }
     }
 
-    fn line(&self, counts: &Counts, elapsed: Duration) {
+    fn line(&mut self, counts: &Counts, elapsed: Duration) {
+        self.last_line = Some((Instant::now(), *counts));
         let parts: Vec<String> = LABELS
             .iter()
             .zip(counts.values())

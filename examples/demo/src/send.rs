@@ -128,7 +128,7 @@ pub async fn orders(client: reqwest::Client, base: String, n: u64, concurrency: 
 
 /// One order: a customer among a few dozen, an amount between 1.00 and
 /// 999.99.
-async fn place(client: &reqwest::Client, url: &str, i: u64) -> Result<Order, String> {
+pub async fn place(client: &reqwest::Client, url: &str, i: u64) -> Result<Order, String> {
     let amount_cents = 100 + (i as i64 * 7919) % 99_900;
     let body = json!({ "customer": format!("customer-{}", i % 37), "amount_cents": amount_cents });
     let response = client

@@ -91,12 +91,20 @@ impl IntoResponse for ApiError {
 
 impl From<JsonRejection> for ApiError {
     fn from(rejection: JsonRejection) -> Self {
+        // axum's text is "<generic sentence>: <serde's message with the
+        // field's path and position>"; keep serde's part.
+        let text = rejection.body_text();
+        let detail = |prefix: &str| text.strip_prefix(prefix).unwrap_or(&text).to_owned();
         let message = match &rejection {
-            JsonRejection::JsonSyntaxError(_) => {
-                format!("malformed JSON: {}", rejection.body_text())
-            }
-            JsonRejection::JsonDataError(_) => format!("invalid order: {}", rejection.body_text()),
-            _ => rejection.body_text(),
+            JsonRejection::JsonSyntaxError(_) => format!(
+                "malformed JSON: {}",
+                detail("Failed to parse the request body as JSON: ")
+            ),
+            JsonRejection::JsonDataError(_) => format!(
+                "invalid order: {}",
+                detail("Failed to deserialize the JSON body into the target type: ")
+            ),
+            _ => text.clone(),
         };
         Self::new(rejection.status(), message)
     }
