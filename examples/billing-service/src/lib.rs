@@ -94,6 +94,10 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), BoxE
     let consumer = Consumer::builder(pool.clone())
         .group(&config.group)
         .brokers(&config.brokers)
+        // Latency over fetch requests: ask the broker to answer a fetch
+        // within 50 ms when it has nothing new (librdkafka's default is
+        // 500 ms, and some brokers hold every fetch that long).
+        .kafka_setting("fetch.wait.max.ms", "50")
         .handler(charge_order)
         .mode(Mode::Dedup)
         .spawn()?;

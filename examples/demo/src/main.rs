@@ -40,6 +40,10 @@ struct Args {
     /// Requests in flight at once.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
     concurrency: u32,
+    /// Send at most this many orders per second (default: as fast as the
+    /// service answers). A steady rate measures latency without a backlog.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    rate: Option<u32>,
     /// Seconds to wait, once the last order was sent, for every order to be paid.
     #[arg(long, default_value_t = 120)]
     timeout: u64,
@@ -131,6 +135,7 @@ async fn run(args: Args) -> Result<bool, BoxError> {
     let plan = Plan {
         orders: total,
         concurrency: args.concurrency as usize,
+        rate: args.rate,
         timeout: Duration::from_secs(args.timeout),
     };
     let result = drive(&mut services, &orders_db, &billing_db, &plan).await;
@@ -158,6 +163,7 @@ async fn run(args: Args) -> Result<bool, BoxError> {
 struct Plan {
     orders: u64,
     concurrency: usize,
+    rate: Option<u32>,
     timeout: Duration,
 }
 
@@ -209,8 +215,12 @@ async fn drive(
     }
     let baseline = Counts::read(orders_db, billing_db).await?;
 
+    let pace = plan.rate.map_or_else(
+        || "as fast as answered".to_owned(),
+        |r| format!("at most {r}/s"),
+    );
     println!(
-        "== sending {} orders to {base}/orders ({} at a time)",
+        "== sending {} orders to {base}/orders ({} at a time, {pace})",
         plan.orders, plan.concurrency
     );
     let started = Instant::now();
@@ -219,6 +229,7 @@ async fn drive(
         base.clone(),
         plan.orders,
         plan.concurrency,
+        plan.rate,
     ));
     let mut progress = Progress::new(plan.orders);
     let mut sent: Option<send::Sent> = None;

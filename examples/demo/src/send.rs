@@ -94,13 +94,27 @@ fn shorten(s: &str, max: usize) -> String {
     }
 }
 
-/// Sends `n` orders, `concurrency` at a time.
-pub async fn orders(client: reqwest::Client, base: String, n: u64, concurrency: usize) -> Sent {
+/// Sends `n` orders, `concurrency` at a time, at most `rate` a second.
+pub async fn orders(
+    client: reqwest::Client,
+    base: String,
+    n: u64,
+    concurrency: usize,
+    rate: Option<u32>,
+) -> Sent {
     let started = Instant::now();
     let url = Arc::new(format!("{base}/orders"));
     let slots = Arc::new(Semaphore::new(concurrency));
+    let mut pace = rate.map(|r| {
+        let mut pace = tokio::time::interval(Duration::from_secs(1) / r);
+        pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        pace
+    });
     let mut tasks = JoinSet::new();
     for i in 0..n {
+        if let Some(pace) = &mut pace {
+            pace.tick().await;
+        }
         let Ok(slot) = slots.clone().acquire_owned().await else {
             break;
         };

@@ -237,10 +237,15 @@ pub async fn check(
         "commit → paid latency",
         format!("p50 {}, p99 {}, max {}", ms(p50), ms(p99), ms(max)),
     );
+    let build = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
     line(
         "end to end",
         format!(
-            "every order paid {:.1} s after the first was sent",
+            "every order paid {:.1} s after the first was sent ({build} build)",
             report.all_paid_after.as_secs_f64()
         ),
     );
