@@ -69,7 +69,7 @@ pub async fn bad_requests(client: &reqwest::Client, base: &str) -> Refused {
                 let status = response.status();
                 let body: Value = response.json().await.unwrap_or(Value::Null);
                 let error = body["error"].as_str().unwrap_or_default();
-                println!("  {what:<18}{} {}", status.as_u16(), shorten(error, 90));
+                println!("  {what:<18}{} {}", status.as_u16(), shorten(error, 110));
                 if !status.is_client_error() || error.is_empty() {
                     problems.push(format!(
                         "{what}: answered {status} {body}, not a 4xx with an error"

@@ -21,8 +21,9 @@ pub struct Report<'a> {
     pub warmup: Order,
     /// How many bad requests were refused.
     pub refused: usize,
-    /// From the first order sent until every order was paid.
-    pub all_paid_after: Duration,
+    /// From the first order sent until every order was paid; `None` if the
+    /// wait timed out.
+    pub all_paid_after: Option<Duration>,
 }
 
 fn line(label: &str, text: impl std::fmt::Display) {
@@ -242,12 +243,13 @@ pub async fn check(
     } else {
         "release"
     };
-    line(
-        "end to end",
-        format!(
+    let end_to_end = match report.all_paid_after {
+        Some(after) => format!(
             "every order paid {:.1} s after the first was sent ({build} build)",
-            report.all_paid_after.as_secs_f64()
+            after.as_secs_f64()
         ),
-    );
+        None => format!("not every order was paid in time ({build} build)"),
+    };
+    line("end to end", end_to_end);
     Ok(problems)
 }
