@@ -5,15 +5,17 @@
 //! | `POST /orders` `{"customer": "ann", "amount_cents": 1250}` | `201` the order (`status: "pending"`), `Location: /orders/{id}` |
 //! | `GET /orders/{id}` | `200` the order with its payment status, `404` if unknown |
 //! | `GET /health` | `200` once the service is up |
+//! | anything else | `404` (unknown path) or `405` (wrong method) |
 //!
 //! Bad input never reaches the database: malformed JSON → `400`; a body that
 //! is not JSON → `415`; unknown fields, missing fields, wrong types, an
-//! amount ≤ 0, a blank customer → `422`; an id that is not a UUID → `400`.
+//! amount ≤ 0, a blank customer → `422`; a body over 2 MB → `413`; an id
+//! that is not a UUID → `400`.
 //! Every error answer is `{"error": "..."}`.
 
 use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{Path, State};
-use axum::http::{StatusCode, header};
+use axum::http::{Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -29,6 +31,8 @@ pub fn router(pool: PgPool) -> Router {
         .route("/orders", post(create_order))
         .route("/orders/{id}", get(show_order))
         .route("/health", get(health))
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
         .with_state(pool)
 }
 
@@ -159,4 +163,18 @@ async fn show_order(
 
 async fn health() -> Json<serde_json::Value> {
     Json(serde_json::json!({ "status": "ok" }))
+}
+
+async fn no_route(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!("no route {method} {}", uri.path()),
+    )
+}
+
+async fn wrong_method(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{method} is not allowed on {}", uri.path()),
+    )
 }

@@ -148,6 +148,18 @@ async fn bad_input_answers_4xx_with_a_json_error_and_writes_nothing(pool: PgPool
         "{answer}"
     );
 
+    // A body over axum's 2 MB limit is refused before it is parsed.
+    let huge = format!(
+        r#"{{"customer": "{}", "amount_cents": 100}}"#,
+        "x".repeat(3 << 20)
+    );
+    let (got, _, answer) = send(&app, post_json(&huge)).await;
+    assert_eq!(got, StatusCode::PAYLOAD_TOO_LARGE, "{answer}");
+    assert!(
+        answer["error"].as_str().is_some_and(|m| !m.is_empty()),
+        "{answer}"
+    );
+
     assert_eq!(
         count(&pool, "SELECT count(*) FROM orders").await,
         0,
@@ -221,7 +233,7 @@ async fn an_order_is_created_then_shown_and_its_event_is_in_the_outbox(pool: PgP
 }
 
 #[sqlx::test(migrations = false)]
-async fn showing_an_order_needs_a_uuid_of_an_existing_order(pool: PgPool) {
+async fn unknown_ids_paths_and_methods_answer_a_json_error(pool: PgPool) {
     let app = app(&pool).await;
     let (status, _, answer) = send(&app, get("/orders/not-a-uuid")).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
@@ -231,6 +243,13 @@ async fn showing_an_order_needs_a_uuid_of_an_existing_order(pool: PgPool) {
             .is_some_and(|m| m.starts_with("invalid order id")),
         "{answer}"
     );
+
+    let (status, _, answer) = send(&app, get("/order")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{answer}");
+    assert_eq!(answer["error"], "no route GET /order");
+    let (status, _, answer) = send(&app, get("/orders")).await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED, "{answer}");
+    assert_eq!(answer["error"], "GET is not allowed on /orders");
 
     let unknown = Uuid::now_v7();
     let (status, _, answer) = send(&app, get(&format!("/orders/{unknown}"))).await;
