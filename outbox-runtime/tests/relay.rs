@@ -399,3 +399,56 @@ async fn writers_notify_only_while_a_relay_waits(pool: PgPool) {
         "NOTIFY while a relay waits: {woke:?}"
     );
 }
+
+/// Wake locks are per database: a relay waiting on another database's outbox
+/// must not make this relay believe writers here will notify it. The writer
+/// holds the wake lock shared (mid-transaction) when the relay tries to arm;
+/// once it commits, the relay must find its row at once, not after its poll
+/// interval.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_relay_waiting_on_another_database_does_not_delay_this_one(pool: PgPool) {
+    let topic = unique_topic("relay-wake-other-db");
+    create_topic(&brokers(), &topic).await;
+    let other_db = format!("outbox_wake_{}", uuid::Uuid::new_v4().simple());
+    sqlx::query(&format!("CREATE DATABASE {other_db}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let other = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(pool.connect_options().as_ref().clone().database(&other_db))
+        .await
+        .unwrap();
+    // "A relay waits on the other database": it holds that database's wake lock.
+    let mut waiting = other.acquire().await.unwrap();
+    let armed: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(8031453476610924407)")
+        .fetch_one(&mut *waiting)
+        .await
+        .unwrap();
+    assert!(armed);
+
+    // A writer mid-transaction here: its insert took the wake lock shared.
+    let mut tx = pool.begin().await.unwrap();
+    outbox_core::insert_messages(&mut tx, &[message(&topic, "k", 1)], &Default::default())
+        .await
+        .unwrap();
+    let handle = relay(&pool)
+        .poll_interval(Duration::from_secs(10))
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let committed = Instant::now();
+    tx.commit().await.unwrap();
+    assert!(
+        wait_until_published(&pool, Duration::from_secs(3)).await,
+        "published right after the commit, not after the 10 s poll"
+    );
+    eprintln!("published {:?} after the commit", committed.elapsed());
+    handle.shutdown().await.unwrap();
+    drop(waiting);
+    other.close().await;
+    sqlx::query(&format!("DROP DATABASE {other_db} WITH (FORCE)"))
+        .execute(&pool)
+        .await
+        .unwrap();
+}

@@ -133,11 +133,15 @@ impl Waker {
                 Ok(false) => {
                     // Held shared by writers mid-transaction (their rows will
                     // be claimable in a moment), or exclusively by another
-                    // waiting relay (then writers notify us both).
+                    // waiting relay of this database (then writers notify us
+                    // both). Advisory locks are per database: a relay waiting
+                    // on another database's outbox makes nobody notify us.
                     let other_relay_waits = sqlx::query_scalar::<_, bool>(
                         "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory'
                            AND granted AND mode = 'ExclusiveLock'
-                           AND ((classid::bigint << 32) | objid::bigint) = $1)",
+                           AND ((classid::bigint << 32) | objid::bigint) = $1
+                           AND database = (SELECT oid FROM pg_database
+                                           WHERE datname = current_database()))",
                     )
                     .bind(WAKE_LOCK)
                     .fetch_one(&mut *listener)
