@@ -50,6 +50,46 @@ pub struct Status {
     pub notify_enabled: bool,
     /// Per topic.
     pub topics: Vec<TopicStatus>,
+    /// Relays running with lanes on this database, and their lanes.
+    pub relays: Vec<RelayLanes>,
+}
+
+/// A running relay (with lanes) and the lanes it owns, read from the
+/// advisory locks it holds.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct RelayLanes {
+    /// Backend pid of the relay's lane connection.
+    pub pid: i32,
+    /// Client address of that connection (none over a Unix socket).
+    pub client: Option<String>,
+    /// The relay's lane count.
+    pub lane_count: Option<i32>,
+    /// The lanes it owns right now.
+    pub lanes: Vec<i32>,
+}
+
+/// The relays running with lanes on this database (see the relay's lanes).
+pub async fn relays(pool: &PgPool) -> Result<Vec<RelayLanes>> {
+    use crate::relay::lanes::{COUNT_CLASS, LANE_CLASS, MEMBER_CLASS};
+    let rows = sqlx::query_as(
+        "WITH l AS (
+             SELECT pid, classid::int8 AS class, objid::int4 AS key FROM pg_locks
+             WHERE locktype = 'advisory' AND granted AND objsubid = 2
+               AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+         SELECT m.pid, host(a.client_addr) AS client,
+                (SELECT max(c.key) FROM l c WHERE c.pid = m.pid AND c.class = $3) AS lane_count,
+                COALESCE((SELECT array_agg(x.key ORDER BY x.key) FROM l x
+                          WHERE x.pid = m.pid AND x.class = $2), '{}') AS lanes
+         FROM l m LEFT JOIN pg_stat_activity a ON a.pid = m.pid
+         WHERE m.class = $1
+         ORDER BY m.pid",
+    )
+    .bind(i64::from(MEMBER_CLASS))
+    .bind(i64::from(LANE_CLASS))
+    .bind(i64::from(COUNT_CLASS))
+    .fetch_all(pool)
+    .await?;
+    Ok(rows)
 }
 
 /// Reads the outbox's status.
@@ -86,6 +126,7 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
         published,
         notify_enabled: notify_enabled(pool).await?,
         topics,
+        relays: relays(pool).await?,
     })
 }
 

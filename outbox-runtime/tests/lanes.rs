@@ -72,6 +72,14 @@ async fn relays_share_the_lanes_and_take_over_a_stopped_relays_lanes(pool: PgPoo
         c.lanes()
     );
 
+    // `outbox status` shows the three and their lanes.
+    let relays = outbox_runtime::ops::relays(&pool).await.unwrap();
+    assert_eq!(relays.len(), 3, "{relays:?}");
+    let mut owned: Vec<i32> = relays.iter().flat_map(|r| r.lanes.clone()).collect();
+    owned.sort_unstable();
+    assert_eq!(owned, (0..16).collect::<Vec<_>>());
+    assert!(relays.iter().all(|r| r.lane_count == Some(16)));
+
     // Events keep flowing, in per-key order, while the lanes move.
     let first = commit_messages(&pool, &topic, 3_000, 100, 100).await;
     let stopped = Instant::now();

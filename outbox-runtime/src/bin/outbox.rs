@@ -563,6 +563,52 @@ fn print_status(s: &ops::Status) {
     ];
     print!("{}", table(&header, &rows));
     println!("notify: {}", if s.notify_enabled { "on" } else { "off" });
+    if s.relays.is_empty() {
+        println!("relays with lanes: none running");
+    } else {
+        let rows: Vec<[String; 4]> = s
+            .relays
+            .iter()
+            .map(|r| {
+                [
+                    r.pid.to_string(),
+                    r.client.clone().unwrap_or_else(|| "local".into()),
+                    r.lane_count.map_or_else(|| "-".into(), |c| c.to_string()),
+                    lane_list(&r.lanes),
+                ]
+            })
+            .collect();
+        print!(
+            "{}",
+            table(
+                &["RELAY (PID)", "CLIENT", "LANE COUNT", "LANES OWNED"],
+                &rows
+            )
+        );
+    }
+}
+
+/// `0-5,9,12-13`.
+fn lane_list(lanes: &[i32]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < lanes.len() {
+        let start = lanes[i];
+        while i + 1 < lanes.len() && lanes[i + 1] == lanes[i] + 1 {
+            i += 1;
+        }
+        parts.push(if lanes[i] == start {
+            start.to_string()
+        } else {
+            format!("{start}-{}", lanes[i])
+        });
+        i += 1;
+    }
+    if parts.is_empty() {
+        "none".into()
+    } else {
+        parts.join(",")
+    }
 }
 
 /// An age for people: `850ms`, `42s`, `3m 12s`, `5h 02m`, `2d 03h`.
@@ -726,4 +772,17 @@ async fn stop_on_signal(token: CancellationToken) {
     let _ = ctrl_c.await;
     tracing::info!("shutdown requested: finishing the batch in flight");
     token.cancel();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lane_list;
+
+    #[test]
+    fn lane_lists_collapse_runs() {
+        assert_eq!(lane_list(&[]), "none");
+        assert_eq!(lane_list(&[3]), "3");
+        assert_eq!(lane_list(&[0, 1, 2, 3, 4, 5]), "0-5");
+        assert_eq!(lane_list(&[0, 1, 2, 9, 12, 13]), "0-2,9,12-13");
+    }
 }

@@ -15,7 +15,7 @@
 //! [`wake`](self::wake) (LISTEN/NOTIFY and polling).
 
 pub(crate) mod claim;
-mod lanes;
+pub(crate) mod lanes;
 pub(crate) mod publish;
 mod wake;
 
