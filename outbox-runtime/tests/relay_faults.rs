@@ -4,40 +4,18 @@
 
 mod common;
 
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::*;
 use outbox_runtime::Relay;
 use sqlx::PgPool;
 
-fn relay_process(pool: &PgPool) -> tokio::process::Child {
-    let o = pool.connect_options();
-    let url = format!(
-        "postgres://{}@{}:{}/{}",
-        o.get_username(),
-        o.get_host(),
-        o.get_port(),
-        o.get_database().expect("test database name")
-    );
-    tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .args(["relay", "--batch-size", "500"])
-        .env("DATABASE_URL", url)
-        .env("KAFKA_BROKERS", brokers())
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn the outbox binary")
+fn start_relay(pool: &PgPool) -> tokio::process::Child {
+    relay_process(&database_url(pool), &brokers(), &["--batch-size", "500"])
 }
 
-fn signal(child: &tokio::process::Child, sig: &str) {
-    let pid = child.id().expect("running").to_string();
-    let status = std::process::Command::new("kill")
-        .args([sig, &pid])
-        .status()
-        .expect("kill");
-    assert!(status.success());
+fn kill(child: &tokio::process::Child, sig: &str) {
+    signal(child.id().expect("running"), sig);
 }
 
 async fn published(pool: &PgPool) -> i64 {
@@ -55,7 +33,7 @@ async fn relay_sigkilled_mid_batch_then_restarted_loses_nothing(pool: PgPool) {
 
     let mut kills = 0;
     for _ in 0..3 {
-        let mut relay = relay_process(&pool);
+        let mut relay = start_relay(&pool);
         // Let it publish part of the backlog, then kill it without warning.
         let before = published(&pool).await;
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -66,7 +44,7 @@ async fn relay_sigkilled_mid_batch_then_restarted_loses_nothing(pool: PgPool) {
         if unpublished(&pool).await == 0 {
             break;
         }
-        signal(&relay, "-KILL");
+        kill(&relay, "-KILL");
         relay.wait().await.unwrap();
         kills += 1;
     }
@@ -74,12 +52,12 @@ async fn relay_sigkilled_mid_batch_then_restarted_loses_nothing(pool: PgPool) {
     assert!(unpublished(&pool).await > 0 || kills > 0);
 
     // A fresh relay finishes the backlog; SIGTERM stops it cleanly (exit 0).
-    let mut relay = relay_process(&pool);
+    let mut relay = start_relay(&pool);
     assert!(
         wait_until_published(&pool, Duration::from_secs(120)).await,
         "backlog drained after restart"
     );
-    signal(&relay, "-TERM");
+    kill(&relay, "-TERM");
     let status = tokio::time::timeout(Duration::from_secs(30), relay.wait())
         .await
         .unwrap()
