@@ -79,13 +79,14 @@ pub struct Figures {
 
 /// Computes the figures.
 pub fn check(scenario: &str, evidence: &Evidence) -> Figures {
-    let committed: HashMap<Uuid, &Written> = evidence
-        .committed
-        .iter()
-        .map(|w| (w.event_id, w))
-        .collect();
+    let committed: HashMap<Uuid, &Written> =
+        evidence.committed.iter().map(|w| (w.event_id, w)).collect();
     let must: HashSet<Uuid> = match &evidence.must_arrive {
-        Some(set) => set.iter().copied().filter(|id| committed.contains_key(id)).collect(),
+        Some(set) => set
+            .iter()
+            .copied()
+            .filter(|id| committed.contains_key(id))
+            .collect(),
         None => committed.keys().copied().collect(),
     };
     let in_kafka: HashSet<Uuid> = evidence.kafka.iter().map(|s| s.event_id).collect();
@@ -108,8 +109,14 @@ pub fn check(scenario: &str, evidence: &Evidence) -> Figures {
         committed: committed.len(),
         rolled_back: evidence.rolled_back.len(),
         must_arrive: must.len(),
-        published: in_kafka.iter().filter(|id| committed.contains_key(id)).count(),
-        consumed: applied.keys().filter(|id| committed.contains_key(id)).count(),
+        published: in_kafka
+            .iter()
+            .filter(|id| committed.contains_key(id))
+            .count(),
+        consumed: applied
+            .keys()
+            .filter(|id| committed.contains_key(id))
+            .count(),
         lost,
         phantom: phantom.len(),
         duplicates: evidence.kafka.len() - in_kafka.len(),
@@ -242,20 +249,34 @@ mod tests {
             (f.committed, f.published, f.consumed, f.lost, f.phantom),
             (3, 3, 3, 0, 0)
         );
-        assert_eq!((f.duplicates, f.applied_twice, f.order_violations), (0, 0, 0));
+        assert_eq!(
+            (f.duplicates, f.applied_twice, f.order_violations),
+            (0, 0, 0)
+        );
     }
 
     #[test]
     fn missing_rolled_back_reordered_and_repeated_events_are_counted() {
-        let a = [written("a", 0), written("a", 1), written("a", 2), written("b", 0)];
+        let a = [
+            written("a", 0),
+            written("a", 1),
+            written("a", 2),
+            written("b", 0),
+        ];
         let ghost = written("a", 3);
         let evidence = Evidence {
             committed: a.to_vec(),
             rolled_back: vec![ghost.event_id],
             // a/1 before a/0 (violation), a/1 again (a duplicate, not a
             // violation), the rolled-back a/3 (phantom), b/0 missing (lost).
-            kafka: [&a[1], &a[0], &a[1], &a[2], &ghost].into_iter().map(seen).collect(),
-            effects: [&a[0], &a[1], &a[2], &a[2], &a[3]].into_iter().map(seen).collect(),
+            kafka: [&a[1], &a[0], &a[1], &a[2], &ghost]
+                .into_iter()
+                .map(seen)
+                .collect(),
+            effects: [&a[0], &a[1], &a[2], &a[2], &a[3]]
+                .into_iter()
+                .map(seen)
+                .collect(),
             ..Evidence::default()
         };
         let f = check("faulty", &evidence);

@@ -335,11 +335,12 @@ pub async fn wait_applied(pool: PgPool, ids: Vec<Uuid>, timeout: Duration) -> Op
     let start = Instant::now();
     let want = ids.len() as i64;
     loop {
-        let applied: Result<i64, _> =
-            sqlx::query_scalar("SELECT count(DISTINCT event_id) FROM effect WHERE event_id = ANY($1)")
-                .bind(&ids)
-                .fetch_one(&pool)
-                .await;
+        let applied: Result<i64, _> = sqlx::query_scalar(
+            "SELECT count(DISTINCT event_id) FROM effect WHERE event_id = ANY($1)",
+        )
+        .bind(&ids)
+        .fetch_one(&pool)
+        .await;
         if applied.is_ok_and(|n| n >= want) {
             return Some(start.elapsed());
         }

@@ -143,7 +143,10 @@ async fn broker_killed_and_restarted(pool: PgPool) {
     .await;
     let mut figures = checker::check("broker killed and restarted", &evidence);
     figures.recovery_ms = ms(recovered.await.unwrap());
-    figures.note("published before the kill (lost with the broker's memory)", published_before.len());
+    figures.note(
+        "published before the kill (lost with the broker's memory)",
+        published_before.len(),
+    );
     figures.note("writer errors", ledger.errors);
     figures.note("relay", format!("{:?}", relay.counts()));
     figures.note("consumer after restart", format!("{:?}", second.counts()));
@@ -186,10 +189,21 @@ async fn broker_paused_longer_than_the_delivery_timeout(pool: PgPool) {
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
     let ledger = writers.stop().await;
-    let evidence = collect(&pool, &brokers, topic, &ledger, None, Duration::from_secs(60)).await;
+    let evidence = collect(
+        &pool,
+        &brokers,
+        topic,
+        &ledger,
+        None,
+        Duration::from_secs(60),
+    )
+    .await;
     let mut figures = checker::check("broker paused (SIGSTOP) 5 s", &evidence);
     figures.recovery_ms = ms(recovered.expect("paused").await.unwrap());
-    figures.note("pauses", format!("{pauses} × {pause:?}, delivery timeout 2 s"));
+    figures.note(
+        "pauses",
+        format!("{pauses} × {pause:?}, delivery timeout 2 s"),
+    );
     figures.note("relay", format!("{:?}", relay.counts()));
     figures.note("consumer", format!("{:?}", consumer.counts()));
     consumer.shutdown().await.unwrap();
@@ -237,7 +251,15 @@ async fn connections_cut_and_delayed_by_a_proxy(pool: PgPool) {
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     let ledger = writers.stop().await;
-    let evidence = collect(&pool, &brokers, topic, &ledger, None, Duration::from_secs(60)).await;
+    let evidence = collect(
+        &pool,
+        &brokers,
+        topic,
+        &ledger,
+        None,
+        Duration::from_secs(60),
+    )
+    .await;
     let mut figures = checker::check("connections delayed and cut", &evidence);
     figures.recovery_ms = ms(recovered.expect("cut").await.unwrap());
     figures.note(
@@ -280,7 +302,15 @@ async fn relay_sigkilled_repeatedly(pool: PgPool) {
     let recovered = recovery(&pool, &writers, None);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let ledger = writers.stop().await;
-    let evidence = collect(&pool, &brokers, topic, &ledger, None, Duration::from_secs(60)).await;
+    let evidence = collect(
+        &pool,
+        &brokers,
+        topic,
+        &ledger,
+        None,
+        Duration::from_secs(60),
+    )
+    .await;
     let mut figures = checker::check("relay SIGKILLed repeatedly", &evidence);
     figures.recovery_ms = ms(recovered.await.unwrap());
     figures.note("relay processes killed", kills);
@@ -318,7 +348,15 @@ async fn three_relays_one_killed(pool: PgPool) {
     let recovered = recovery(&pool, &writers, None);
     tokio::time::sleep(scaled(Duration::from_secs(3))).await;
     let ledger = writers.stop().await;
-    let evidence = collect(&pool, &brokers, topic, &ledger, None, Duration::from_secs(60)).await;
+    let evidence = collect(
+        &pool,
+        &brokers,
+        topic,
+        &ledger,
+        None,
+        Duration::from_secs(60),
+    )
+    .await;
     let mut figures = checker::check("3 relays, one SIGKILLed", &evidence);
     figures.recovery_ms = ms(recovered.await.unwrap());
     figures.note("consumer", format!("{:?}", consumer.counts()));
@@ -368,7 +406,15 @@ async fn postgres_restarted_under_load() {
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
     let ledger = writers.stop().await;
-    let evidence = collect(&pool, &brokers, topic, &ledger, None, Duration::from_secs(60)).await;
+    let evidence = collect(
+        &pool,
+        &brokers,
+        topic,
+        &ledger,
+        None,
+        Duration::from_secs(60),
+    )
+    .await;
     let mut figures = checker::check("PostgreSQL crashed and restarted", &evidence);
     figures.recovery_ms = ms(recovered.expect("restarted").await.unwrap());
     figures.note("writer errors (failed begins and commits)", ledger.errors);
@@ -458,7 +504,15 @@ async fn consumer_killed_between_database_commit_and_offset_commit(pool: PgPool)
     let recovered = recovery(&pool, &writers, None);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let ledger = writers.stop().await;
-    let evidence = collect(&pool, &brokers, topic, &ledger, None, Duration::from_secs(60)).await;
+    let evidence = collect(
+        &pool,
+        &brokers,
+        topic,
+        &ledger,
+        None,
+        Duration::from_secs(60),
+    )
+    .await;
     let mut figures = checker::check("consumer SIGKILLed repeatedly", &evidence);
     figures.recovery_ms = ms(recovered.await.unwrap());
     let counts = consumer.counts();
@@ -589,7 +643,15 @@ async fn long_transaction_holding_the_xmin_horizon(pool: PgPool) {
     tokio::time::sleep(Duration::from_secs(3)).await;
     let t5 = now(&pool).await;
     let ledger = writers.stop().await;
-    let evidence = collect(&pool, &brokers, topic, &ledger, None, Duration::from_secs(60)).await;
+    let evidence = collect(
+        &pool,
+        &brokers,
+        topic,
+        &ledger,
+        None,
+        Duration::from_secs(60),
+    )
+    .await;
     let mut figures = checker::check("long transaction holding xmin", &evidence);
     figures.recovery_ms = ms(recovered.await.unwrap());
     figures.note("holding xid", xid);

@@ -27,7 +27,9 @@ impl PrivatePostgres {
         };
         let as_postgres = is_root();
         if as_postgres && !Path::new("/usr/sbin/runuser").exists() && which("runuser").is_none() {
-            eprintln!("SKIPPED: running as root and `runuser` is missing to run PostgreSQL as `postgres`");
+            eprintln!(
+                "SKIPPED: running as root and `runuser` is missing to run PostgreSQL as `postgres`"
+            );
             return None;
         }
         let dir = std::env::temp_dir().join(format!("outbox-pg-{}", Uuid::new_v4().simple()));
@@ -38,7 +40,10 @@ impl PrivatePostgres {
                 .status()
                 .is_ok_and(|s| s.success());
             if !ok {
-                eprintln!("SKIPPED: cannot hand {} to the postgres user", dir.display());
+                eprintln!(
+                    "SKIPPED: cannot hand {} to the postgres user",
+                    dir.display()
+                );
                 return None;
             }
         }
@@ -51,7 +56,16 @@ impl PrivatePostgres {
         let data = server.data();
         server.run(
             "initdb",
-            &["-D", &data, "-U", "postgres", "--auth=trust", "-N", "-E", "UTF8"],
+            &[
+                "-D",
+                &data,
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-N",
+                "-E",
+                "UTF8",
+            ],
         );
         server.start_again();
         Some(server)
@@ -76,14 +90,28 @@ impl PrivatePostgres {
         let log = self.dir.join("server.log").to_string_lossy().into_owned();
         self.run(
             "pg_ctl",
-            &["-D", &self.data(), "-l", &log, "-o", &options, "-w", "-t", "60", "start"],
+            &[
+                "-D",
+                &self.data(),
+                "-l",
+                &log,
+                "-o",
+                &options,
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ],
         );
     }
 
     /// Stops the server the hard way (`-m immediate`: no checkpoint, crash
     /// recovery at the next start; committed transactions survive).
     pub fn crash(&self) {
-        self.run("pg_ctl", &["-D", &self.data(), "-m", "immediate", "-w", "stop"]);
+        self.run(
+            "pg_ctl",
+            &["-D", &self.data(), "-m", "immediate", "-w", "stop"],
+        );
     }
 
     fn command(&self, program: &str) -> Command {
