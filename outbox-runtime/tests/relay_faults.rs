@@ -175,5 +175,7 @@ async fn a_broker_restarted_without_its_state_gets_the_backlog(pool: PgPool) {
     // was down.
     let received = read_topic(&brokers, &topic, after.len(), Duration::from_secs(30)).await;
     let duplicates = verify(&after, &received);
-    eprintln!("broker restarted empty: backlog of 300 published {recovery:?} after the restart, {duplicates} duplicates");
+    eprintln!(
+        "broker restarted empty: backlog of 300 published {recovery:?} after the restart, {duplicates} duplicates"
+    );
 }

@@ -186,7 +186,10 @@ fn read_all_blocking(brokers: &str, topic: &str, timeout: Duration) -> Vec<Recei
     consumer.assign(&tpl).expect("assign");
     let mut next: HashMap<i32, i64> = (0..PARTITIONS).map(|p| (p, 0)).collect();
     let mut out = Vec::new();
-    while next.iter().any(|(p, n)| *n < high[p]) {
+    // Up to the watermarks, then until the topic has been quiet for a
+    // second (the test broker's watermark can lag its last message).
+    let mut quiet_since = Instant::now();
+    while next.iter().any(|(p, n)| *n < high[p]) || quiet_since.elapsed() < Duration::from_secs(1) {
         assert!(
             Instant::now() < deadline,
             "{topic} not read to its end in {timeout:?}: at {next:?}, end {high:?}"
@@ -195,6 +198,7 @@ fn read_all_blocking(brokers: &str, topic: &str, timeout: Duration) -> Vec<Recei
             Some(Ok(m)) => {
                 next.insert(m.partition(), m.offset() + 1);
                 out.push(received(&m));
+                quiet_since = Instant::now();
             }
             Some(Err(e)) => eprintln!("consumer error (retrying): {e}"),
             None => {}

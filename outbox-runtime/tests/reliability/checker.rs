@@ -75,6 +75,8 @@ pub struct Figures {
     pub recovery_ms: Option<u64>,
     /// Scenario-specific figures (fault counts, latencies, dead tuples).
     pub notes: Vec<(String, String)>,
+    /// Why per-key order is reported but not asserted, if it is not.
+    pub order_not_guaranteed: Option<String>,
 }
 
 /// Computes the figures.
@@ -124,6 +126,7 @@ pub fn check(scenario: &str, evidence: &Evidence) -> Figures {
         order_violations: order_violations(&evidence.kafka) + order_violations(&evidence.effects),
         recovery_ms: None,
         notes: Vec::new(),
+        order_not_guaranteed: None,
     }
 }
 
@@ -172,7 +175,10 @@ impl Figures {
             self.phantom,
             self.duplicates,
             self.applied_twice,
-            self.order_violations,
+            match self.order_not_guaranteed {
+                Some(_) => format!("{} (not guaranteed)", self.order_violations),
+                None => self.order_violations.to_string(),
+            },
             self.recovery_ms
                 .map_or("–".to_owned(), |ms| format!("{:.1} s", ms as f64 / 1e3)),
         )
@@ -182,6 +188,9 @@ impl Figures {
     /// then asserts the invariants.
     pub fn report_and_assert(&self) {
         eprintln!("{}\n{}", Self::HEADER, self.row());
+        if let Some(why) = &self.order_not_guaranteed {
+            eprintln!("  order not guaranteed: {why}");
+        }
         for (name, value) in &self.notes {
             eprintln!("  {name}: {value}");
         }
@@ -203,7 +212,9 @@ impl Figures {
     pub fn assert_invariants(&self) {
         assert_eq!(self.lost, 0, "events lost: {self:#?}");
         assert_eq!(self.phantom, 0, "phantom events: {self:#?}");
-        assert_eq!(self.order_violations, 0, "order violations: {self:#?}");
+        if self.order_not_guaranteed.is_none() {
+            assert_eq!(self.order_violations, 0, "order violations: {self:#?}");
+        }
         assert_eq!(self.applied_twice, 0, "effects applied twice: {self:#?}");
         assert!(self.must_arrive > 0, "the scenario committed nothing");
     }

@@ -54,7 +54,7 @@ impl Default for Load {
 }
 
 /// What the writers did.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Ledger {
     /// Committed, in commit order per writer.
     pub committed: Vec<Written>,
@@ -127,7 +127,8 @@ impl Writers {
         for task in self.tasks {
             task.await.expect("writer task");
         }
-        let mut ledger = std::mem::take(&mut *self.ledger.lock().unwrap());
+        // A copy: a recovery measurement may still read the shared one.
+        let mut ledger = self.ledger.lock().unwrap().clone();
         let uncertain = std::mem::take(&mut ledger.uncertain);
         if !uncertain.is_empty() {
             let ids: Vec<Uuid> = uncertain.iter().map(|w| w.event_id).collect();
@@ -352,17 +353,40 @@ pub async fn wait_applied(pool: PgPool, ids: Vec<Uuid>, timeout: Duration) -> Op
 }
 
 /// Starts measuring recovery: the time from now until every event committed
-/// so far (restricted to `only`, if given) is applied.
+/// so far (restricted to `only`, if given) is applied and so is the first
+/// event committed from now on — the pipeline flows again.
 pub fn recovery(
     pool: &PgPool,
     writers: &Writers,
     only: Option<&HashSet<Uuid>>,
 ) -> JoinHandle<Option<Duration>> {
     let mut ids = writers.committed_ids();
+    let first_new = ids.len();
     if let Some(only) = only {
         ids.retain(|id| only.contains(id));
     }
-    tokio::spawn(wait_applied(pool.clone(), ids, Duration::from_secs(120)))
+    let (pool, ledger) = (pool.clone(), writers.ledger.clone());
+    tokio::spawn(async move {
+        let start = Instant::now();
+        let timeout = Duration::from_secs(120);
+        wait_applied(pool.clone(), ids, timeout).await?;
+        loop {
+            let next = ledger
+                .lock()
+                .unwrap()
+                .committed
+                .get(first_new)
+                .map(|w| w.event_id);
+            if let Some(id) = next {
+                wait_applied(pool, vec![id], timeout.saturating_sub(start.elapsed())).await?;
+                return Some(start.elapsed());
+            }
+            if start.elapsed() > timeout {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
 }
 
 /// Waits until the consumer applied everything that must arrive (or gives

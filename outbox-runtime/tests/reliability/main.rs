@@ -359,6 +359,12 @@ async fn three_relays_one_killed(pool: PgPool) {
     .await;
     let mut figures = checker::check("3 relays, one SIGKILLed", &evidence);
     figures.recovery_ms = ms(recovered.await.unwrap());
+    // Several relays do not keep per-key order between them (README,
+    // "Ordering"): relay A can hold an older event of a key while relay B
+    // publishes a newer one. Reported, not asserted, until claims keep each
+    // key on one relay.
+    figures.order_not_guaranteed =
+        Some("several relays claim the same key's events concurrently".into());
     figures.note("consumer", format!("{:?}", consumer.counts()));
     for mut relay in relays {
         signal(relay.id().expect("running"), "-TERM");
@@ -430,6 +436,17 @@ scenario_event!(ConsumerKillEvent, "reliability-consumer-kill");
 /// Environment of a consumer child process (see [`consumer_process`]).
 const CHILD_DB: &str = "RELIABILITY_CONSUMER_DATABASE_URL";
 const CHILD_SKIP_OFFSETS: &str = "RELIABILITY_CONSUMER_SKIP_OFFSETS";
+/// Static membership: a restarted consumer takes over its killed
+/// predecessor's partitions at once instead of waiting for its session to
+/// expire.
+const CHILD_INSTANCE: &str = "reliability-consumer";
+
+async fn effects(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM effect")
+        .fetch_one(pool)
+        .await
+        .expect("effects")
+}
 
 /// The verifying consumer as a process of its own (this test binary,
 /// running only [`consumer_process`]), so that it can be SIGKILLed.
@@ -464,6 +481,8 @@ async fn consumer_process() {
         .brokers(brokers())
         .batch_size(200)
         .skip_offset_commits(std::env::var(CHILD_SKIP_OFFSETS).as_deref() == Ok("1"))
+        .kafka_setting("group.instance.id", CHILD_INSTANCE)
+        .kafka_setting("session.timeout.ms", "6000")
         .handler(Effect::<ConsumerKillEvent>::new())
         .spawn()
         .expect("consumer");
@@ -493,14 +512,31 @@ async fn consumer_killed_between_database_commit_and_offset_commit(pool: PgPool)
     let writers = Writers::start(&pool, topic, Load::default()).await;
     let url = database_url(&pool);
 
-    let kills = 5 * soak();
+    let kills = 4 * soak();
+    let mut applied_at_kills = Vec::new();
     for i in 0..kills {
+        let before = effects(&pool).await;
         let mut child = consumer_child(&url, i == 0);
-        tokio::time::sleep(jitter(i, 800, 1200)).await;
+        // Killed once it is applying: some effects after it started.
+        let progressed = common::eventually(Duration::from_secs(30), || async {
+            effects(&pool).await >= before + 100
+        })
+        .await;
+        assert!(progressed, "consumer incarnation {i} applied nothing");
+        tokio::time::sleep(jitter(i, 0, 300)).await;
         signal(child.id().expect("running"), "-KILL");
         child.wait().await.unwrap();
+        applied_at_kills.push(effects(&pool).await);
     }
-    let consumer = consumer(&pool, &brokers, Effect::<ConsumerKillEvent>::new()).await;
+    let consumer = Consumer::builder(pool_of(&pool, 3).await)
+        .group(GROUP)
+        .brokers(&brokers)
+        .batch_size(200)
+        .kafka_setting("group.instance.id", CHILD_INSTANCE)
+        .kafka_setting("session.timeout.ms", "6000")
+        .handler(Effect::<ConsumerKillEvent>::new())
+        .spawn()
+        .expect("consumer");
     let recovered = recovery(&pool, &writers, None);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let ledger = writers.stop().await;
@@ -517,6 +553,10 @@ async fn consumer_killed_between_database_commit_and_offset_commit(pool: PgPool)
     figures.recovery_ms = ms(recovered.await.unwrap());
     let counts = consumer.counts();
     figures.note("consumer processes killed", kills);
+    figures.note(
+        "effects applied at each kill",
+        format!("{applied_at_kills:?}"),
+    );
     figures.note(
         "redelivered to the last consumer and skipped by the dedup table",
         counts.duplicates,
@@ -610,6 +650,7 @@ async fn long_transaction_holding_the_xmin_horizon(pool: PgPool) {
     let consumer = consumer(&pool, &brokers, Effect::<LongTransactionEvent>::new()).await;
     let writers = Writers::start(&pool, topic, Load::default()).await;
 
+    tokio::time::sleep(Duration::from_secs(1)).await;
     let t0 = now(&pool).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let t1 = now(&pool).await;
@@ -632,12 +673,6 @@ async fn long_transaction_holding_the_xmin_horizon(pool: PgPool) {
         .unwrap();
     let during = table_state(&pool).await;
     holder.commit().await.unwrap();
-    let released = Instant::now();
-    sqlx::query("VACUUM outbox_event")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let after = table_state(&pool).await;
     let recovered = recovery(&pool, &writers, None);
     let t4 = now(&pool).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -652,18 +687,21 @@ async fn long_transaction_holding_the_xmin_horizon(pool: PgPool) {
         Duration::from_secs(60),
     )
     .await;
+    // Everything is published: nothing changes the table any more.
+    sqlx::query("VACUUM outbox_event")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let after = table_state(&pool).await;
     let mut figures = checker::check("long transaction holding xmin", &evidence);
     figures.recovery_ms = ms(recovered.await.unwrap());
     figures.note("holding xid", xid);
-    figures.note("latency before", latency(&pool, t0, t1).await);
+    figures.note("latency before (3 s)", latency(&pool, t0, t1).await);
     figures.note("latency while held", latency(&pool, t2, t3).await);
-    figures.note("latency after", latency(&pool, t4, t5).await);
-    figures.note("table before", before);
-    figures.note("table at the end of the hold (after VACUUM)", during);
-    figures.note(
-        "table after release (after VACUUM)",
-        format!("{after} ({:?} after release)", released.elapsed()),
-    );
+    figures.note("latency after release (3 s)", latency(&pool, t4, t5).await);
+    figures.note("table before the hold", before);
+    figures.note("table at the end of the hold, after VACUUM", during);
+    figures.note("table after release and drain, after VACUUM", after);
     figures.note("relay", format!("{:?}", relay.counts()));
     consumer.shutdown().await.unwrap();
     relay.shutdown().await.unwrap();
