@@ -468,9 +468,10 @@ impl Loop<'_> {
 
             let mut failed_keys = Vec::new();
             let mut transient: Option<String> = None;
-            let delivered_some = delivered.is_some();
+            let mut delivered_some = false;
             if let Some((batch, outcomes)) = delivered {
                 let (published, failures, keys, first_transient) = self.evaluate(&batch, outcomes);
+                delivered_some = !published.is_empty();
                 failed_keys = keys;
                 transient = first_transient;
                 self.finish_marking().await;
@@ -492,7 +493,9 @@ impl Loop<'_> {
                 None => {}
             }
 
-            if transient.is_none() && delivered_some {
+            // Only a delivery proves the producer works: a round whose rows
+            // were all held back proves nothing.
+            if delivered_some {
                 self.answered_yet_failing = 0;
             }
             if let Some(error) = transient {

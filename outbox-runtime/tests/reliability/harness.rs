@@ -318,6 +318,10 @@ pub async fn effect_table(pool: &PgPool) {
     .execute(pool)
     .await
     .expect("effect table");
+    sqlx::query("CREATE INDEX IF NOT EXISTS effect_event_id ON effect (event_id)")
+        .execute(pool)
+        .await
+        .expect("effect index");
 }
 
 /// A pool of `n` connections to the database `pool` reaches.
@@ -337,7 +341,8 @@ pub async fn wait_applied(pool: PgPool, ids: Vec<Uuid>, timeout: Duration) -> Op
     let want = ids.len() as i64;
     loop {
         let applied: Result<i64, _> = sqlx::query_scalar(
-            "SELECT count(DISTINCT event_id) FROM effect WHERE event_id = ANY($1)",
+            "SELECT count(*) FROM unnest($1::uuid[]) AS i(id)
+             WHERE EXISTS (SELECT 1 FROM effect e WHERE e.event_id = i.id)",
         )
         .bind(&ids)
         .fetch_one(&pool)
@@ -348,7 +353,7 @@ pub async fn wait_applied(pool: PgPool, ids: Vec<Uuid>, timeout: Duration) -> Op
         if start.elapsed() > timeout {
             return None;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
