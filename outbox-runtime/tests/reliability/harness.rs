@@ -313,7 +313,8 @@ pub async fn apply(
 pub async fn effect_table(pool: &PgPool) {
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS effect (
-            id bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL, seq bigint NOT NULL)",
+            id bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL, seq bigint NOT NULL,
+            applied_at timestamptz NOT NULL DEFAULT clock_timestamp())",
     )
     .execute(pool)
     .await

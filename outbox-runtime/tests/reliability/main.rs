@@ -34,7 +34,15 @@ use uuid::Uuid;
 /// One scenario at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-const GROUP: &str = "reliability";
+/// This run's id: each scenario's consumer group is its topic and the run,
+/// so that a topic recreated on the shared broker never inherits a
+/// previous run's offsets and scenarios never share a group.
+static RUN: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| Uuid::new_v4().simple().to_string()[..8].to_owned());
+
+fn group_of(topic: &str) -> String {
+    format!("{topic}-{}", *RUN)
+}
 
 /// The relay as the scenarios run it: short timeouts and back-offs, so that
 /// faults and recoveries fit in seconds.
@@ -48,10 +56,10 @@ async fn relay(pool: &PgPool, brokers: &str) -> RelayBuilder {
         .retry_backoff(Duration::from_millis(100), Duration::from_secs(1))
 }
 
-/// The verifying consumer (dedup mode, group [`GROUP`]).
+/// The verifying consumer (dedup mode, the scenario's group).
 async fn consumer<H: InboxHandler>(pool: &PgPool, brokers: &str, handler: H) -> ConsumerHandle {
     Consumer::builder(pool_of(pool, 3).await)
-        .group(GROUP)
+        .group(group_of(<H::Event as DomainEvent>::TOPIC))
         .brokers(brokers)
         .batch_size(200)
         .outage_backoff(Duration::from_millis(50), Duration::from_millis(500))
@@ -436,6 +444,7 @@ scenario_event!(ConsumerKillEvent, "reliability-consumer-kill");
 /// Environment of a consumer child process (see [`consumer_process`]).
 const CHILD_DB: &str = "RELIABILITY_CONSUMER_DATABASE_URL";
 const CHILD_SKIP_OFFSETS: &str = "RELIABILITY_CONSUMER_SKIP_OFFSETS";
+const CHILD_GROUP: &str = "RELIABILITY_CONSUMER_GROUP";
 /// Static membership: a restarted consumer takes over its killed
 /// predecessor's partitions without a rebalance. (The test broker still
 /// takes about 6 s to let each new incarnation in.)
@@ -454,6 +463,7 @@ fn consumer_child(database_url: &str, skip_offsets: bool) -> tokio::process::Chi
     tokio::process::Command::new(std::env::current_exe().expect("test binary"))
         .args(["--exact", "consumer_process", "--ignored", "--nocapture"])
         .env(CHILD_DB, database_url)
+        .env(CHILD_GROUP, group_of(ConsumerKillEvent::TOPIC))
         .env(CHILD_SKIP_OFFSETS, if skip_offsets { "1" } else { "0" })
         .env("RUST_LOG", "warn")
         .stdout(std::process::Stdio::null())
@@ -478,7 +488,7 @@ async fn consumer_process() {
         .expect("child pool");
     let counts_pool = pool.clone();
     let handle = Consumer::builder(pool)
-        .group(GROUP)
+        .group(std::env::var(CHILD_GROUP).expect("group"))
         .brokers(brokers())
         .batch_size(200)
         .skip_offset_commits(std::env::var(CHILD_SKIP_OFFSETS).as_deref() == Ok("1"))
@@ -554,7 +564,7 @@ async fn consumer_killed_between_database_commit_and_offset_commit(pool: PgPool)
         applied_at_kills.push(effects(&pool).await);
     }
     let consumer = Consumer::builder(pool_of(&pool, 3).await)
-        .group(GROUP)
+        .group(group_of(ConsumerKillEvent::TOPIC))
         .brokers(&brokers)
         .batch_size(200)
         .kafka_setting("group.instance.id", CHILD_INSTANCE)
@@ -630,6 +640,31 @@ async fn latency(
         "{n} events, p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms",
         p50.unwrap_or(0.0),
         p99.unwrap_or(0.0),
+        max.unwrap_or(0.0)
+    )
+}
+
+/// Commit-to-effect latency of the events created between two database
+/// timestamps: p50 and max in ms.
+async fn end_to_end(
+    pool: &PgPool,
+    from: sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc>,
+    to: sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc>,
+) -> String {
+    let (p50, max): (Option<f64>, Option<f64>) = sqlx::query_as(
+        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), max(ms)
+         FROM (SELECT extract(epoch FROM e.applied_at - o.created_at)::float8 * 1000 AS ms
+               FROM outbox_event o JOIN effect e USING (event_id)
+               WHERE o.created_at >= $1 AND o.created_at < $2) l",
+    )
+    .bind(from)
+    .bind(to)
+    .fetch_one(pool)
+    .await
+    .expect("end-to-end latency");
+    format!(
+        "p50 {:.0} ms, max {:.0} ms",
+        p50.unwrap_or(0.0),
         max.unwrap_or(0.0)
     )
 }
@@ -735,6 +770,10 @@ async fn long_transaction_holding_the_xmin_horizon(pool: PgPool) {
     figures.note("latency before (3 s)", latency(&pool, t0, t1).await);
     figures.note("latency while held", latency(&pool, t2, t3).await);
     figures.note("latency after release (3 s)", latency(&pool, t4, t5).await);
+    figures.note("end-to-end before", end_to_end(&pool, t0, t1).await);
+    figures.note("end-to-end while held", end_to_end(&pool, t2, t3).await);
+    figures.note("end-to-end after release", end_to_end(&pool, t4, t5).await);
+    figures.note("consumer", format!("{:?}", consumer.counts()));
     figures.note("table before the hold", before);
     figures.note("table at the end of the hold, after VACUUM", during);
     figures.note("table after release and drain, after VACUUM", after);
