@@ -445,10 +445,9 @@ scenario_event!(ConsumerKillEvent, "reliability-consumer-kill");
 const CHILD_DB: &str = "RELIABILITY_CONSUMER_DATABASE_URL";
 const CHILD_SKIP_OFFSETS: &str = "RELIABILITY_CONSUMER_SKIP_OFFSETS";
 const CHILD_GROUP: &str = "RELIABILITY_CONSUMER_GROUP";
-/// Static membership: a restarted consumer takes over its killed
-/// predecessor's partitions without a rebalance. (The test broker still
-/// takes about 6 s to let each new incarnation in.)
-const CHILD_INSTANCE: &str = "reliability-consumer";
+/// A killed member holds its partitions until its session expires: short
+/// sessions let the next incarnation in quickly.
+const CHILD_SESSION_MS: &str = "3000";
 
 async fn effects(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM effect")
@@ -481,6 +480,7 @@ async fn consumer_process() {
     let Ok(url) = std::env::var(CHILD_DB) else {
         return;
     };
+    init_tracing();
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
         .connect(&url)
@@ -492,8 +492,8 @@ async fn consumer_process() {
         .brokers(brokers())
         .batch_size(200)
         .skip_offset_commits(std::env::var(CHILD_SKIP_OFFSETS).as_deref() == Ok("1"))
-        .kafka_setting("group.instance.id", CHILD_INSTANCE)
-        .kafka_setting("session.timeout.ms", "6000")
+        .kafka_setting("session.timeout.ms", CHILD_SESSION_MS)
+        .kafka_setting("heartbeat.interval.ms", "500")
         .handler(Effect::<ConsumerKillEvent>::new())
         .spawn()
         .expect("consumer");
@@ -565,10 +565,10 @@ async fn consumer_killed_between_database_commit_and_offset_commit(pool: PgPool)
     }
     let consumer = Consumer::builder(pool_of(&pool, 3).await)
         .group(group_of(ConsumerKillEvent::TOPIC))
+        .kafka_setting("session.timeout.ms", CHILD_SESSION_MS)
+        .kafka_setting("heartbeat.interval.ms", "500")
         .brokers(&brokers)
         .batch_size(200)
-        .kafka_setting("group.instance.id", CHILD_INSTANCE)
-        .kafka_setting("session.timeout.ms", "6000")
         .handler(Effect::<ConsumerKillEvent>::new())
         .spawn()
         .expect("consumer");
