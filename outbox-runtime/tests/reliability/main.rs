@@ -272,7 +272,10 @@ async fn connections_cut_and_delayed_by_a_proxy(pool: PgPool) {
     figures.recovery_ms = ms(recovered.expect("cut").await.unwrap());
     figures.note(
         "faults",
-        "300 ms delay for 2 s, cut 2 s, 0.7 s up, cut 1 s (per round)",
+        format!(
+            "{} × (300 ms delay for 2 s, cut 2 s, 0.7 s up, cut 1 s)",
+            soak()
+        ),
     );
     figures.note("relay", format!("{:?}", relay.counts()));
     figures.note("consumer", format!("{:?}", consumer.counts()));
