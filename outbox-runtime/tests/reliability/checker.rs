@@ -184,7 +184,7 @@ impl Figures {
         )
     }
 
-    /// Prints the row and the notes, writes `target/reliability/NAME.json`,
+    /// Prints the row and the notes, writes `target/reliability/<slug>.json`,
     /// then asserts the invariants.
     pub fn report_and_assert(&self) {
         eprintln!("{}\n{}", Self::HEADER, self.row());
@@ -197,7 +197,7 @@ impl Figures {
         let dir = reliability_dir();
         let written = std::fs::create_dir_all(&dir).and_then(|()| {
             std::fs::write(
-                dir.join(format!("{}.json", self.scenario)),
+                dir.join(format!("{}.json", slug(&self.scenario))),
                 serde_json::to_string_pretty(self).expect("figures as JSON"),
             )
         });
@@ -218,6 +218,15 @@ impl Figures {
         assert_eq!(self.applied_twice, 0, "effects applied twice: {self:#?}");
         assert!(self.must_arrive > 0, "the scenario committed nothing");
     }
+}
+
+/// `broker paused (SIGSTOP) 5 s` → `broker-paused-sigstop-5-s`.
+fn slug(name: &str) -> String {
+    name.to_lowercase()
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .filter(|part| !part.is_empty())
+        .collect::<Vec<_>>()
+        .join("-")
 }
 
 /// `target/reliability/`, beside the test's scratch directory.

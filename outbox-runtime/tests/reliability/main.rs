@@ -4,7 +4,8 @@
 //! rolled-back event ever appears, per-key order holds, every effect is
 //! applied once; duplicates and recovery time are reported.
 //!
-//! Each scenario prints one table row and writes `target/reliability/NAME.json`.
+//! Each scenario prints one table row and writes
+//! `target/reliability/<scenario>.json`.
 //! Scenarios run one at a time (they share the machine's two cores).
 //! `OUTBOX_SOAK=N` (N ≥ 2, e.g. 5) stretches durations and repetitions N
 //! times; not for CI.
