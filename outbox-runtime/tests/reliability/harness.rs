@@ -17,11 +17,16 @@ use uuid::Uuid;
 use crate::checker::{Evidence, Seen, Written};
 use crate::common::{message, read_all};
 
-/// How hard and how long the scenarios push: `OUTBOX_SOAK=1` multiplies
-/// durations and fault repetitions (not for CI).
+/// How long and how often the scenarios inject their faults: 1 in CI;
+/// `OUTBOX_SOAK=1` (or any non-number) soaks with a factor of 5,
+/// `OUTBOX_SOAK=N` (N ≥ 2) with a factor of N; unset or 0: no soak.
 pub fn soak() -> u32 {
     match std::env::var("OUTBOX_SOAK") {
-        Ok(v) if v != "0" && !v.is_empty() => v.parse().unwrap_or(5).max(2),
+        Ok(v) if !v.is_empty() => match v.parse::<u32>() {
+            Ok(0) => 1,
+            Ok(1) | Err(_) => 5,
+            Ok(n) => n,
+        },
         _ => 1,
     }
 }

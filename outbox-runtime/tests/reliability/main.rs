@@ -7,8 +7,8 @@
 //! Each scenario prints one table row and writes
 //! `target/reliability/<scenario>.json`.
 //! Scenarios run one at a time (they share the machine's two cores).
-//! `OUTBOX_SOAK=N` (N ≥ 2, e.g. 5) stretches durations and repetitions N
-//! times; not for CI.
+//! `OUTBOX_SOAK=1` repeats or stretches every fault 5 times
+//! (`OUTBOX_SOAK=N`: N times); not for CI.
 
 #[path = "../common/mod.rs"]
 mod common;
