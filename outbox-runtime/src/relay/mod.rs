@@ -377,6 +377,8 @@ impl Relay {
             in_flight: None,
             marking: None,
             producer_unusable: false,
+            answered_yet_failing: 0,
+            probe_answered: false,
         };
         let metrics_stop = CancellationToken::new();
         let metrics = tokio::spawn(crate::metrics::relay_task(
@@ -465,7 +467,20 @@ struct Loop<'a> {
     in_flight: Option<InFlight>,
     marking: Option<JoinHandle<Result<()>>>,
     producer_unusable: bool,
+    /// Rounds in a row whose deliveries failed although the broker had
+    /// just answered a probe.
+    answered_yet_failing: u32,
+    /// Whether the last broker probe was answered.
+    probe_answered: bool,
 }
+
+/// Rounds of failed deliveries to a broker that answers probes after which
+/// the producer is replaced. A broker that lost its state (restarted with
+/// empty storage, or a cluster rebuilt) answers metadata requests but never
+/// acknowledges the old producer's messages: its idempotence state (producer
+/// id, epoch, sequence numbers) is unknown there, and librdkafka keeps
+/// retrying it without reporting a fatal error.
+const STUCK_ROUNDS: u32 = 2;
 
 impl Loop<'_> {
     async fn run(&mut self, publisher: &mut Publisher, shutdown: &CancellationToken) {
@@ -525,8 +540,10 @@ impl Loop<'_> {
 
             let mut failed_keys = Vec::new();
             let mut transient: Option<String> = None;
+            let mut delivered_some = false;
             if let Some((batch, outcomes)) = delivered {
                 let (published, failures, keys, first_transient) = self.evaluate(&batch, outcomes);
+                delivered_some = !published.is_empty();
                 failed_keys = keys;
                 transient = first_transient;
                 self.finish_marking().await;
@@ -548,7 +565,23 @@ impl Loop<'_> {
                 None => {}
             }
 
+            // Only a delivery proves the producer works: a round whose rows
+            // were all held back proves nothing.
+            if delivered_some {
+                self.answered_yet_failing = 0;
+            }
             if let Some(error) = transient {
+                if self.probe_answered {
+                    self.answered_yet_failing += 1;
+                    if self.answered_yet_failing >= STUCK_ROUNDS {
+                        self.answered_yet_failing = 0;
+                        self.producer_unusable = true;
+                        tracing::warn!(
+                            rounds = STUCK_ROUNDS,
+                            "the broker answers but deliveries keep failing"
+                        );
+                    }
+                }
                 if std::mem::take(&mut self.producer_unusable) {
                     self.finish_in_flight_before_recreate().await;
                     publisher.recreate(&error);
@@ -749,7 +782,8 @@ impl Loop<'_> {
             return;
         }
         publisher.recover_if_fatal();
-        if publisher.probe(Duration::from_secs(2)).await {
+        self.probe_answered = publisher.probe(Duration::from_secs(2)).await;
+        if self.probe_answered {
             // Deliveries will tell whether it is really back.
             self.broker.up();
         }

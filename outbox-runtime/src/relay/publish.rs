@@ -125,12 +125,21 @@ impl Publisher {
         }
     }
 
-    /// Checks, off the async threads, that the cluster answers a metadata request.
+    /// Checks, off the async threads, that the cluster answers a metadata
+    /// request. Asks through a fresh client with the same connection
+    /// settings: the answer must not depend on the state of the producer
+    /// (which may be stuck, see `STUCK_ROUNDS` in the relay).
     pub async fn probe(&self, timeout: std::time::Duration) -> bool {
-        let producer = self.producer.clone();
-        tokio::task::spawn_blocking(move || producer.client().fetch_metadata(None, timeout).is_ok())
-            .await
-            .unwrap_or(false)
+        let mut config = self.config.clone();
+        config.set("enable.idempotence", "false");
+        tokio::task::spawn_blocking(move || {
+            let Ok(client) = config.create::<rdkafka::producer::BaseProducer>() else {
+                return false;
+            };
+            client.client().fetch_metadata(None, timeout).is_ok()
+        })
+        .await
+        .unwrap_or(false)
     }
 
     /// Flushes what librdkafka still holds (shutdown).

@@ -1,12 +1,13 @@
 //! Shared helpers of the runtime's integration tests: the broker address,
 //! unique topics, committing messages through a Unit of Work, reading a
-//! topic back, a cuttable TCP proxy, and a private broker process.
+//! topic back, a TCP proxy that can cut or delay connections, a private
+//! broker process, and the `outbox relay` process.
 
 #![allow(dead_code)]
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,6 +16,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use sqlx::PgPool;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
@@ -132,23 +134,7 @@ fn read_topic_blocking(
     while distinct.len() < expected && Instant::now() < deadline {
         match consumer.poll(Duration::from_millis(100)) {
             Some(Ok(m)) => {
-                let mut headers = HashMap::new();
-                if let Some(h) = m.headers() {
-                    for header in h.iter() {
-                        let value = header
-                            .value
-                            .map(|v| String::from_utf8_lossy(v).into_owned());
-                        headers.insert(header.key.to_owned(), value.unwrap_or_default());
-                    }
-                }
-                let r = Received {
-                    partition: m.partition(),
-                    offset: m.offset(),
-                    key: String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned(),
-                    payload: serde_json::from_slice(m.payload().unwrap_or_default())
-                        .expect("JSON payload"),
-                    headers,
-                };
+                let r = received(&m);
                 distinct.insert(r.event_id());
                 out.push(r);
             }
@@ -158,6 +144,87 @@ fn read_topic_blocking(
     }
     out.sort_by_key(|r| (r.partition, r.offset));
     out
+}
+
+/// Reads every message of `topic` present when called (up to each
+/// partition's high watermark), duplicates included, in partition/offset
+/// order. Runs off the async threads.
+pub async fn read_all(brokers: &str, topic: &str, timeout: Duration) -> Vec<Received> {
+    let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || read_all_blocking(&brokers, &topic, timeout))
+        .await
+        .expect("reader thread")
+}
+
+fn read_all_blocking(brokers: &str, topic: &str, timeout: Duration) -> Vec<Received> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", format!("verify-{}", Uuid::new_v4().simple()))
+        .set("enable.auto.commit", "false")
+        .set("fetch.wait.max.ms", "50")
+        .create()
+        .expect("consumer");
+    let deadline = Instant::now() + timeout;
+    let mut high = HashMap::new();
+    for p in 0..PARTITIONS {
+        let (_, h) = loop {
+            match consumer.fetch_watermarks(topic, p, Duration::from_secs(5)) {
+                Ok(w) => break w,
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "watermarks of {topic}/{p}: {e}");
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        };
+        high.insert(p, h);
+    }
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..PARTITIONS {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)
+            .expect("partition");
+    }
+    consumer.assign(&tpl).expect("assign");
+    let mut next: HashMap<i32, i64> = (0..PARTITIONS).map(|p| (p, 0)).collect();
+    let mut out = Vec::new();
+    // Up to the watermarks, then until the topic has been quiet for a
+    // second (the test broker's watermark can lag its last message).
+    let mut quiet_since = Instant::now();
+    while next.iter().any(|(p, n)| *n < high[p]) || quiet_since.elapsed() < Duration::from_secs(1) {
+        assert!(
+            Instant::now() < deadline,
+            "{topic} not read to its end in {timeout:?}: at {next:?}, end {high:?}"
+        );
+        match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(m)) => {
+                next.insert(m.partition(), m.offset() + 1);
+                out.push(received(&m));
+                quiet_since = Instant::now();
+            }
+            Some(Err(e)) => eprintln!("consumer error (retrying): {e}"),
+            None => {}
+        }
+    }
+    out.sort_by_key(|r| (r.partition, r.offset));
+    out
+}
+
+fn received(m: &rdkafka::message::BorrowedMessage<'_>) -> Received {
+    let mut headers = HashMap::new();
+    if let Some(h) = m.headers() {
+        for header in h.iter() {
+            let value = header
+                .value
+                .map(|v| String::from_utf8_lossy(v).into_owned());
+            headers.insert(header.key.to_owned(), value.unwrap_or_default());
+        }
+    }
+    Received {
+        partition: m.partition(),
+        offset: m.offset(),
+        key: String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned(),
+        payload: serde_json::from_slice(m.payload().unwrap_or_default()).expect("JSON payload"),
+        headers,
+    }
 }
 
 /// Checks every committed id arrived, nothing else did, and per key the
@@ -218,10 +285,11 @@ pub async fn wait_until_published(pool: &PgPool, timeout: Duration) -> bool {
     false
 }
 
-/// A TCP proxy whose connections can be cut and restored.
+/// A TCP proxy whose connections can be cut and restored, or delayed.
 pub struct Proxy {
     pub addr: SocketAddr,
     cut: Arc<AtomicBool>,
+    delay_ms: Arc<AtomicU64>,
     conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
     accept: JoinHandle<()>,
 }
@@ -237,20 +305,27 @@ impl Proxy {
             .expect("bind proxy");
         let addr = listener.local_addr().expect("addr");
         let cut = Arc::new(AtomicBool::new(false));
+        let delay_ms = Arc::new(AtomicU64::new(0));
         let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
-        let (c, k) = (cut.clone(), conns.clone());
+        let (c, d, k) = (cut.clone(), delay_ms.clone(), conns.clone());
         let accept = tokio::spawn(async move {
             loop {
-                let Ok((mut inbound, _)) = listener.accept().await else {
+                let Ok((inbound, _)) = listener.accept().await else {
                     continue;
                 };
                 if c.load(Ordering::SeqCst) {
                     drop(inbound);
                     continue;
                 }
+                let delay = d.clone();
                 let task = tokio::spawn(async move {
-                    if let Ok(mut outbound) = TcpStream::connect(upstream).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    if let Ok(outbound) = TcpStream::connect(upstream).await {
+                        let (in_read, in_write) = inbound.into_split();
+                        let (out_read, out_write) = outbound.into_split();
+                        let _ = tokio::try_join!(
+                            pump(in_read, out_write, delay.clone()),
+                            pump(out_read, in_write, delay)
+                        );
                     }
                 });
                 k.lock().unwrap().push(task);
@@ -259,6 +334,7 @@ impl Proxy {
         Self {
             addr,
             cut,
+            delay_ms,
             conns,
             accept,
         }
@@ -274,6 +350,35 @@ impl Proxy {
 
     pub fn restore(&self) {
         self.cut.store(false, Ordering::SeqCst);
+    }
+
+    /// Holds every chunk of data, both ways, for `delay` before passing it on
+    /// (zero: no delay).
+    pub fn set_delay(&self, delay: Duration) {
+        self.delay_ms
+            .store(delay.as_millis() as u64, Ordering::SeqCst);
+    }
+}
+
+/// Copies one direction of a proxied connection, chunk by chunk, each held
+/// for the current delay; closes the write side at end of stream.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    delay_ms: Arc<AtomicU64>,
+) -> std::io::Result<()> {
+    let mut buf = vec![0_u8; 64 * 1024];
+    loop {
+        let n = from.read(&mut buf).await?;
+        if n == 0 {
+            to.shutdown().await?;
+            return Ok(());
+        }
+        let delay = delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
+        to.write_all(&buf[..n]).await?;
     }
 }
 
@@ -333,13 +438,60 @@ impl PrivateBroker {
         }
         Self { child, port }
     }
+
+    /// The broker's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGKILLs the broker and reaps it. With in-memory storage its topics
+    /// and the groups' offsets are gone.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Freezes the broker (SIGSTOP): connections stay open, nothing answers.
+    pub fn pause(&self) {
+        signal(self.pid(), "-STOP");
+    }
+
+    /// Resumes a paused broker (SIGCONT).
+    pub fn resume(&self) {
+        signal(self.pid(), "-CONT");
+    }
 }
 
 impl Drop for PrivateBroker {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        signal(self.pid(), "-CONT");
+        self.kill();
     }
+}
+
+/// Sends `sig` (e.g. `-KILL`, `-STOP`) to process `pid`; a process that
+/// has already ended is not an error.
+pub fn signal(pid: u32, sig: &str) {
+    let _ = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("run kill");
+}
+
+/// Starts `outbox relay` (the CLI binary built with these tests) against
+/// `database_url` and `brokers`, with extra arguments; killed on drop.
+pub fn relay_process(database_url: &str, brokers: &str, extra: &[&str]) -> tokio::process::Child {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .arg("relay")
+        .args(extra)
+        .env("DATABASE_URL", database_url)
+        .env("KAFKA_BROKERS", brokers)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn the outbox binary")
 }
 
 // ---- Consumer-side helpers -------------------------------------------------

@@ -1,0 +1,452 @@
+//! The load and the observers of the reliability scenarios: writers that
+//! commit (and deliberately roll back) events through the Unit of Work and
+//! record what they did, the verifying consumer's effect table, and the
+//! collection of the evidence the checker judges.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use outbox_core::UnitOfWork;
+use outbox_runtime::CancellationToken;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use tokio::task::JoinHandle;
+use uuid::Uuid;
+
+use crate::checker::{Evidence, Seen, Written};
+use crate::common::{message, read_all};
+
+/// How long and how often the scenarios inject their faults: 1 in CI;
+/// `OUTBOX_SOAK=1` (or any non-number) soaks with a factor of 5,
+/// `OUTBOX_SOAK=N` (N ≥ 2) with a factor of N; unset or 0: no soak.
+pub fn soak() -> u32 {
+    match std::env::var("OUTBOX_SOAK") {
+        Ok(v) if !v.is_empty() => match v.parse::<u32>() {
+            Ok(0) => 1,
+            Ok(1) | Err(_) => 5,
+            Ok(n) => n,
+        },
+        _ => 1,
+    }
+}
+
+/// `d` scaled by the soak factor.
+pub fn scaled(d: Duration) -> Duration {
+    d * soak()
+}
+
+/// The writers' load.
+#[derive(Debug, Clone, Copy)]
+pub struct Load {
+    /// Events per second over all writers (on average two per transaction).
+    pub rate: u32,
+    /// Concurrent writer tasks; each owns its keys, so a key's transactions
+    /// are serialized and its expected order is well defined.
+    pub writers: usize,
+    /// Keys per writer.
+    pub keys: usize,
+}
+
+impl Default for Load {
+    fn default() -> Self {
+        Self {
+            rate: 300,
+            writers: 4,
+            keys: 8,
+        }
+    }
+}
+
+/// What the writers did.
+#[derive(Debug, Default, Clone)]
+pub struct Ledger {
+    /// Committed, in commit order per writer.
+    pub committed: Vec<Written>,
+    /// Rolled back: dropped Units of Work, and commits refused by a deferred
+    /// constraint after the outbox rows were inserted.
+    pub rolled_back: Vec<Uuid>,
+    /// Commits that failed without saying whether they happened (the
+    /// connection was lost): resolved against the outbox afterwards.
+    pub uncertain: Vec<Written>,
+    /// Failed begins and commits.
+    pub errors: u64,
+}
+
+/// Writer tasks committing events to one topic until stopped.
+pub struct Writers {
+    token: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+    ledger: Arc<Mutex<Ledger>>,
+    pool: PgPool,
+}
+
+/// The table whose deferred unique constraint makes a commit fail after the
+/// Unit of Work wrote its outbox rows.
+const GUARD: &str = "CREATE TABLE IF NOT EXISTS phantom_guard (
+    id int,
+    CONSTRAINT phantom_guard_unique UNIQUE (id) DEFERRABLE INITIALLY DEFERRED
+)";
+
+impl Writers {
+    /// Starts the writers on a pool of their own (one connection each).
+    pub async fn start(pool: &PgPool, topic: &str, load: Load) -> Self {
+        sqlx::query(GUARD).execute(pool).await.expect("guard table");
+        let pool = PgPoolOptions::new()
+            .max_connections(load.writers as u32 + 1)
+            .acquire_timeout(Duration::from_secs(2))
+            .connect_with(pool.connect_options().as_ref().clone())
+            .await
+            .expect("writers' pool");
+        let token = CancellationToken::new();
+        let ledger = Arc::new(Mutex::new(Ledger::default()));
+        // Two events per transaction on average.
+        let period = Duration::from_secs_f64(load.writers as f64 * 2.0 / load.rate as f64);
+        let tasks = (0..load.writers)
+            .map(|w| {
+                let (pool, token, ledger) = (pool.clone(), token.clone(), ledger.clone());
+                let topic = topic.to_owned();
+                tokio::spawn(async move {
+                    write(w, &pool, &topic, load.keys, period, &token, &ledger).await
+                })
+            })
+            .collect();
+        Self {
+            token,
+            tasks,
+            ledger,
+            pool,
+        }
+    }
+
+    /// The ids committed so far (uncertain commits not included).
+    pub fn committed_ids(&self) -> Vec<Uuid> {
+        let ledger = self.ledger.lock().unwrap();
+        ledger.committed.iter().map(|w| w.event_id).collect()
+    }
+
+    /// Stops the writers and resolves the uncertain commits against the
+    /// outbox (`check` is a pool that reaches the database once it is up).
+    pub async fn stop(self) -> Ledger {
+        self.token.cancel();
+        for task in self.tasks {
+            task.await.expect("writer task");
+        }
+        // A copy: a recovery measurement may still read the shared one.
+        let mut ledger = self.ledger.lock().unwrap().clone();
+        let uncertain = std::mem::take(&mut ledger.uncertain);
+        if !uncertain.is_empty() {
+            let ids: Vec<Uuid> = uncertain.iter().map(|w| w.event_id).collect();
+            let present: HashSet<Uuid> =
+                sqlx::query_scalar("SELECT event_id FROM outbox_event WHERE event_id = ANY($1)")
+                    .bind(&ids)
+                    .fetch_all(&self.pool)
+                    .await
+                    .expect("resolve uncertain commits")
+                    .into_iter()
+                    .collect();
+            for w in uncertain {
+                if present.contains(&w.event_id) {
+                    ledger.committed.push(w);
+                } else {
+                    ledger.rolled_back.push(w.event_id);
+                }
+            }
+        }
+        self.pool.close().await;
+        ledger
+    }
+}
+
+async fn write(
+    writer: usize,
+    pool: &PgPool,
+    topic: &str,
+    keys: usize,
+    period: Duration,
+    token: &CancellationToken,
+    ledger: &Mutex<Ledger>,
+) {
+    let mut seqs = vec![0_u64; keys];
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    for tx in 0_u64.. {
+        tokio::select! {
+            _ = token.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let k = tx as usize % keys;
+        let key = format!("w{writer}-k{k}");
+        let mut uow = match UnitOfWork::begin(pool).await {
+            Ok(uow) => uow,
+            Err(_) => {
+                ledger.lock().unwrap().errors += 1;
+                continue;
+            }
+        };
+        let events: Vec<Written> = (0..1 + tx % 3)
+            .map(|_| {
+                let seq = seqs[k];
+                seqs[k] += 1;
+                Written {
+                    event_id: uow.record_message(message(topic, &key, seq as usize)),
+                    key: key.clone(),
+                    seq,
+                }
+            })
+            .collect();
+        let ids = || events.iter().map(|w| w.event_id);
+        match tx % 20 {
+            // Dropped: nothing reaches the database.
+            7 => {
+                drop(uow);
+                ledger.lock().unwrap().rolled_back.extend(ids());
+            }
+            // The outbox rows are inserted, then COMMIT fails on a deferred
+            // constraint: the whole transaction rolls back.
+            17 => {
+                let poisoned = sqlx::query("INSERT INTO phantom_guard VALUES (1), (1)")
+                    .execute(&mut *uow)
+                    .await;
+                let result = match poisoned {
+                    Ok(_) => uow.commit().await,
+                    Err(e) => Err(e.into()),
+                };
+                let mut ledger = ledger.lock().unwrap();
+                match result {
+                    Err(e) if e.to_string().contains("phantom_guard_unique") => {
+                        ledger.rolled_back.extend(ids());
+                    }
+                    Ok(_) => panic!("a commit that must fail succeeded"),
+                    Err(_) => {
+                        ledger.errors += 1;
+                        ledger.uncertain.extend(events);
+                    }
+                }
+            }
+            _ => {
+                let result = uow.commit().await;
+                let mut ledger = ledger.lock().unwrap();
+                match result {
+                    Ok(_) => ledger.committed.extend(events),
+                    Err(_) => {
+                        ledger.errors += 1;
+                        ledger.uncertain.extend(events);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Declares a scenario's event type (bound to its topic, as derived events
+/// are) and the verifying consumer's handler for it, which records each
+/// applied event in the `effect` table inside the consumer's transaction.
+macro_rules! scenario_event {
+    ($name:ident, $topic:literal) => {
+        #[doc = concat!("The event of the scenario on topic `", $topic, "`.")]
+        #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+        pub struct $name {
+            key: String,
+            seq: u64,
+        }
+
+        impl outbox_core::DomainEvent for $name {
+            const TOPIC: &'static str = $topic;
+            const AGGREGATE_TYPE: &'static str = "Order";
+            const EVENT_TYPES: &'static [&'static str] = &["OrderPlaced"];
+            fn event_type(&self) -> &'static str {
+                "OrderPlaced"
+            }
+            fn event_version(&self) -> u32 {
+                1
+            }
+            fn aggregate_id(&self) -> String {
+                self.key.clone()
+            }
+        }
+
+        impl outbox_core::InboxHandler for $crate::harness::Effect<$name> {
+            type Event = $name;
+            const NAME: &'static str = "record_effect";
+
+            fn handle<'a, 'c>(
+                &'a self,
+                ctx: &'a mut outbox_core::HandlerContext<'c>,
+                event: $name,
+            ) -> outbox_core::HandlerFuture<'a>
+            where
+                'c: 'a,
+            {
+                Box::pin(async move {
+                    let event_id = ctx.incoming().event_id;
+                    $crate::harness::apply(&mut **ctx, event_id, &event.key, event.seq).await?;
+                    Ok(())
+                })
+            }
+        }
+    };
+}
+pub(crate) use scenario_event;
+
+/// The verifying consumer's handler of events `E`.
+pub struct Effect<E>(std::marker::PhantomData<fn() -> E>);
+
+impl<E> Effect<E> {
+    pub fn new() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+/// Records one applied effect.
+pub async fn apply(
+    conn: &mut sqlx::PgConnection,
+    event_id: Uuid,
+    key: &str,
+    seq: u64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO effect (event_id, key, seq) VALUES ($1, $2, $3)")
+        .bind(event_id)
+        .bind(key)
+        .bind(seq as i64)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// Creates the effect table (idempotent).
+pub async fn effect_table(pool: &PgPool) {
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS effect (
+            id bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL, seq bigint NOT NULL,
+            applied_at timestamptz NOT NULL DEFAULT clock_timestamp())",
+    )
+    .execute(pool)
+    .await
+    .expect("effect table");
+    sqlx::query("CREATE INDEX IF NOT EXISTS effect_event_id ON effect (event_id)")
+        .execute(pool)
+        .await
+        .expect("effect index");
+}
+
+/// A pool of `n` connections to the database `pool` reaches.
+pub async fn pool_of(pool: &PgPool, n: u32) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(n)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_with(pool.connect_options().as_ref().clone())
+        .await
+        .expect("pool")
+}
+
+/// Waits until every event of `ids` has been applied; returns how long it
+/// took, or `None` after `timeout`. Database errors (an outage) are retried.
+pub async fn wait_applied(pool: PgPool, ids: Vec<Uuid>, timeout: Duration) -> Option<Duration> {
+    let start = Instant::now();
+    let want = ids.len() as i64;
+    loop {
+        let applied: Result<i64, _> = sqlx::query_scalar(
+            "SELECT count(*) FROM unnest($1::uuid[]) AS i(id)
+             WHERE EXISTS (SELECT 1 FROM effect e WHERE e.event_id = i.id)",
+        )
+        .bind(&ids)
+        .fetch_one(&pool)
+        .await;
+        if applied.is_ok_and(|n| n >= want) {
+            return Some(start.elapsed());
+        }
+        if start.elapsed() > timeout {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Starts measuring recovery: the time from now until every event committed
+/// so far (restricted to `only`, if given) is applied and so is the first
+/// event committed from now on — the pipeline flows again.
+pub fn recovery(
+    pool: &PgPool,
+    writers: &Writers,
+    only: Option<&HashSet<Uuid>>,
+) -> JoinHandle<Option<Duration>> {
+    let mut ids = writers.committed_ids();
+    let first_new = ids.len();
+    if let Some(only) = only {
+        ids.retain(|id| only.contains(id));
+    }
+    let (pool, ledger) = (pool.clone(), writers.ledger.clone());
+    tokio::spawn(async move {
+        let start = Instant::now();
+        let timeout = Duration::from_secs(120);
+        wait_applied(pool.clone(), ids, timeout).await?;
+        loop {
+            let next = ledger
+                .lock()
+                .unwrap()
+                .committed
+                .get(first_new)
+                .map(|w| w.event_id);
+            if let Some(id) = next {
+                wait_applied(pool, vec![id], timeout.saturating_sub(start.elapsed())).await?;
+                return Some(start.elapsed());
+            }
+            if start.elapsed() > timeout {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+}
+
+/// Waits until the consumer applied everything that must arrive (or gives
+/// up after `timeout`: the checker then reports what is missing), then
+/// reads the topic and the effect table.
+pub async fn collect(
+    pool: &PgPool,
+    brokers: &str,
+    topic: &str,
+    ledger: &Ledger,
+    must_arrive: Option<HashSet<Uuid>>,
+    timeout: Duration,
+) -> Evidence {
+    let mut ids: Vec<Uuid> = ledger.committed.iter().map(|w| w.event_id).collect();
+    if let Some(must) = &must_arrive {
+        ids.retain(|id| must.contains(id));
+    }
+    if wait_applied(pool.clone(), ids, timeout).await.is_none() {
+        eprintln!("not everything was applied within {timeout:?}");
+    }
+    // Late copies or phantoms would show up now.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let kafka = read_all(brokers, topic, Duration::from_secs(60))
+        .await
+        .into_iter()
+        .map(|r| Seen {
+            event_id: r.event_id(),
+            seq: r.seq(),
+            key: r.key,
+        })
+        .collect();
+    let effects = sqlx::query_as::<_, (Uuid, String, i64)>(
+        "SELECT event_id, key, seq FROM effect ORDER BY id",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("effects")
+    .into_iter()
+    .map(|(event_id, key, seq)| Seen {
+        event_id,
+        key,
+        seq: seq as u64,
+    })
+    .collect();
+    Evidence {
+        committed: ledger.committed.clone(),
+        rolled_back: ledger.rolled_back.clone(),
+        must_arrive,
+        kafka,
+        effects,
+    }
+}
