@@ -13,6 +13,8 @@
 //! Each stage uses a fresh consumer group and starts at the beginning of the
 //! topic; rates are from start (group join included) to the last event.
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -26,8 +28,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Header, Headers as _, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde::{Deserialize, Serialize};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, PgPool};
+use sqlx::PgPool;
 use uuid::Uuid;
 
 const TOPIC: &str = "bench-consumer-orders";
@@ -277,22 +278,9 @@ fn consumer(
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = args()?;
-    let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
-    let admin: PgConnectOptions = url.parse()?;
-    let mut conn = admin.connect().await?;
-    sqlx::query("DROP DATABASE IF EXISTS outbox_bench_consumer WITH (FORCE)")
-        .execute(&mut conn)
-        .await?;
-    sqlx::query("CREATE DATABASE outbox_bench_consumer")
-        .execute(&mut conn)
-        .await?;
-    let pool = PgPoolOptions::new()
-        .max_connections(8)
-        .connect_with(admin.clone().database("outbox_bench_consumer"))
-        .await?;
-    outbox_core::migrate(&pool).await?;
+    let brokers = common::brokers();
+    let db = common::BenchDb::create("outbox_bench_consumer", 8).await?;
+    let pool = db.pool.clone();
 
     println!(
         "consumer benchmark: {} events of ~200 bytes on {PARTITIONS} partitions, batch {}, inbox writers {}",
@@ -386,9 +374,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(path) = a.json {
         std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
     }
-    pool.close().await;
-    sqlx::query("DROP DATABASE IF EXISTS outbox_bench_consumer WITH (FORCE)")
-        .execute(&mut conn)
-        .await?;
+    db.drop_database().await?;
     Ok(())
 }

@@ -9,11 +9,12 @@
 //! Needs PostgreSQL (DATABASE_URL names the server; the benchmark creates
 //! its own database `outbox_bench_lanes`) and a broker (KAFKA_BROKERS).
 
+mod common;
+
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, PgPool};
+use sqlx::PgPool;
 use uuid::Uuid;
 
 const LANES: i64 = 16;
@@ -151,29 +152,10 @@ where
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = args()?;
-    let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
-    let admin: PgConnectOptions = url.parse()?;
-    let mut conn = admin.connect().await?;
-    sqlx::query("DROP DATABASE IF EXISTS outbox_bench_lanes WITH (FORCE)")
-        .execute(&mut conn)
-        .await?;
-    sqlx::query("CREATE DATABASE outbox_bench_lanes")
-        .execute(&mut conn)
-        .await?;
-    let opts = admin.clone().database("outbox_bench_lanes");
-    let bench_url = format!(
-        "postgres://{}@{}:{}/outbox_bench_lanes",
-        opts.get_username(),
-        opts.get_host(),
-        opts.get_port()
-    );
-    let pool = PgPoolOptions::new()
-        .max_connections(4)
-        .connect_with(opts)
-        .await?;
-    outbox_core::migrate(&pool).await?;
+    let brokers = common::brokers();
+    let db = common::BenchDb::create("outbox_bench_lanes", 4).await?;
+    let pool = db.pool.clone();
+    let bench_url = db.url.clone();
     let run = Uuid::new_v4().simple().to_string();
 
     println!(
@@ -277,9 +259,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(path) = a.json {
         std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
     }
-    pool.close().await;
-    sqlx::query("DROP DATABASE IF EXISTS outbox_bench_lanes WITH (FORCE)")
-        .execute(&mut conn)
-        .await?;
+    db.drop_database().await?;
     Ok(())
 }

@@ -9,6 +9,8 @@
 //! Needs PostgreSQL (DATABASE_URL names the server; the benchmark creates
 //! its own database `outbox_bench_relay`) and a broker (KAFKA_BROKERS).
 
+mod common;
+
 use std::collections::HashMap;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
@@ -19,8 +21,7 @@ use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, PgPool};
+use sqlx::PgPool;
 use uuid::Uuid;
 
 struct Args {
@@ -262,29 +263,10 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = args()?;
-    let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
-    let admin: PgConnectOptions = url.parse()?;
-    let mut conn = admin.connect().await?;
-    sqlx::query("DROP DATABASE IF EXISTS outbox_bench_relay WITH (FORCE)")
-        .execute(&mut conn)
-        .await?;
-    sqlx::query("CREATE DATABASE outbox_bench_relay")
-        .execute(&mut conn)
-        .await?;
-    let bench_opts = admin.clone().database("outbox_bench_relay");
-    let bench_url = format!(
-        "postgres://{}@{}:{}/outbox_bench_relay",
-        bench_opts.get_username(),
-        bench_opts.get_host(),
-        bench_opts.get_port()
-    );
-    let pool = PgPoolOptions::new()
-        .max_connections(8)
-        .connect_with(bench_opts)
-        .await?;
-    outbox_core::migrate(&pool).await?;
+    let brokers = common::brokers();
+    let db = common::BenchDb::create("outbox_bench_relay", 8).await?;
+    let pool = db.pool.clone();
+    let bench_url = db.url.clone();
 
     let run = Uuid::new_v4().simple().to_string();
     let topic_sql = format!("bench-relay-{run}");
@@ -470,9 +452,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(path) = a.json {
         std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
     }
-    pool.close().await;
-    sqlx::query("DROP DATABASE IF EXISTS outbox_bench_relay WITH (FORCE)")
-        .execute(&mut conn)
-        .await?;
+    db.drop_database().await?;
     Ok(())
 }

@@ -11,33 +11,13 @@ use std::time::Duration;
 use common::*;
 use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler};
 use outbox_runtime::{Consumer, ConsumerBuilder, ConsumerHandle};
-use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use uuid::Uuid;
 
 macro_rules! fault_event {
     ($name:ident, $topic:literal) => {
-        #[derive(Debug, Clone, Serialize, Deserialize)]
-        struct $name {
-            key: String,
-            seq: u64,
-        }
-
-        impl DomainEvent for $name {
-            const TOPIC: &'static str = $topic;
-            const AGGREGATE_TYPE: &'static str = "Order";
-            const EVENT_TYPES: &'static [&'static str] = &["OrderPlaced"];
-            fn event_type(&self) -> &'static str {
-                "OrderPlaced"
-            }
-            fn event_version(&self) -> u32 {
-                1
-            }
-            fn aggregate_id(&self) -> String {
-                self.key.clone()
-            }
-        }
+        keyed_event!($name, $topic);
 
         impl InboxHandler for Effect<$name> {
             type Event = $name;

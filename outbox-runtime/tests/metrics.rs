@@ -11,7 +11,6 @@ use std::time::Duration;
 use common::*;
 use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler};
 use outbox_runtime::{Consumer, Relay};
-use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -26,26 +25,7 @@ async fn get(addr: std::net::SocketAddr, path: &str) -> String {
     out
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Placed {
-    key: String,
-    seq: u64,
-}
-
-impl DomainEvent for Placed {
-    const TOPIC: &'static str = "metrics-test-orders";
-    const AGGREGATE_TYPE: &'static str = "Order";
-    const EVENT_TYPES: &'static [&'static str] = &["OrderPlaced"];
-    fn event_type(&self) -> &'static str {
-        "OrderPlaced"
-    }
-    fn event_version(&self) -> u32 {
-        1
-    }
-    fn aggregate_id(&self) -> String {
-        self.key.clone()
-    }
-}
+keyed_event!(Placed, "metrics-test-orders");
 
 struct Noop;
 

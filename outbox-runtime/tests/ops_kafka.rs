@@ -19,27 +19,8 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use uuid::Uuid;
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Placed {
-    key: String,
-    seq: u64,
-}
-
-impl DomainEvent for Placed {
-    // Only on the test's private broker, or reset at the test's start.
-    const TOPIC: &'static str = "ops-test-orders";
-    const AGGREGATE_TYPE: &'static str = "Order";
-    const EVENT_TYPES: &'static [&'static str] = &["OrderPlaced"];
-    fn event_type(&self) -> &'static str {
-        "OrderPlaced"
-    }
-    fn event_version(&self) -> u32 {
-        1
-    }
-    fn aggregate_id(&self) -> String {
-        self.key.clone()
-    }
-}
+// Only on the test's private broker, or reset at the test's start.
+keyed_event!(Placed, "ops-test-orders");
 
 /// Applies each event's effect (a row per event id: applied twice, the
 /// insert would fail on the primary key).

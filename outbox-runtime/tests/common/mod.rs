@@ -663,3 +663,37 @@ pub fn database_url(pool: &PgPool) -> String {
         o.get_database().expect("test database name")
     )
 }
+
+/// Defines an event type bound to one test's topic, as derived events are:
+/// `{ key, seq }`, event type `OrderPlaced` of aggregate `Order`, the key as
+/// aggregate id.
+#[allow(unused_macros)]
+macro_rules! keyed_event {
+    ($(#[$meta:meta])* $vis:vis $name:ident, $topic:expr) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, ::serde::Serialize, ::serde::Deserialize)]
+        $vis struct $name {
+            /// The partition key.
+            pub key: String,
+            /// The event's number within its key (or the run).
+            pub seq: u64,
+        }
+
+        impl ::outbox_core::DomainEvent for $name {
+            const TOPIC: &'static str = $topic;
+            const AGGREGATE_TYPE: &'static str = "Order";
+            const EVENT_TYPES: &'static [&'static str] = &["OrderPlaced"];
+            fn event_type(&self) -> &'static str {
+                "OrderPlaced"
+            }
+            fn event_version(&self) -> u32 {
+                1
+            }
+            fn aggregate_id(&self) -> String {
+                self.key.clone()
+            }
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use keyed_event;

@@ -244,27 +244,11 @@ async fn write(
 /// applied event in the `effect` table inside the consumer's transaction.
 macro_rules! scenario_event {
     ($name:ident, $topic:literal) => {
-        #[doc = concat!("The event of the scenario on topic `", $topic, "`.")]
-        #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-        pub struct $name {
-            key: String,
-            seq: u64,
-        }
-
-        impl outbox_core::DomainEvent for $name {
-            const TOPIC: &'static str = $topic;
-            const AGGREGATE_TYPE: &'static str = "Order";
-            const EVENT_TYPES: &'static [&'static str] = &["OrderPlaced"];
-            fn event_type(&self) -> &'static str {
-                "OrderPlaced"
-            }
-            fn event_version(&self) -> u32 {
-                1
-            }
-            fn aggregate_id(&self) -> String {
-                self.key.clone()
-            }
-        }
+        $crate::common::keyed_event!(
+            #[doc = concat!("The event of the scenario on topic `", $topic, "`.")]
+            pub $name,
+            $topic
+        );
 
         impl outbox_core::InboxHandler for $crate::harness::Effect<$name> {
             type Event = $name;

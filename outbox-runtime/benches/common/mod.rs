@@ -1,0 +1,71 @@
+//! Shared setup of the runtime's benchmark programs: the servers they talk
+//! to and a database of their own, recreated at start and dropped at the end.
+
+#![allow(dead_code)]
+
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+
+/// `KAFKA_BROKERS`, default `127.0.0.1:9092`.
+pub fn brokers() -> String {
+    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+/// A benchmark's own database on the server `DATABASE_URL` names.
+pub struct BenchDb {
+    admin: PgConnection,
+    name: String,
+    /// A `DATABASE_URL` for child processes (the `outbox` binary).
+    pub url: String,
+    /// A pool on it, migrated.
+    pub pool: PgPool,
+}
+
+impl BenchDb {
+    /// Drops and recreates database `name`, applies the migrations.
+    pub async fn create(
+        name: &str,
+        max_connections: u32,
+    ) -> Result<Self, Box<dyn std::error::Error>> {
+        let url = std::env::var("DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+        let admin_opts: PgConnectOptions = url.parse()?;
+        let mut admin = admin_opts.connect().await?;
+        sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+            .execute(&mut admin)
+            .await?;
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut admin)
+            .await?;
+        let opts = admin_opts.database(name);
+        let url = format!(
+            "postgres://{}@{}:{}/{name}",
+            opts.get_username(),
+            opts.get_host(),
+            opts.get_port()
+        );
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .connect_with(opts)
+            .await?;
+        outbox_core::migrate(&pool).await?;
+        Ok(Self {
+            admin,
+            name: name.to_owned(),
+            url,
+            pool,
+        })
+    }
+
+    /// Closes the pool and drops the database.
+    pub async fn drop_database(mut self) -> Result<(), sqlx::Error> {
+        self.pool.close().await;
+        sqlx::query(&format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            self.name
+        ))
+        .execute(&mut self.admin)
+        .await?;
+        Ok(())
+    }
+}
