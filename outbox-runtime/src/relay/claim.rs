@@ -43,17 +43,27 @@ fn claim_any() -> String {
     format!("{CLAIM_COLUMNS}\nORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED")
 }
 
-/// With lanes: rows of the lanes in `$5` that the lane connection (pid
-/// `$6`) still owns at this statement's start, lane count `$4`.
+/// With lanes: rows of the lanes this relay may claim from, i.e. none of
+/// the lanes in `$5` (the others), and none the lane connection (pid `$6`)
+/// does not own at this statement's start; lane count `$4`.
+///
+/// Both conditions are written as exclusions (`<> ALL`): the planner
+/// estimates those as barely selective and keeps walking the partial index
+/// in id order. Written as `lane = ANY(owned)` they look so selective that it
+/// sorts the whole backlog on every claim instead (measured: 270 ms against
+/// 4 ms per claim of 2,000 over a backlog of 200,000).
 fn claim_lanes() -> String {
     let lane = lanes::lane_expr(4);
     format!(
         "{CLAIM_COLUMNS}
-  AND {lane} = ANY($5::int4[])
-  AND {lane} = ANY((SELECT array_agg(objid::int) FROM pg_locks
-       WHERE locktype = 'advisory' AND granted AND objsubid = 2
-         AND classid = {class} AND pid = $6
-         AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))::int4[])
+  AND {lane} <> ALL($5::int4[])
+  AND {lane} <> ALL((
+      SELECT coalesce(array_agg(l), '{{}}') FROM generate_series(0, $4 - 1) AS l
+      WHERE NOT EXISTS (SELECT 1 FROM pg_locks
+        WHERE locktype = 'advisory' AND granted AND objsubid = 2
+          AND classid = {class} AND pid = $6 AND objid::int = l
+          AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+      )::int4[])
 ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
         class = lanes::LANE_CLASS,
     )
@@ -107,12 +117,15 @@ pub(crate) async fn claim(
                 .bind(&lanes.lanes)
                 .execute(&mut *tx)
                 .await?;
+            let others: Vec<i32> = (0..lanes.count)
+                .filter(|l| !lanes.lanes.contains(l))
+                .collect();
             sqlx::query_as::<_, Row>(CLAIM_LANES.as_str())
                 .bind(limit)
                 .bind(blocked_keys)
                 .bind(blocked_topics)
                 .bind(lanes.count)
-                .bind(&lanes.lanes)
+                .bind(&others)
                 .bind(lanes.pid)
                 .fetch_all(&mut *tx)
                 .await?
