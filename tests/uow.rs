@@ -494,3 +494,35 @@ async fn migrate_coexists_with_the_applications_own_sqlx_migrations(pool: PgPool
         1 + ours
     );
 }
+
+/// Writers of one key are serialized by an advisory lock per key bucket
+/// (256 buckets), so a commit holds at most 256 of those locks however many
+/// keys it writes: eight concurrent commits of 20,000 keys each fit in the
+/// server's lock table (one lock per key would need 160,000 entries and fail
+/// with "out of shared memory").
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn eight_concurrent_commits_of_twenty_thousand_keys_each(pool: PgPool) {
+    let writers: Vec<_> = (0..8)
+        .map(|_| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+                for i in 0..20_000 {
+                    uow.record(placed(i));
+                }
+                uow.commit().await.unwrap().event_ids.len()
+            })
+        })
+        .collect();
+    for w in writers {
+        assert_eq!(w.await.unwrap(), 20_000);
+    }
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(DISTINCT partition_key) FROM outbox_event"
+        )
+        .await,
+        160_000
+    );
+}

@@ -20,11 +20,15 @@ use crate::trace::TraceParent;
 ///
 /// Same-key order = commit order: before any `id` is drawn (the one-time
 /// filter runs before the first row), the statement takes a transaction-level
-/// advisory lock per distinct partition key ([`KEY_LOCK_CLASS`], in hash
-/// order, so two writers cannot deadlock on them). A second writer of the
-/// same key waits there until the first commits or rolls back, so for every
-/// key a smaller id always commits first, and the relay, claiming in id
-/// order, publishes a key's events in the order their transactions committed.
+/// advisory lock per distinct key bucket ([`KEY_LOCK_CLASS`]; 256 buckets of
+/// `hashtext(partition_key)`, taken in bucket order, so two writers cannot
+/// deadlock on them, and a transaction never holds more than 256 of them
+/// however many keys it writes). A second writer of the same key waits there
+/// until the first commits or rolls back, so for every key a smaller id always
+/// commits first, and the relay, claiming in id order, publishes a key's
+/// events in the order their transactions committed. Writers of different
+/// keys of one bucket wait for each other the same way, from their outbox
+/// insert to their commit only.
 const INSERT_BATCH: &str = "\
 INSERT INTO outbox_event
     (event_id, aggregate_type, aggregate_id, event_type, event_version,
@@ -34,13 +38,13 @@ FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int4[],
             $6::text[], $7::text[], $8::text[], $9::text[])
      WITH ORDINALITY AS u(e, at, ai, et, ev, t, pk, p, h, n)
 WHERE (SELECT count(pg_advisory_xact_lock(1868720896, s.h))
-       FROM (SELECT DISTINCT hashtext(COALESCE(k.pk, k.ai)) AS h
+       FROM (SELECT DISTINCT hashtext(COALESCE(k.pk, k.ai)) & 255 AS h
              FROM UNNEST($3::text[], $7::text[]) AS k(ai, pk) ORDER BY 1) AS s) >= 0
 ORDER BY n";
 
-/// Advisory lock class (first key of the two-key form; the second is
-/// `hashtext(partition_key)`) that serializes writers of one partition key
-/// from their outbox insert to their commit.
+/// Advisory lock class (first key of the two-key form; the second is the key
+/// bucket `hashtext(partition_key) & 255`) that serializes writers of one
+/// partition key from their outbox insert to their commit.
 pub const KEY_LOCK_CLASS: i32 = 0x6F62_6B00;
 
 /// One database transaction plus the events recorded during it.

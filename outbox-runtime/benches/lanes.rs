@@ -51,12 +51,13 @@ fn args() -> Result<Args, String> {
 }
 
 async fn preload(pool: &PgPool, n: i64, topic: &str) -> Result<(), sqlx::Error> {
-    sqlx::query(
+    sqlx::query(&format!(
         "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, topic, partition_key, payload, headers)
-         SELECT gen_random_uuid(), 'Order', 'order-' || (g % 1000), 'OrderPlaced', $2, 'order-' || (g % 1000),
-                jsonb_build_object('seq', g, 'note', repeat('x', 150)), '{}'::jsonb
+         SELECT {}, 'Order', 'order-' || (g % 1000), 'OrderPlaced', $2, 'order-' || (g % 1000),
+                jsonb_build_object('seq', g, 'note', repeat('x', 150)), '{{}}'::jsonb
          FROM generate_series(1, $1) AS g",
-    )
+        common::UUID_V7_SQL
+    ))
     .bind(n)
     .bind(topic)
     .execute(pool)

@@ -58,7 +58,7 @@ fn args() -> Result<Args, String> {
 
 const PRELOAD: &str = "\
 INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, topic, partition_key, payload, headers)
-SELECT gen_random_uuid(), 'Order', 'order-' || (g % 1000), 'OrderPlaced', $2, 'order-' || (g % 1000),
+SELECT {uuid}, 'Order', 'order-' || (g % 1000), 'OrderPlaced', $2, 'order-' || (g % 1000),
        jsonb_build_object('order_id', 'order-' || (g % 1000), 'seq', g, 'amount_cents', 1999,
                           'note', repeat('x', 120)),
        jsonb_build_object('correlation_id', gen_random_uuid())
@@ -66,7 +66,7 @@ FROM generate_series(1, $1) AS g";
 
 async fn preload(pool: &PgPool, n: i64, topic: &str) -> Result<(), sqlx::Error> {
     sqlx::query("TRUNCATE outbox_event").execute(pool).await?;
-    sqlx::query(PRELOAD)
+    sqlx::query(&PRELOAD.replace("{uuid}", common::UUID_V7_SQL))
         .bind(n)
         .bind(topic)
         .execute(pool)

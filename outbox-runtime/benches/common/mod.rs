@@ -6,6 +6,14 @@
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
 
+/// SQL for a time-ordered (version 7) UUID, like the event ids the framework
+/// gives events (`Uuid::now_v7`): preloaded rows then cost what real rows
+/// cost. Random (v4) ids would make every index insert on `event_id` land on
+/// a random page.
+pub const UUID_V7_SQL: &str = "encode(set_bit(set_bit(overlay(uuid_send(gen_random_uuid()) \
+     placing substring(int8send(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint) FROM 3) \
+     FROM 1 FOR 6), 52, 1), 53, 1), 'hex')::uuid";
+
 /// `KAFKA_BROKERS`, default `127.0.0.1:9092`.
 pub fn brokers() -> String {
     std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
