@@ -459,3 +459,57 @@ async fn several_commands_share_a_unit_of_work_the_caller_commits(pool: PgPool) 
         1
     );
 }
+
+// ------------------------------------------------ aggregates in a handler
+
+/// An invoice aggregate, created by an inbox handler.
+#[aggregate]
+#[derive(Debug, Clone)]
+struct Invoice {
+    id: Uuid,
+    order_id: Uuid,
+}
+
+/// Records the follow-up on an aggregate root and collects it into the
+/// handler context, as a command handler does with its Unit of Work.
+#[inbox_handler]
+async fn invoice_through_an_aggregate(
+    ctx: &mut HandlerContext<'_>,
+    event: OrderCreated,
+) -> Result<(), BoxError> {
+    let mut invoice = InvoiceRoot::new(Invoice {
+        id: Uuid::now_v7(),
+        order_id: event.order_id,
+    });
+    let (invoice_id, order_id) = (invoice.id, invoice.order_id);
+    invoice.record(InvoiceRequested {
+        invoice_id,
+        order_id,
+    });
+    ctx.collect(&mut invoice);
+    assert_eq!(invoice.discard_events(), 0, "collected, none left");
+    Ok(())
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn a_handler_collects_an_aggregates_events_as_follow_ups(pool: PgPool) {
+    create_tables(&pool).await;
+    let event = order(700);
+    let incoming = incoming_for(&event, None);
+    let payload = event.to_payload().unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let mut ctx = HandlerContext::new(&mut tx, &incoming);
+    let ids = dispatch(&invoice_through_an_aggregate, &mut ctx, payload.as_bytes())
+        .await
+        .unwrap();
+    drop(ctx);
+    tx.commit().await.unwrap();
+    assert_eq!(ids.len(), 1);
+    let (event_id, event_type, headers): (Uuid, String, sqlx::types::Json<Headers>) =
+        sqlx::query_as("SELECT event_id, event_type, headers FROM outbox_event")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((event_id, event_type.as_str()), (ids[0], "InvoiceRequested"));
+    assert_eq!(headers.causation_id, Some(incoming.event_id));
+}

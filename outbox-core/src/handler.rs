@@ -145,6 +145,16 @@ impl<'c> HandlerContext<'c> {
         }
     }
 
+    /// Takes every event an aggregate root recorded, in record order, as
+    /// follow-up events (like [`UnitOfWork::collect`](crate::UnitOfWork::collect)).
+    pub fn collect<R: crate::AggregateRoot + ?Sized>(&mut self, root: &mut R) {
+        let (messages, error) = root.pending_events().take();
+        self.recorded.extend(messages);
+        if let Some(error) = error {
+            self.error.get_or_insert(error);
+        }
+    }
+
     /// Number of follow-up events recorded so far.
     pub fn recorded_events(&self) -> usize {
         self.recorded.len()
