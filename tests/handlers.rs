@@ -510,6 +510,9 @@ async fn a_handler_collects_an_aggregates_events_as_follow_ups(pool: PgPool) {
             .fetch_one(&pool)
             .await
             .unwrap();
-    assert_eq!((event_id, event_type.as_str()), (ids[0], "InvoiceRequested"));
+    assert_eq!(
+        (event_id, event_type.as_str()),
+        (ids[0], "InvoiceRequested")
+    );
     assert_eq!(headers.causation_id, Some(incoming.event_id));
 }
