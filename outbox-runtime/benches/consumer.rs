@@ -15,6 +15,7 @@
 
 mod common;
 
+use clap::Parser;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -34,38 +35,31 @@ use uuid::Uuid;
 const TOPIC: &str = "bench-consumer-orders";
 const PARTITIONS: i32 = 4;
 
+/// The benchmark's options (`cargo bench … -- --help`).
+#[derive(Parser)]
 struct Args {
+    /// Messages produced and consumed per stage.
+    #[arg(long, default_value_t = 200_000)]
     events: u64,
+    /// Messages per consumer batch.
+    #[arg(long, default_value_t = 2000)]
     batch: usize,
+    /// Inbox-mode writer connections.
+    #[arg(long, default_value_t = 2)]
     writers: usize,
+    /// A librdkafka setting for the consumers, `key=value` (repeatable).
+    #[arg(short = 'X', value_name = "KEY=VALUE", value_parser = setting)]
     settings: Vec<(String, String)>,
+    /// Also write the results to this JSON file.
+    #[arg(long)]
     json: Option<String>,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
-fn args() -> Result<Args, String> {
-    let mut a = Args {
-        events: 200_000,
-        batch: 2000,
-        writers: 2,
-        settings: Vec::new(),
-        json: None,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = || it.next().ok_or(format!("{arg} needs a value"));
-        match arg.as_str() {
-            "--events" => a.events = value()?.parse().map_err(|e| format!("{e}"))?,
-            "--batch" => a.batch = value()?.parse().map_err(|e| format!("{e}"))?,
-            "--writers" => a.writers = value()?.parse().map_err(|e| format!("{e}"))?,
-            "-X" => a
-                .settings
-                .push(outbox_runtime::kafka::parse_setting(&value()?).map_err(|e| e.to_string())?),
-            "--json" => a.json = Some(value()?),
-            "--bench" => {}
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    Ok(a)
+fn setting(s: &str) -> Result<(String, String), String> {
+    outbox_runtime::kafka::parse_setting(s).map_err(|e| e.to_string())
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -277,7 +271,7 @@ fn consumer(
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let a = args()?;
+    let a = Args::parse();
     let brokers = common::brokers();
     let db = common::BenchDb::create("outbox_bench_consumer", 8).await?;
     let pool = db.pool.clone();

@@ -11,6 +11,7 @@
 
 mod common;
 
+use clap::Parser;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -21,33 +22,24 @@ const LANES: i64 = 16;
 /// The relay's lane-ownership advisory lock class.
 const LANE_CLASS: i64 = 0x6F62_6C00;
 
+/// The benchmark's options (`cargo bench … -- --help`).
+#[derive(Parser)]
 struct Args {
+    /// Rows preloaded and drained per relay count.
+    #[arg(long, default_value_t = 100_000)]
     events: i64,
+    /// Rows per claim.
+    #[arg(long, default_value_t = 2000)]
     batch: i64,
+    /// Relays SIGKILLed in the takeover measurement.
+    #[arg(long, default_value_t = 5)]
     kills: usize,
+    /// Also write the results to this JSON file.
+    #[arg(long)]
     json: Option<String>,
-}
-
-fn args() -> Result<Args, String> {
-    let mut a = Args {
-        events: 100_000,
-        batch: 2000,
-        kills: 5,
-        json: None,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = || it.next().ok_or(format!("{arg} needs a value"));
-        match arg.as_str() {
-            "--events" => a.events = value()?.parse().map_err(|e| format!("{e}"))?,
-            "--batch" => a.batch = value()?.parse().map_err(|e| format!("{e}"))?,
-            "--kills" => a.kills = value()?.parse().map_err(|e| format!("{e}"))?,
-            "--json" => a.json = Some(value()?),
-            "--bench" => {}
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    Ok(a)
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
 async fn preload(pool: &PgPool, n: i64, topic: &str) -> Result<(), sqlx::Error> {
@@ -152,7 +144,7 @@ where
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let a = args()?;
+    let a = Args::parse();
     let brokers = common::brokers();
     let db = common::BenchDb::create("outbox_bench_lanes", 4).await?;
     let pool = db.pool.clone();

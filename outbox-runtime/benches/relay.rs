@@ -11,6 +11,7 @@
 
 mod common;
 
+use clap::Parser;
 use std::collections::HashMap;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
@@ -24,36 +25,27 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use sqlx::PgPool;
 use uuid::Uuid;
 
+/// The benchmark's options (`cargo bench … -- --help`).
+#[derive(Parser)]
 struct Args {
+    /// Rows preloaded and drained.
+    #[arg(long, default_value_t = 200_000)]
     events: i64,
+    /// Rows per claim.
+    #[arg(long, default_value_t = 2000)]
     batch: i64,
+    /// Events per second of the latency run.
+    #[arg(long, default_value_t = 1000)]
     rate: u64,
+    /// Length of the latency run.
+    #[arg(long, default_value_t = 10)]
     seconds: u64,
+    /// Also write the results to this JSON file.
+    #[arg(long)]
     json: Option<String>,
-}
-
-fn args() -> Result<Args, String> {
-    let mut a = Args {
-        events: 200_000,
-        batch: 2000,
-        rate: 1000,
-        seconds: 10,
-        json: None,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = || it.next().ok_or(format!("{arg} needs a value"));
-        match arg.as_str() {
-            "--events" => a.events = value()?.parse().map_err(|e| format!("{e}"))?,
-            "--batch" => a.batch = value()?.parse().map_err(|e| format!("{e}"))?,
-            "--rate" => a.rate = value()?.parse().map_err(|e| format!("{e}"))?,
-            "--seconds" => a.seconds = value()?.parse().map_err(|e| format!("{e}"))?,
-            "--json" => a.json = Some(value()?),
-            "--bench" => {}
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    Ok(a)
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
 const PRELOAD: &str = "\
@@ -262,7 +254,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let a = args()?;
+    let a = Args::parse();
     let brokers = common::brokers();
     let db = common::BenchDb::create("outbox_bench_relay", 8).await?;
     let pool = db.pool.clone();
