@@ -164,6 +164,46 @@ async fn three_relays_over_fifty_thousand_events_lose_nothing(pool: PgPool) {
     assert_eq!(duplicates, 0);
 }
 
+/// Relays embedded in an application share its pool, which may be small and
+/// busy. A relay must never wait for a connection while holding the one that
+/// would free another: here one relay gets a pool of 2, three relays share a
+/// pool of 3, and each goes idle (LISTEN) before a backlog of many batches
+/// arrives.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn relays_on_a_small_shared_pool_never_starve_themselves(pool: PgPool) {
+    let topic = unique_topic("relay-small-pool");
+    create_topic(&brokers(), &topic).await;
+    let small = |n| {
+        PgPoolOptions::new()
+            .max_connections(n)
+            .acquire_timeout(Duration::from_secs(60))
+            .connect_lazy_with((*pool.connect_options()).clone())
+    };
+    for (relays, connections) in [(1, 2), (3, 3)] {
+        let shared = small(connections);
+        let handles: Vec<_> = (0..relays)
+            .map(|_| relay(&shared).batch_size(100).spawn().unwrap())
+            .collect();
+        // Idle first: each relay now listens.
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let committed = commit_messages(&pool, &topic, 5_000, 100, 500).await;
+        assert!(
+            wait_until_published(&pool, Duration::from_secs(30)).await,
+            "{relays} relay(s) on a pool of {connections} stalled"
+        );
+        for h in handles {
+            h.shutdown().await.unwrap();
+        }
+        assert_eq!(committed.len(), 5_000);
+        shared.close().await;
+    }
+    let all: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_event")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(all, 10_000);
+}
+
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_poison_event_is_parked_and_holds_back_only_its_key(pool: PgPool) {
     let topic = unique_topic("relay-poison");

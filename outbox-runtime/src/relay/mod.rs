@@ -310,8 +310,10 @@ impl RelayHandle {
 }
 
 impl Relay {
-    /// Starts building a relay on `pool` (which needs at least 3 connections:
-    /// one claiming, one marking, one spare; LISTEN uses its own).
+    /// Starts building a relay on `pool`. The relay works with any pool size;
+    /// it takes up to 3 connections at once (a claim, the batch in flight,
+    /// the batch being marked) and is fastest when the pool has them. LISTEN
+    /// and, with lanes, the lane locks use connections of their own.
     pub fn builder(pool: PgPool) -> RelayBuilder {
         RelayBuilder {
             pool,
@@ -499,56 +501,72 @@ impl Loop<'_> {
                     held.clone_from(&c.lanes);
                 }
             }
-            let in_flight = self.in_flight.take();
-            let latency = &self.latency;
+            // The next claim runs while the batch in flight is delivered. As
+            // soon as its deliveries are known the batch is marked and
+            // committed, even while the claim still waits for a connection:
+            // the claim never holds up the transaction that would free one
+            // (with a small pool, waiting for both would deadlock).
             let step = Instant::now();
-            let ((claimed, claim_time), (delivered, delivery_time)) = tokio::join!(
-                async move {
-                    let start = Instant::now();
-                    let claimed = if claim_next {
-                        Some(claim::claim(pool, limit, &keys, &topics, claimable.as_ref()).await)
-                    } else {
-                        None
-                    };
-                    (claimed, start.elapsed())
-                },
-                async move {
-                    let start = Instant::now();
-                    let delivered = match in_flight {
-                        Some(f) => {
-                            let sent_at = f.sent_at;
-                            let delivered = f.deliveries().await;
-                            latency.record(sent_at.elapsed());
-                            Some(delivered)
+            let claim = async move {
+                let start = Instant::now();
+                let claimed = if claim_next {
+                    Some(claim::claim(pool, limit, &keys, &topics, claimable.as_ref()).await)
+                } else {
+                    None
+                };
+                (claimed, start.elapsed())
+            };
+            let mut claim = std::pin::pin!(claim);
+            let mut claimed = None;
+            let mut failed_keys = Vec::new();
+            let mut transient: Option<String> = None;
+            let mut delivered_some = false;
+            let mut delivery_time = Duration::ZERO;
+            if let Some(in_flight) = self.in_flight.take() {
+                let start = Instant::now();
+                let sent_at = in_flight.sent_at;
+                let mut deliveries = std::pin::pin!(in_flight.deliveries());
+                let (batch, outcomes) = tokio::select! {
+                    delivered = &mut deliveries => delivered,
+                    done = &mut claim => {
+                        claimed = Some(done);
+                        deliveries.await
+                    }
+                };
+                self.latency.record(sent_at.elapsed());
+                delivery_time = start.elapsed();
+                let (published, failures, keys, first_transient) = self.evaluate(&batch, outcomes);
+                delivered_some = !published.is_empty();
+                failed_keys = keys;
+                transient = first_transient;
+                if claimed.is_none() {
+                    let mut previous = std::pin::pin!(self.finish_marking());
+                    tokio::select! {
+                        () = &mut previous => {}
+                        done = &mut claim => {
+                            claimed = Some(done);
+                            previous.await;
                         }
-                        None => None,
-                    };
-                    (delivered, start.elapsed())
+                    }
+                } else {
+                    self.finish_marking().await;
                 }
-            );
+                self.marking = Some(tokio::spawn(batch.finish_owned(published, failures)));
+            }
+            let (claimed, claim_time) = match claimed {
+                Some(done) => done,
+                None => claim.await,
+            };
             tracing::trace!(
                 claimed = claimed
                     .as_ref()
                     .and_then(|c| c.as_ref().ok())
                     .map(|b| b.rows.len()),
-                delivered = delivered.as_ref().map(|(b, _)| b.rows.len()),
                 claim_ms = claim_time.as_secs_f64() * 1e3,
                 delivery_ms = delivery_time.as_secs_f64() * 1e3,
                 step_ms = step.elapsed().as_secs_f64() * 1e3,
                 "relay step"
             );
-
-            let mut failed_keys = Vec::new();
-            let mut transient: Option<String> = None;
-            let mut delivered_some = false;
-            if let Some((batch, outcomes)) = delivered {
-                let (published, failures, keys, first_transient) = self.evaluate(&batch, outcomes);
-                delivered_some = !published.is_empty();
-                failed_keys = keys;
-                transient = first_transient;
-                self.finish_marking().await;
-                self.marking = Some(tokio::spawn(batch.finish_owned(published, failures)));
-            }
 
             let mut idle = false;
             match claimed {

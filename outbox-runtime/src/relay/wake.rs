@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
-use sqlx::postgres::PgListener;
+use sqlx::postgres::{PgListener, PgPoolOptions};
 use tokio_util::sync::CancellationToken;
 
 /// The channel the migration's trigger notifies.
@@ -31,6 +31,8 @@ pub(crate) const WAKE_LOCK: i64 = 8_031_453_476_610_924_407;
 const WRITERS_IN_FLIGHT_RECHECK: Duration = Duration::from_millis(1);
 
 pub(crate) struct Waker {
+    /// A pool of one connection, for LISTEN alone: the listener never takes
+    /// a connection from the relay's (or the application's) pool.
     pool: PgPool,
     listen: bool,
     poll: Duration,
@@ -42,7 +44,7 @@ pub(crate) struct Waker {
 impl Waker {
     pub fn new(pool: &PgPool, listen: bool, poll: Duration) -> Self {
         Self {
-            pool: pool.clone(),
+            pool: listen_pool(pool),
             listen,
             poll,
             listener: None,
@@ -79,8 +81,11 @@ impl Waker {
 
     fn lost(&mut self, error: &sqlx::Error) {
         tracing::warn!(%error, "LISTEN connection lost; reconnecting");
-        // The server released the session's advisory lock with it.
+        // The server releases the session's advisory lock with it. A fresh
+        // pool makes sure the next listener is a new session (dropping the
+        // old pool closes whatever it still held).
         self.listener = None;
+        self.pool = listen_pool(&self.pool);
         self.armed = false;
     }
 
@@ -178,6 +183,17 @@ impl Waker {
             _ = gained => {}
         }
     }
+}
+
+/// A lazily connecting one-connection pool to the database of `pool`.
+fn listen_pool(pool: &PgPool) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(0)
+        .max_lifetime(None)
+        .idle_timeout(None)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_lazy_with((*pool.connect_options()).clone())
 }
 
 async fn sleep_or_shutdown(d: Duration, shutdown: &CancellationToken) {
