@@ -87,10 +87,11 @@ async fn sql_only(pool: &PgPool, batch: i64) -> Result<f64, sqlx::Error> {
             String,
             String,
             i32,
+            String,
         );
         let rows: Vec<Claimed> = sqlx::query_as(
             "SELECT id, event_id, aggregate_type, aggregate_id, event_type, topic, event_version,
-                    partition_key, payload::text, headers::text, attempts
+                    partition_key, payload::text, headers::text, attempts, ctid::text
              FROM outbox_event
              WHERE published_at IS NULL AND parked_at IS NULL
                AND partition_key <> ALL($2::text[]) AND topic <> ALL($3::text[])
@@ -105,11 +106,12 @@ async fn sql_only(pool: &PgPool, batch: i64) -> Result<f64, sqlx::Error> {
             break;
         }
         total += rows.len();
-        let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
+        let tids: Vec<&str> = rows.iter().map(|r| r.11.as_str()).collect();
         sqlx::query(
-            "UPDATE outbox_event SET published_at = statement_timestamp() WHERE id = ANY($1)",
+            "UPDATE outbox_event SET published_at = statement_timestamp()
+             WHERE ctid = ANY($1::text[]::tid[])",
         )
-        .bind(&ids)
+        .bind(&tids)
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
@@ -208,7 +210,10 @@ impl RelayProcess {
             .args(["relay", "--batch-size", &batch.to_string()])
             .env("DATABASE_URL", url)
             .env("KAFKA_BROKERS", brokers)
-            .env("RUST_LOG", "warn")
+            .env(
+                "RUST_LOG",
+                std::env::var("BENCH_RELAY_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdout(Stdio::null())
             .kill_on_drop(true)
             .spawn()?;
@@ -377,23 +382,39 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let start = Instant::now();
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    // Open loop: each commit is its own task, so a slow commit does not
+    // lower the offered rate (at most 64 in flight).
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(64));
+    let mut writers = tokio::task::JoinSet::new();
     for i in 0..expected {
         ticker.tick().await;
-        let mut uow = UnitOfWork::begin(&pool).await?;
-        let key = format!("order-{}", i % 100);
-        let id = uow.record_message(OutboxMessage {
-            event_id: Uuid::now_v7(),
-            aggregate_type: "Order".into(),
-            aggregate_id: key.clone(),
-            event_type: "OrderPlaced".into(),
-            event_version: 1,
-            topic: topic_latency.clone(),
-            partition_key: key,
-            payload: serde_json::json!({ "seq": i, "note": "x".repeat(150) }).to_string(),
-            headers: Default::default(),
+        let permit = in_flight.clone().acquire_owned().await?;
+        let (pool, topic, committed) = (pool.clone(), topic_latency.clone(), committed.clone());
+        writers.spawn(async move {
+            let _permit = permit;
+            let mut uow = UnitOfWork::begin(&pool).await?;
+            let key = format!("order-{}", i % 100);
+            let id = uow.record_message(OutboxMessage {
+                event_id: Uuid::now_v7(),
+                aggregate_type: "Order".into(),
+                aggregate_id: key.clone(),
+                event_type: "OrderPlaced".into(),
+                event_version: 1,
+                topic,
+                partition_key: key,
+                payload: serde_json::json!({ "seq": i, "note": "x".repeat(150) }).to_string(),
+                headers: Default::default(),
+            });
+            uow.commit().await?;
+            committed.lock().unwrap().insert(id, Instant::now());
+            Ok::<_, outbox_core::Error>(())
         });
-        uow.commit().await?;
-        committed.lock().unwrap().insert(id, Instant::now());
+        while let Some(done) = writers.try_join_next() {
+            done??;
+        }
+    }
+    while let Some(done) = writers.join_next().await {
+        done??;
     }
     let achieved = expected as f64 / start.elapsed().as_secs_f64();
     consumer_thread

@@ -21,6 +21,9 @@ pub(crate) struct Row {
     pub payload: String,
     pub headers: String,
     pub attempts: i32,
+    /// The row version's physical address, stable while the claim's
+    /// transaction holds the row lock: the mark finds the row by it.
+    pub tid: String,
 }
 
 /// Rows claimed in one transaction; their row locks last until
@@ -32,7 +35,8 @@ pub(crate) struct Batch {
 
 const CLAIM_COLUMNS: &str = "\
 SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version, topic,
-       partition_key, payload::text AS payload, headers::text AS headers, attempts
+       partition_key, payload::text AS payload, headers::text AS headers, attempts,
+       ctid::text AS tid
 FROM outbox_event
 WHERE published_at IS NULL AND parked_at IS NULL
   AND partition_key <> ALL($2::text[])
@@ -77,9 +81,11 @@ static CLAIM_ANY: std::sync::LazyLock<String> = std::sync::LazyLock::new(claim_a
 static CLAIM_LANES: std::sync::LazyLock<String> = std::sync::LazyLock::new(claim_lanes);
 
 /// `statement_timestamp()`: the time the deliveries were known, not the
-/// claim's transaction start that `now()` would give.
-const MARK_PUBLISHED: &str =
-    "UPDATE outbox_event SET published_at = statement_timestamp() WHERE id = ANY($1)";
+/// claim's transaction start that `now()` would give. Rows are found by
+/// their `ctid` (a TID scan): the claim's row locks keep every claimed row
+/// where it was, and it saves a primary-key lookup per row.
+const MARK_PUBLISHED: &str = "UPDATE outbox_event SET published_at = statement_timestamp()
+     WHERE ctid = ANY($1::text[]::tid[])";
 
 const RECORD_FAILURES: &str = "\
 UPDATE outbox_event o
@@ -150,8 +156,15 @@ impl Batch {
     /// list (withheld) are only unlocked.
     pub async fn finish(mut self, published: &[i64], failures: &[Failure]) -> Result<()> {
         if !published.is_empty() {
+            let published: std::collections::HashSet<i64> = published.iter().copied().collect();
+            let tids: Vec<&str> = self
+                .rows
+                .iter()
+                .filter(|r| published.contains(&r.id))
+                .map(|r| r.tid.as_str())
+                .collect();
             sqlx::query(MARK_PUBLISHED)
-                .bind(published)
+                .bind(&tids)
                 .execute(&mut *self.tx)
                 .await?;
         }
