@@ -8,7 +8,10 @@
 //! is being delivered, batch *n+1* is claimed; while batch *n+1* is being
 //! delivered, batch *n* is marked published and committed. Batch *n+1* is
 //! handed to the producer only after every delivery of batch *n* is known, so
-//! a key that failed in batch *n* sends nothing of batch *n+1*.
+//! a key that failed in batch *n* sends nothing of batch *n+1*. Batch *n* is
+//! marked as soon as its deliveries are known, even while the claim of *n+1*
+//! still waits for a pool connection: the loop never waits for a connection
+//! while holding one that a finished batch would free.
 //!
 //! Submodules: [`claim`](self::claim) (the SQL), [`lanes`](self::lanes)
 //! (lane ownership across relays), [`publish`](self::publish) (the producer),
