@@ -392,6 +392,7 @@ impl Relay {
             metrics_stop.clone(),
         ));
         relay.run(&mut publisher, &shutdown).await;
+        relay.waker.close().await;
         publisher.flush(Duration::from_secs(10));
         if let Some((_, manager, stop)) = lanes {
             // Every claim transaction has ended: the lanes can go.

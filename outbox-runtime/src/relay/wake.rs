@@ -79,6 +79,13 @@ impl Waker {
         }
     }
 
+    /// Ends the LISTEN session cleanly (at most a moment's wait: an
+    /// unreachable database does not hold the relay's shutdown up).
+    pub async fn close(&mut self) {
+        self.listener = None;
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.pool.close()).await;
+    }
+
     fn lost(&mut self, error: &sqlx::Error) {
         tracing::warn!(%error, "LISTEN connection lost; reconnecting");
         // The server releases the session's advisory lock with it. A fresh
