@@ -110,20 +110,6 @@ async fn lane_holders(pool: &PgPool) -> Result<(i64, i64), sqlx::Error> {
     .await
 }
 
-async fn drained(pool: &PgPool) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT NOT EXISTS (SELECT 1 FROM outbox_event WHERE published_at IS NULL AND parked_at IS NULL)",
-    )
-    .fetch_one(pool)
-    .await
-}
-
-async fn any_published(pool: &PgPool) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM outbox_event WHERE published_at IS NOT NULL)")
-        .fetch_one(pool)
-        .await
-}
-
 async fn wait_for<F, Fut>(
     limit: Duration,
     mut check: F,
@@ -166,9 +152,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let children = (0..relays)
             .map(|_| relay_with_lanes(&bench_url, &brokers, a.batch, lanes))
             .collect::<Result<Vec<_>, _>>()?;
-        wait_for(Duration::from_secs(60), || any_published(&pool)).await?;
+        wait_for(Duration::from_secs(60), || common::any_published(&pool)).await?;
         let first = Instant::now();
-        wait_for(Duration::from_secs(300), || drained(&pool)).await?;
+        wait_for(Duration::from_secs(300), || common::drained(&pool)).await?;
         let rate = a.events as f64 / first.elapsed().as_secs_f64();
         stop(children).await;
         println!("{relays} relay(s), {lanes:>2} lanes   {rate:>10.0} events/s");
@@ -220,7 +206,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
         .await?;
         locks_ms.push(killed.elapsed().as_secs_f64() * 1e3);
-        wait_for(Duration::from_secs(30), || drained(&pool)).await?;
+        wait_for(Duration::from_secs(30), || common::drained(&pool)).await?;
         publish_ms.push(killed.elapsed().as_secs_f64() * 1e3);
         children[victim] = relay(&bench_url, &brokers, a.batch)?;
     }

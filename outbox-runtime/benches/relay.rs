@@ -233,22 +233,6 @@ impl RelayProcess {
     }
 }
 
-/// Cheap progress probes (a count over the whole table every few
-/// milliseconds would compete with the relay for the same two cores).
-async fn any_published(pool: &PgPool) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM outbox_event WHERE published_at IS NOT NULL)")
-        .fetch_one(pool)
-        .await
-}
-
-async fn drained(pool: &PgPool) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT NOT EXISTS (SELECT 1 FROM outbox_event WHERE published_at IS NULL AND parked_at IS NULL)",
-    )
-    .fetch_one(pool)
-    .await
-}
-
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
@@ -301,10 +285,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut first: Option<Instant> = None;
     let spawned = Instant::now();
     loop {
-        if first.is_none() && any_published(&pool).await? {
+        if first.is_none() && common::any_published(&pool).await? {
             first = Some(Instant::now());
         }
-        if first.is_some() && drained(&pool).await? {
+        if first.is_some() && common::drained(&pool).await? {
             break;
         }
         if spawned.elapsed() > Duration::from_secs(300) {

@@ -77,3 +77,20 @@ impl BenchDb {
         Ok(())
     }
 }
+
+/// Cheap progress probes (a count over the whole table every few
+/// milliseconds would compete with the relay for the same two cores).
+pub async fn any_published(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM outbox_event WHERE published_at IS NOT NULL)")
+        .fetch_one(pool)
+        .await
+}
+
+/// No row waits to be published (parked rows aside).
+pub async fn drained(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT NOT EXISTS (SELECT 1 FROM outbox_event WHERE published_at IS NULL AND parked_at IS NULL)",
+    )
+    .fetch_one(pool)
+    .await
+}
