@@ -280,6 +280,36 @@ async fn a_poison_event_is_parked_and_holds_back_only_its_key(pool: PgPool) {
     assert_eq!(ops::status(&pool).await.unwrap().unpublished, 1);
 }
 
+/// Rows held back in one batch (here: librdkafka's queue is full) stay
+/// locked until that batch commits, while the next claim already runs: it
+/// must not send later rows of their keys in the meantime.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn rows_held_back_keep_their_keys_in_order(pool: PgPool) {
+    let topic = unique_topic("relay-held");
+    create_topic(&brokers(), &topic).await;
+    let committed = commit_messages(&pool, &topic, 3_000, 5, 100).await;
+
+    let handle = relay(&pool)
+        .kafka_setting("queue.buffering.max.messages", "40")
+        .batch_size(200)
+        .spawn()
+        .unwrap();
+    assert!(
+        wait_until_published(&pool, Duration::from_secs(60)).await,
+        "relay drained the outbox"
+    );
+    let counts = handle.counts();
+    handle.shutdown().await.unwrap();
+    assert!(
+        counts.withheld > 0,
+        "the small producer queue held rows back: {counts:?}"
+    );
+
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(60)).await;
+    let duplicates = verify(&committed, &received);
+    assert_eq!(duplicates, 0, "nothing failed: no duplicates");
+}
+
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_missing_topic_is_reported_on_its_rows_and_does_not_stall_others(pool: PgPool) {
     init_tracing();

@@ -8,7 +8,9 @@
 //! is being delivered, batch *n+1* is claimed; while batch *n+1* is being
 //! delivered, batch *n* is marked published and committed. Batch *n+1* is
 //! handed to the producer only after every delivery of batch *n* is known, so
-//! a key that failed in batch *n* sends nothing of batch *n+1*. Batch *n* is
+//! a key that failed in batch *n* sends nothing of batch *n+1*; a key with a
+//! row left unpublished in a batch stays out of claims and sends until that
+//! batch's transaction ends (see `Loop::held`). Batch *n* is
 //! marked as soon as its deliveries are known, even while the claim of *n+1*
 //! still waits for a pool connection: the loop never waits for a connection
 //! while holding one that a finished batch would free.
@@ -381,6 +383,8 @@ impl Relay {
             ),
             in_flight: None,
             marking: None,
+            held: HashMap::new(),
+            batches: 0,
             producer_unusable: false,
             answered_yet_failing: 0,
             probe_answered: false,
@@ -408,6 +412,8 @@ impl Relay {
 
 /// A batch handed to the producer, awaiting its deliveries.
 struct InFlight {
+    /// The batch's number in this relay (see [`Loop::held`]).
+    seq: u64,
     batch: Batch,
     sent_at: Instant,
     outcomes: Vec<Option<Outcome>>,
@@ -471,7 +477,16 @@ struct Loop<'a> {
     broker: Health,
     database: Health,
     in_flight: Option<InFlight>,
-    marking: Option<JoinHandle<Result<()>>>,
+    /// The last batch's mark-and-commit, and that batch's number.
+    marking: Option<(u64, JoinHandle<Result<()>>)>,
+    /// Keys with a row left unpublished (held back or failed) in a batch
+    /// whose transaction has not ended, mapped to the last such batch's
+    /// number. That row stays locked until the batch ends, so a claim skips
+    /// it and could take later rows of its key: until then these keys are
+    /// left out of claims and held back in sends.
+    held: HashMap<String, u64>,
+    /// Batches handed to the producer so far.
+    batches: u64,
     producer_unusable: bool,
     /// Rounds in a row whose deliveries failed although the broker had
     /// just answered a probe.
@@ -495,8 +510,17 @@ impl Loop<'_> {
             if stopping && self.in_flight.is_none() {
                 break;
             }
+            if self
+                .marking
+                .as_ref()
+                .is_some_and(|(_, task)| task.is_finished())
+            {
+                // Ended already: release its keys before the claim.
+                self.finish_marking().await;
+            }
             let claim_next = !stopping && !self.broker.is_down();
-            let (keys, topics) = self.blocked.current();
+            let (mut keys, topics) = self.blocked.current();
+            keys.extend(self.held.keys().cloned());
             let limit = self.config.batch_size as i64;
             let pool = self.pool;
             let claimable = self.lanes.as_ref().map(|l| l.claimable());
@@ -522,13 +546,13 @@ impl Loop<'_> {
             };
             let mut claim = std::pin::pin!(claim);
             let mut claimed = None;
-            let mut failed_keys = Vec::new();
             let mut transient: Option<String> = None;
             let mut delivered_some = false;
             let mut delivery_time = Duration::ZERO;
             if let Some(in_flight) = self.in_flight.take() {
                 let start = Instant::now();
                 let sent_at = in_flight.sent_at;
+                let in_flight_seq = in_flight.seq;
                 let mut deliveries = std::pin::pin!(in_flight.deliveries());
                 let (batch, outcomes) = tokio::select! {
                     delivered = &mut deliveries => delivered,
@@ -539,14 +563,14 @@ impl Loop<'_> {
                 };
                 self.latency.record(sent_at.elapsed());
                 delivery_time = start.elapsed();
-                let (published, failures, keys, first_transient) = self.evaluate(&batch, outcomes);
+                let (published, failures, first_transient) =
+                    self.evaluate(in_flight_seq, &batch, outcomes);
                 delivered_some = !published.is_empty();
-                failed_keys = keys;
                 transient = first_transient;
                 if claimed.is_none() {
                     let mut previous = std::pin::pin!(self.finish_marking());
                     tokio::select! {
-                        () = &mut previous => {}
+                        _ = &mut previous => {}
                         done = &mut claim => {
                             claimed = Some(done);
                             previous.await;
@@ -555,7 +579,10 @@ impl Loop<'_> {
                 } else {
                     self.finish_marking().await;
                 }
-                self.marking = Some(tokio::spawn(batch.finish_owned(published, failures)));
+                self.marking = Some((
+                    in_flight_seq,
+                    tokio::spawn(batch.finish_owned(published, failures)),
+                ));
             }
             let (claimed, claim_time) = match claimed {
                 Some(done) => done,
@@ -578,7 +605,7 @@ impl Loop<'_> {
                 Some(Ok(batch)) => {
                     self.database.up();
                     self.waker.busy().await;
-                    self.in_flight = Some(self.send(publisher, batch, &failed_keys));
+                    self.in_flight = Some(self.send(publisher, batch));
                 }
                 Some(Err(error)) => {
                     let wait = self.database.down(&error);
@@ -616,20 +643,25 @@ impl Loop<'_> {
             }
 
             if idle && self.in_flight.is_none() && !shutdown.is_cancelled() {
-                // The last batch's mark-and-commit goes on meanwhile; it is
-                // awaited before the next one starts and at shutdown.
-                self.waker.wait(shutdown).await;
+                // Nothing to overlap the last batch's mark-and-commit with:
+                // wait for it. If it releases held keys, their rows are
+                // claimable now; otherwise wait for work.
+                if !self.finish_marking().await {
+                    self.waker.wait(shutdown).await;
+                }
             }
         }
         self.finish_marking().await;
     }
 
     /// Hands a claimed batch to the producer, holding back rows of keys that
-    /// just failed or are blocked.
-    fn send(&mut self, publisher: &Publisher, batch: Batch, failed_keys: &[String]) -> InFlight {
+    /// are held (a row of theirs is still locked unpublished) or blocked.
+    fn send(&mut self, publisher: &Publisher, batch: Batch) -> InFlight {
+        self.batches += 1;
+        let seq = self.batches;
         let mut outcomes: Vec<Option<Outcome>> = Vec::with_capacity(batch.rows.len());
         for row in &batch.rows {
-            let hold = failed_keys.contains(&row.partition_key) || self.blocked.is_blocked(row);
+            let hold = self.held.contains_key(&row.partition_key) || self.blocked.is_blocked(row);
             outcomes.push(hold.then_some(Outcome::Withheld));
         }
         let pending = if outcomes.iter().all(Option::is_none) {
@@ -647,7 +679,15 @@ impl Loop<'_> {
             }
             pending.into_iter().map(|(j, d)| (keep[j], d)).collect()
         };
+        // Rows held back now (here, or by the producer: a full queue, an
+        // earlier row of their key refused) keep their keys held.
+        for (row, outcome) in batch.rows.iter().zip(&outcomes) {
+            if outcome.is_some() {
+                self.held.insert(row.partition_key.clone(), seq);
+            }
+        }
         InFlight {
+            seq,
             batch,
             sent_at: Instant::now(),
             outcomes,
@@ -659,9 +699,10 @@ impl Loop<'_> {
     /// to record; updates blocked keys and topics and the counters.
     fn evaluate(
         &mut self,
+        seq: u64,
         batch: &Batch,
         outcomes: Vec<Outcome>,
-    ) -> (Vec<i64>, Vec<Failure>, Vec<String>, Option<String>) {
+    ) -> (Vec<i64>, Vec<Failure>, Option<String>) {
         let mut published = Vec::with_capacity(batch.rows.len());
         let mut failures = Vec::new();
         let mut failed_keys: Vec<String> = Vec::new();
@@ -687,6 +728,8 @@ impl Loop<'_> {
                     self.stats.failed.fetch_add(1, Ordering::Relaxed);
                     if !key_failed {
                         failed_keys.push(row.partition_key.clone());
+                        let held = self.held.entry(row.partition_key.clone()).or_insert(seq);
+                        *held = (*held).max(seq);
                     }
                     match kind {
                         FailureKind::Transient => {
@@ -758,28 +801,36 @@ impl Loop<'_> {
         self.stats.withheld.fetch_add(withheld, Ordering::Relaxed);
         self.stats.parked.fetch_add(parked, Ordering::Relaxed);
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
-        (published, failures, failed_keys, transient)
+        (published, failures, transient)
     }
 
     /// Before the producer is replaced, the batch sent through the old one is
     /// settled: its deliveries are awaited and recorded like any other.
     async fn finish_in_flight_before_recreate(&mut self) {
         if let Some(in_flight) = self.in_flight.take() {
+            let seq = in_flight.seq;
             let (batch, outcomes) = in_flight.deliveries().await;
-            let (published, failures, _, _) = self.evaluate(&batch, outcomes);
+            let (published, failures, _) = self.evaluate(seq, &batch, outcomes);
             self.finish_marking().await;
-            self.marking = Some(tokio::spawn(batch.finish_owned(published, failures)));
+            self.marking = Some((seq, tokio::spawn(batch.finish_owned(published, failures))));
         }
         self.producer_unusable = false;
     }
 
-    /// Waits for the previous batch's mark-and-commit.
-    async fn finish_marking(&mut self) {
-        if let Some(task) = self.marking.take() {
+    /// Waits for the previous batch's mark-and-commit. Once its transaction
+    /// has ended (committed or rolled back), its rows are unlocked: the keys
+    /// it held are released.
+    /// Returns whether it released any.
+    async fn finish_marking(&mut self) -> bool {
+        let mut released = false;
+        if let Some((seq, task)) = self.marking.take() {
             let result = task
                 .await
                 .map_err(|e| Error::Task(e.to_string()))
                 .and_then(|r| r);
+            let before = self.held.len();
+            self.held.retain(|_, last| *last > seq);
+            released = self.held.len() < before;
             match result {
                 Ok(()) => self.database.up(),
                 Err(error) => {
@@ -789,6 +840,7 @@ impl Loop<'_> {
                 }
             }
         }
+        released
     }
 
     /// Backs off until the broker answers again.
