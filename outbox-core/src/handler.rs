@@ -166,6 +166,19 @@ impl<'c> HandlerContext<'c> {
     /// Called by the consumer runtime after the handler returned `Ok`.
     #[doc(hidden)]
     pub async fn flush(&mut self) -> Result<Vec<Uuid>> {
+        let messages = self.take_follow_ups()?;
+        crate::uow::insert_messages(self.conn, &messages, &Headers::default()).await
+    }
+
+    /// Takes the recorded follow-up events, each with its headers completed
+    /// (correlation carried over, causation = the handled event, the trace
+    /// continued), for the caller to write to the outbox later in the same
+    /// transaction. The consumer runtime writes the follow-ups of a whole
+    /// batch with one statement at its end, so that the statement takes its
+    /// key locks in one consistent order (see
+    /// [`insert_messages`](crate::insert_messages)).
+    #[doc(hidden)]
+    pub fn take_follow_ups(&mut self) -> Result<Vec<OutboxMessage>> {
         if let Some(error) = self.error.take() {
             return Err(error);
         }
@@ -183,8 +196,11 @@ impl<'c> HandlerContext<'c> {
             tracestate: self.incoming.headers.tracestate.clone(),
             extra: Default::default(),
         };
-        let messages = std::mem::take(&mut self.recorded);
-        crate::uow::insert_messages(self.conn, &messages, &defaults).await
+        let mut messages = std::mem::take(&mut self.recorded);
+        for message in &mut messages {
+            message.headers.fill_from(&defaults);
+        }
+        Ok(messages)
     }
 }
 

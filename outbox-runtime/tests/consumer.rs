@@ -696,6 +696,260 @@ async fn a_follow_up_event_commits_with_the_handling_and_not_without_it(pool: Pg
     assert_eq!(letter.error, "card declined");
 }
 
+test_event!(KeyedEvent, "consumer-test-follow-up-keys");
+
+/// Records a follow-up event keyed by the handled event's `key`; on the
+/// event with `seq` 2 it first signals `started` and waits a second (so the
+/// test can commit a writer in between).
+struct FollowUpByKey {
+    started: Arc<AtomicBool>,
+}
+
+impl InboxHandler for FollowUpByKey {
+    type Event = KeyedEvent;
+    const NAME: &'static str = "follow_up_by_key";
+
+    fn handle<'a, 'c>(
+        &'a self,
+        ctx: &'a mut HandlerContext<'c>,
+        event: KeyedEvent,
+    ) -> HandlerFuture<'a>
+    where
+        'c: 'a,
+    {
+        Box::pin(async move {
+            ctx.record(PaymentRequested {
+                order: event.key.clone(),
+            });
+            if event.seq == 2 {
+                self.started.store(true, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// The follow-ups of a consumer transaction and an application's commit
+/// write to the same keys: they must not deadlock on the outbox's per-key
+/// locks. Here the transaction handles e1 (follow-up of key B) then e2
+/// (follow-up of key A, bucket A < bucket B); while e2's handler runs, a
+/// Unit of Work writes A and B. Writing each handler's follow-ups as it
+/// returned took B, then (after the writer took A and queued for B) A: a
+/// deadlock, and PostgreSQL aborted the writer after `deadlock_timeout`.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn follow_ups_and_application_commits_do_not_deadlock_on_key_locks(pool: PgPool) {
+    init_tracing();
+    let topic = KeyedEvent::TOPIC;
+    reset_topic(&brokers(), topic).await;
+    // Two keys in different lock buckets, `low` in the lower one.
+    let mut by_bucket: Vec<(i32, String)> = Vec::new();
+    for i in 0.. {
+        let key = format!("key-{i}");
+        let bucket: i32 = sqlx::query_scalar("SELECT hashtext($1) & 255")
+            .bind(&key)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        if by_bucket.iter().all(|(b, _)| *b != bucket) {
+            by_bucket.push((bucket, key));
+        }
+        if by_bucket.len() == 2 {
+            break;
+        }
+    }
+    by_bucket.sort();
+    let (low, high) = (by_bucket[0].1.clone(), by_bucket[1].1.clone());
+
+    let (e1, e2) = (Uuid::now_v7(), Uuid::now_v7());
+    let messages = vec![
+        TestMessage::event(
+            e1,
+            "OrderPlaced",
+            "order-x",
+            serde_json::json!({ "key": high, "seq": 1 }),
+        ),
+        TestMessage::event(
+            e2,
+            "OrderPlaced",
+            "order-x",
+            serde_json::json!({ "key": low, "seq": 2 }),
+        ),
+    ];
+    produce(&brokers(), topic, &messages).await;
+    let started = Arc::new(AtomicBool::new(false));
+    let group = unique_topic("follow-keys");
+    let handle = consumer(&pool, &group)
+        .handler(FollowUpByKey {
+            started: started.clone(),
+        })
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            started.load(Ordering::SeqCst)
+        })
+        .await,
+        "e2's handler started"
+    );
+    // e1's handler has returned and e2's is running: the writer commits
+    // events of both keys now.
+    let mut uow = outbox_core::UnitOfWork::begin(&pool).await.unwrap();
+    for key in [&low, &high] {
+        uow.record(PaymentRequested { order: key.clone() });
+    }
+    let committed = uow.commit().await;
+    assert!(
+        committed.is_ok(),
+        "the writer's commit failed: {:?}",
+        committed.err()
+    );
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            handle.counts().processed == 2
+        })
+        .await,
+        "{:?}",
+        handle.counts()
+    );
+    handle.shutdown().await.unwrap();
+    let keys: Vec<String> =
+        sqlx::query_scalar("SELECT partition_key FROM outbox_event ORDER BY partition_key, id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let mut expected = vec![low.clone(), low, high.clone(), high];
+    expected.sort();
+    assert_eq!(keys, expected, "both follow-ups and both writes committed");
+}
+
+test_event!(ReceiptEvent, "consumer-test-follow-up-dup");
+
+/// A follow-up event whose id is chosen by the handler.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Receipt {
+    order: String,
+    id: Uuid,
+}
+
+impl DomainEvent for Receipt {
+    const TOPIC: &'static str = "consumer-test-receipts";
+    const AGGREGATE_TYPE: &'static str = "Receipt";
+    const EVENT_TYPES: &'static [&'static str] = &["ReceiptIssued"];
+    fn event_type(&self) -> &'static str {
+        "ReceiptIssued"
+    }
+    fn event_version(&self) -> u32 {
+        1
+    }
+    fn aggregate_id(&self) -> String {
+        self.order.clone()
+    }
+    fn event_id(&self) -> Option<Uuid> {
+        Some(self.id)
+    }
+}
+
+/// Issues a receipt for every order, always with the same event id (a bug
+/// a handler can have): only the first can be written.
+struct IssueReceipt;
+
+const RECEIPT_ID: Uuid = Uuid::from_u128(0x0193_0000_0000_7000_8000_0000_0000_0001);
+
+impl InboxHandler for IssueReceipt {
+    type Event = ReceiptEvent;
+    const NAME: &'static str = "issue_receipt";
+
+    fn handle<'a, 'c>(
+        &'a self,
+        ctx: &'a mut HandlerContext<'c>,
+        event: ReceiptEvent,
+    ) -> HandlerFuture<'a>
+    where
+        'c: 'a,
+    {
+        Box::pin(async move {
+            ctx.record(Receipt {
+                order: event.key.clone(),
+                id: RECEIPT_ID,
+            });
+            Ok(())
+        })
+    }
+}
+
+/// The follow-ups of a batch are written with one statement at its end; when
+/// it fails, the event whose follow-ups broke it is found and fails alone
+/// (retried, then dead-lettered with the database's error); the events
+/// before it commit.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_follow_up_that_cannot_be_written_fails_only_its_event(pool: PgPool) {
+    init_tracing();
+    let topic = ReceiptEvent::TOPIC;
+    reset_topic(&brokers(), topic).await;
+    let ids: Vec<Uuid> = (0..3).map(|_| Uuid::now_v7()).collect();
+    let messages: Vec<TestMessage> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| {
+            TestMessage::event(
+                *id,
+                "OrderPlaced",
+                "order-r",
+                serde_json::json!({ "key": format!("order-{i}"), "seq": i }),
+            )
+        })
+        .collect();
+    produce(&brokers(), topic, &messages).await;
+    let group = unique_topic("follow-dup");
+    let handle = consumer(&pool, &group)
+        .handler(IssueReceipt)
+        .max_attempts(2)
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            let c = handle.counts();
+            c.processed == 1 && c.dead_lettered == 2
+        })
+        .await,
+        "{:?}",
+        handle.counts()
+    );
+    handle.shutdown().await.unwrap();
+
+    let receipts: Vec<(Uuid, String)> =
+        sqlx::query_as("SELECT event_id, partition_key FROM outbox_event")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(receipts, vec![(RECEIPT_ID, "order-0".to_owned())]);
+    let processed: Vec<Uuid> =
+        sqlx::query_scalar("SELECT event_id FROM processed_event WHERE consumer = $1")
+            .bind(&group)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(processed, vec![ids[0]]);
+    let letters = dead_letter::list(&pool, &DeadLetterFilter::new().consumer(&group))
+        .await
+        .unwrap();
+    let mut lettered: Vec<Uuid> = letters.iter().filter_map(|l| l.event_id).collect();
+    lettered.sort();
+    assert_eq!(lettered, ids[1..].to_vec());
+    for letter in &letters {
+        assert_eq!(letter.handler.as_deref(), Some("issue_receipt"));
+        assert!(
+            letter
+                .error
+                .contains("writing the handler's follow-up events failed")
+                && letter.error.contains("duplicate key"),
+            "{}",
+            letter.error
+        );
+    }
+}
+
 // ---- Configuration -----------------------------------------------------------
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]

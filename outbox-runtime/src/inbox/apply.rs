@@ -1,7 +1,8 @@
 //! Running an event's handlers inside the caller's transaction: each handler
-//! gets a [`HandlerContext`] on that transaction, and its follow-up events
-//! are flushed to the outbox right after it returns `Ok`; a panic counts as
-//! a failure. Also the verdicts the callers act on.
+//! gets a [`HandlerContext`] on that transaction; a panic counts as a
+//! failure. The follow-up events of the handlers that returned `Ok` are
+//! gathered in [`FollowUps`] and written to the outbox with one statement at
+//! the end of the transaction. Also the verdicts the callers act on.
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -9,7 +10,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use outbox_core::HandlerContext;
+use outbox_core::{HandlerContext, Headers, OutboxMessage};
 use sqlx::PgConnection;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -50,16 +51,103 @@ impl From<sqlx::Error> for Failure {
     }
 }
 
+/// The follow-up events recorded by the handlers of one transaction, in
+/// record order, each with the handler (and the event's index in the
+/// transaction's range, `at`) that recorded it.
+///
+/// They are written with one statement at the end of the transaction, not
+/// one per handler: the outbox insert takes the key-bucket locks of all its
+/// rows in bucket order, so a consumer transaction and a writer (or another
+/// consumer) can never deadlock on them, as two inserts taking the buckets
+/// of different events one after the other could.
+#[derive(Default)]
+pub(crate) struct FollowUps {
+    /// Index of the event whose handlers run now.
+    pub at: usize,
+    messages: Vec<OutboxMessage>,
+    owners: Vec<(usize, &'static str)>,
+}
+
+impl FollowUps {
+    fn push(&mut self, handler: &'static str, messages: Vec<OutboxMessage>) {
+        self.owners
+            .extend(std::iter::repeat_n((self.at, handler), messages.len()));
+        self.messages.extend(messages);
+    }
+
+    /// Writes every follow-up event to the outbox on `conn`. If the statement
+    /// fails for a reason other than an outage, finds the event whose
+    /// follow-ups caused it (one savepoint per event) and returns a handler
+    /// failure located there.
+    pub async fn write(self, conn: &mut PgConnection) -> Result<(), Failure> {
+        if self.messages.is_empty() {
+            return Ok(());
+        }
+        sqlx::query("SAVEPOINT outbox_follow_ups")
+            .execute(&mut *conn)
+            .await?;
+        let error =
+            match outbox_core::insert_messages(&mut *conn, &self.messages, &Headers::default())
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(outbox_core::Error::Database(db)) if is_outage(&db) => {
+                    return Err(Failure::Outage(db.to_string()));
+                }
+                Err(error) => error,
+            };
+        sqlx::query("ROLLBACK TO SAVEPOINT outbox_follow_ups")
+            .execute(&mut *conn)
+            .await?;
+        // Event by event, in order, to find the one the statement failed on.
+        let mut start = 0;
+        while start < self.messages.len() {
+            let (at, handler) = self.owners[start];
+            let end = start
+                + self.owners[start..]
+                    .iter()
+                    .take_while(|(a, _)| *a == at)
+                    .count();
+            match outbox_core::insert_messages(
+                &mut *conn,
+                &self.messages[start..end],
+                &Headers::default(),
+            )
+            .await
+            {
+                Ok(_) => {}
+                Err(outbox_core::Error::Database(db)) if is_outage(&db) => {
+                    return Err(Failure::Outage(db.to_string()));
+                }
+                Err(error) => {
+                    return Err(Failure::Handler {
+                        at,
+                        handler,
+                        error: format!("writing the handler's follow-up events failed: {error}"),
+                    });
+                }
+            }
+            start = end;
+        }
+        // Each part went in on its own (the whole failed on something else):
+        // they are all written now.
+        tracing::debug!(%error, "follow-up events written event by event");
+        Ok(())
+    }
+}
+
 /// Runs every handler of `event`, in order, on `conn` (the caller's
-/// transaction), flushing each handler's follow-up events. The caller rolls
-/// back on any error.
+/// transaction), adding each successful handler's follow-up events to
+/// `follow_ups` (located at `follow_ups.at`). The caller rolls back on any
+/// error.
 pub(crate) async fn run_handlers(
     conn: &mut PgConnection,
     registry: &Registry,
     event: &mut Event,
+    follow_ups: &mut FollowUps,
 ) -> Result<(), Failure> {
     let span = handling_span(event);
-    run_handlers_inner(conn, registry, event)
+    run_handlers_inner(conn, registry, event, follow_ups)
         .instrument(span)
         .await
 }
@@ -97,6 +185,7 @@ async fn run_handlers_inner(
     conn: &mut PgConnection,
     registry: &Registry,
     event: &mut Event,
+    follow_ups: &mut FollowUps,
 ) -> Result<(), Failure> {
     for i in 0..event.handlers.len() {
         let value = event
@@ -118,16 +207,13 @@ async fn run_handlers_inner(
                 }
             });
         }
-        match ctx.flush().await {
-            Ok(_) => {}
-            Err(outbox_core::Error::Database(db)) if is_outage(&db) => {
-                return Err(Failure::Outage(db.to_string()));
-            }
+        match ctx.take_follow_ups() {
+            Ok(messages) => follow_ups.push(handler.name(), messages),
             Err(error) => {
                 return Err(Failure::Handler {
                     at: 0,
                     handler: handler.name(),
-                    error: format!("writing the handler's follow-up events failed: {error}"),
+                    error: format!("recording the handler's follow-up events failed: {error}"),
                 });
             }
         }

@@ -188,6 +188,7 @@ impl Applier<'_> {
                 .collect()
         };
         let mut report = Report::default();
+        let mut follow_ups = apply::FollowUps::default();
         for (i, r) in records.iter_mut().enumerate() {
             match &mut r.body {
                 Body::Event(e) => {
@@ -196,7 +197,8 @@ impl Applier<'_> {
                         continue;
                     }
                     let t = Instant::now();
-                    apply::run_handlers(&mut tx, self.registry, e)
+                    follow_ups.at = i;
+                    apply::run_handlers(&mut tx, self.registry, e, &mut follow_ups)
                         .await
                         .map_err(|f| f.at(i))?;
                     handler_time += t.elapsed();
@@ -206,6 +208,7 @@ impl Applier<'_> {
                 Body::Rejected(_) => {}
             }
         }
+        follow_ups.write(&mut tx).await?;
         let letters: Vec<NewDeadLetter<'_>> = records
             .iter()
             .filter_map(|r| match &r.body {

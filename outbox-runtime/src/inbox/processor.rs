@@ -368,12 +368,14 @@ impl Processor {
         let mut batch = Batch::default();
         let mut settled = Vec::with_capacity(rows.len());
         let mut letters = Vec::new();
+        let mut follow_ups = apply::FollowUps::default();
         for (i, (item, row)) in items.iter_mut().zip(rows).enumerate() {
             match item {
                 Item::Event(event) => {
                     if fresh.contains(&row.event_id) {
                         let t = std::time::Instant::now();
-                        apply::run_handlers(tx, &self.registry, event)
+                        follow_ups.at = i;
+                        apply::run_handlers(tx, &self.registry, event, &mut follow_ups)
                             .await
                             .map_err(|f| f.at(i))?;
                         batch.handler_time += t.elapsed();
@@ -390,6 +392,7 @@ impl Processor {
                 Item::Rejected(rejected) => letters.push((row, &**rejected)),
             }
         }
+        follow_ups.write(tx).await?;
         sqlx::query(MARK_PROCESSED)
             .bind(&settled)
             .bind(1_i32)

@@ -232,7 +232,9 @@ impl Redriver {
             .rows_affected()
             == 1;
         if fresh {
-            apply::run_handlers(&mut sp, &self.registry, event).await?;
+            let mut follow_ups = apply::FollowUps::default();
+            apply::run_handlers(&mut sp, &self.registry, event, &mut follow_ups).await?;
+            follow_ups.write(&mut sp).await?;
             self.stats.processed.fetch_add(1, Ordering::Relaxed);
         } else {
             self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
