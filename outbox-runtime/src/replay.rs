@@ -268,17 +268,8 @@ async fn send_page(
             });
         }
         let mut outcomes: Vec<Option<Outcome>> = (0..rows.len()).map(|_| None).collect();
-        let pending = publisher.send(&rows, &mut outcomes);
-        for (i, delivery) in pending {
-            outcomes[i] = Some(match delivery.await {
-                Ok(Ok(_)) => Outcome::Delivered,
-                Ok(Err((error, _))) => Outcome::Failed(
-                    publish::classify(&error),
-                    publish::describe(&error, &rows[i].topic),
-                ),
-                Err(_) => Outcome::Failed(FailureKind::Transient, "producer was dropped".into()),
-            });
-        }
+        let pending = publisher.send(&rows, 0..rows.len(), &mut outcomes);
+        publish::settle(pending, &rows, &mut outcomes).await;
         let mut failed = Vec::new();
         let mut fatal = false;
         for (row, outcome) in rows.into_iter().zip(outcomes) {

@@ -421,17 +421,10 @@ struct InFlight {
 }
 
 impl InFlight {
+    /// Awaits the deliveries; rows never handed over count as withheld.
     async fn deliveries(mut self) -> (Batch, Vec<Outcome>) {
-        for (i, delivery) in std::mem::take(&mut self.pending) {
-            self.outcomes[i] = Some(match delivery.await {
-                Ok(Ok(_)) => Outcome::Delivered,
-                Ok(Err((error, _))) => Outcome::Failed(
-                    publish::classify(&error),
-                    publish::describe(&error, &self.batch.rows[i].topic),
-                ),
-                Err(_) => Outcome::Failed(FailureKind::Transient, "producer was dropped".into()),
-            });
-        }
+        let pending = std::mem::take(&mut self.pending);
+        publish::settle(pending, &self.batch.rows, &mut self.outcomes).await;
         let outcomes = self
             .outcomes
             .into_iter()
@@ -660,25 +653,16 @@ impl Loop<'_> {
         self.batches += 1;
         let seq = self.batches;
         let mut outcomes: Vec<Option<Outcome>> = Vec::with_capacity(batch.rows.len());
-        for row in &batch.rows {
-            let hold = self.held.contains_key(&row.partition_key) || self.blocked.is_blocked(row);
-            outcomes.push(hold.then_some(Outcome::Withheld));
-        }
-        let pending = if outcomes.iter().all(Option::is_none) {
-            publisher.send(&batch.rows, &mut outcomes)
-        } else {
-            // Send only the rows not held back, keeping indices.
-            let keep: Vec<usize> = (0..batch.rows.len())
-                .filter(|i| outcomes[*i].is_none())
-                .collect();
-            let rows: Vec<Row> = keep.iter().map(|i| batch.rows[*i].clone()).collect();
-            let mut sub: Vec<Option<Outcome>> = (0..rows.len()).map(|_| None).collect();
-            let pending = publisher.send(&rows, &mut sub);
-            for (j, outcome) in sub.into_iter().enumerate() {
-                outcomes[keep[j]] = outcome;
+        let mut go = Vec::with_capacity(batch.rows.len());
+        for (i, row) in batch.rows.iter().enumerate() {
+            if self.held.contains_key(&row.partition_key) || self.blocked.is_blocked(row) {
+                outcomes.push(Some(Outcome::Withheld));
+            } else {
+                outcomes.push(None);
+                go.push(i);
             }
-            pending.into_iter().map(|(j, d)| (keep[j], d)).collect()
-        };
+        }
+        let pending = publisher.send(&batch.rows, go, &mut outcomes);
         // Rows held back now (here, or by the producer: a full queue, an
         // earlier row of their key refused) keep their keys held.
         for (row, outcome) in batch.rows.iter().zip(&outcomes) {

@@ -149,17 +149,20 @@ impl Publisher {
         }
     }
 
-    /// Enqueues every row (in order) without waiting; returns the pending
-    /// deliveries. `outcomes` receives immediate failures and withheld rows.
+    /// Enqueues the rows `which` (indices into `rows`, in order) without
+    /// waiting; returns the pending deliveries. `outcomes` receives
+    /// immediate failures and withheld rows.
     pub fn send(
         &self,
         rows: &[Row],
+        which: impl IntoIterator<Item = usize>,
         outcomes: &mut [Option<Outcome>],
     ) -> Vec<(usize, DeliveryFuture)> {
-        let mut pending = Vec::with_capacity(rows.len());
+        let mut pending = Vec::new();
         let mut failed_keys: HashSet<&str> = HashSet::new();
         let mut queue_full = false;
-        for (i, row) in rows.iter().enumerate() {
+        for i in which {
+            let row = &rows[i];
             if queue_full || failed_keys.contains(row.partition_key.as_str()) {
                 outcomes[i] = Some(Outcome::Withheld);
                 continue;
@@ -183,6 +186,23 @@ impl Publisher {
             }
         }
         pending
+    }
+}
+
+/// Awaits the `pending` deliveries of `rows` into `outcomes`.
+pub(crate) async fn settle(
+    pending: Vec<(usize, DeliveryFuture)>,
+    rows: &[Row],
+    outcomes: &mut [Option<Outcome>],
+) {
+    for (i, delivery) in pending {
+        outcomes[i] = Some(match delivery.await {
+            Ok(Ok(_)) => Outcome::Delivered,
+            Ok(Err((error, _))) => {
+                Outcome::Failed(classify(&error), describe(&error, &rows[i].topic))
+            }
+            Err(_) => Outcome::Failed(FailureKind::Transient, "producer was dropped".into()),
+        });
     }
 }
 
