@@ -526,3 +526,82 @@ async fn eight_concurrent_commits_of_twenty_thousand_keys_each(pool: PgPool) {
         160_000
     );
 }
+
+/// An outbox row of partition key `key`.
+fn keyed(key: &str) -> outbox::OutboxMessage {
+    outbox::OutboxMessage {
+        event_id: Uuid::now_v7(),
+        aggregate_type: "Order".into(),
+        aggregate_id: key.into(),
+        event_type: "OrderPlaced".into(),
+        event_version: 1,
+        topic: "orders".into(),
+        partition_key: key.into(),
+        payload: "{}".into(),
+        headers: Headers::default(),
+    }
+}
+
+/// Opens a transaction and writes one row per key in it (the key locks are
+/// then held until it ends); gives up after `wait` if the locks are taken.
+async fn hold_keys(
+    pool: &PgPool,
+    keys: &[String],
+    wait: &str,
+) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, outbox::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query(&format!("SET LOCAL lock_timeout = '{wait}'"))
+        .execute(&mut *tx)
+        .await?;
+    let messages: Vec<outbox::OutboxMessage> = keys.iter().map(|k| keyed(k)).collect();
+    outbox_core::insert_messages(&mut tx, &messages, &Headers::default()).await?;
+    Ok(tx)
+}
+
+fn is_lock_timeout(
+    result: &Result<sqlx::Transaction<'static, sqlx::Postgres>, outbox::Error>,
+) -> bool {
+    matches!(result, Err(outbox::Error::Database(sqlx::Error::Database(e))) if e.code().as_deref() == Some("55P03"))
+}
+
+/// The key locks of the outbox insert: a writer waits, from its insert to
+/// the other's commit, for writers of its keys' buckets (the same key, or
+/// another key of the same bucket: the documented price of a bounded lock
+/// count), and never for writers of other buckets.
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn key_locks_serialize_writers_of_a_bucket_and_only_them(pool: PgPool) {
+    // Two keys of one bucket, and one of another bucket.
+    let mut by_bucket: HashMap<i32, String> = HashMap::new();
+    let mut same = None;
+    for i in 0.. {
+        let key = format!("key-{i}");
+        let bucket: i32 = sqlx::query_scalar("SELECT hashtext($1) & 255")
+            .bind(&key)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        if let Some(other) = by_bucket.get(&bucket) {
+            same = Some((other.clone(), key, bucket));
+            break;
+        }
+        by_bucket.insert(bucket, key);
+    }
+    let (a, b, bucket) = same.unwrap();
+    let elsewhere = by_bucket
+        .iter()
+        .find(|(other, _)| **other != bucket)
+        .map(|(_, key)| key.clone())
+        .unwrap();
+
+    let first = hold_keys(&pool, &[a.clone()], "2s").await.unwrap();
+    assert!(is_lock_timeout(
+        &hold_keys(&pool, &[a.clone()], "300ms").await
+    ));
+    assert!(is_lock_timeout(
+        &hold_keys(&pool, &[b.clone()], "300ms").await
+    ));
+    let other = hold_keys(&pool, &[elsewhere], "2s").await;
+    assert!(other.is_ok(), "{:?}", other.err());
+    first.commit().await.unwrap();
+    assert!(hold_keys(&pool, &[b], "2s").await.is_ok());
+}
