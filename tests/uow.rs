@@ -546,7 +546,7 @@ fn keyed(key: &str) -> outbox::OutboxMessage {
 /// then held until it ends); gives up after `wait` if the locks are taken.
 async fn hold_keys(
     pool: &PgPool,
-    keys: &[String],
+    keys: &[&str],
     wait: &str,
 ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, outbox::Error> {
     let mut tx = pool.begin().await?;
@@ -593,15 +593,11 @@ async fn key_locks_serialize_writers_of_a_bucket_and_only_them(pool: PgPool) {
         .map(|(_, key)| key.clone())
         .unwrap();
 
-    let first = hold_keys(&pool, &[a.clone()], "2s").await.unwrap();
-    assert!(is_lock_timeout(
-        &hold_keys(&pool, &[a.clone()], "300ms").await
-    ));
-    assert!(is_lock_timeout(
-        &hold_keys(&pool, &[b.clone()], "300ms").await
-    ));
-    let other = hold_keys(&pool, &[elsewhere], "2s").await;
+    let first = hold_keys(&pool, &[&a], "2s").await.unwrap();
+    assert!(is_lock_timeout(&hold_keys(&pool, &[&a], "300ms").await));
+    assert!(is_lock_timeout(&hold_keys(&pool, &[&b], "300ms").await));
+    let other = hold_keys(&pool, &[&elsewhere], "2s").await;
     assert!(other.is_ok(), "{:?}", other.err());
     first.commit().await.unwrap();
-    assert!(hold_keys(&pool, &[b], "2s").await.is_ok());
+    assert!(hold_keys(&pool, &[&b], "2s").await.is_ok());
 }
