@@ -77,8 +77,8 @@ impl FollowUps {
 
     /// Writes every follow-up event to the outbox on `conn`. If the statement
     /// fails for a reason other than an outage, finds the event whose
-    /// follow-ups caused it (one savepoint per event) and returns a handler
-    /// failure located there.
+    /// follow-ups caused it (writing them handler by handler) and returns a
+    /// handler failure located there.
     pub async fn write(self, conn: &mut PgConnection) -> Result<(), Failure> {
         if self.messages.is_empty() {
             return Ok(());
@@ -99,15 +99,11 @@ impl FollowUps {
         sqlx::query("ROLLBACK TO SAVEPOINT outbox_follow_ups")
             .execute(&mut *conn)
             .await?;
-        // Event by event, in order, to find the one the statement failed on.
+        // Handler by handler, in order, to find the one the statement failed on.
         let mut start = 0;
-        while start < self.messages.len() {
-            let (at, handler) = self.owners[start];
-            let end = start
-                + self.owners[start..]
-                    .iter()
-                    .take_while(|(a, _)| *a == at)
-                    .count();
+        for run in self.owners.chunk_by(|a, b| a == b) {
+            let (at, handler) = run[0];
+            let end = start + run.len();
             match outbox_core::insert_messages(
                 &mut *conn,
                 &self.messages[start..end],
