@@ -1,6 +1,8 @@
 //! Running an event's handlers inside the caller's transaction: each handler
-//! gets a [`HandlerContext`] on that transaction; a panic counts as a
-//! failure. The follow-up events of the handlers that returned `Ok` are
+//! gets a [`HandlerContext`] on that transaction; a panic, a timeout or an
+//! error counts as a failure; an error that only shows an earlier handler
+//! broke the transaction makes the caller check event by event (see
+//! `txn.rs`). The follow-up events of the handlers that returned `Ok` are
 //! gathered in [`FollowUps`] and written to the outbox with one statement at
 //! the end of the transaction. Also the verdicts the callers act on.
 
@@ -15,9 +17,10 @@ use sqlx::PgConnection;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::db::{handler_error_is_outage, is_outage};
+use super::db::{is_outage, sqlx_error_in};
 use super::dispatch::Registry;
 use super::record::{Event, Rejected};
+use super::txn::{self, Broken};
 
 /// Why a transaction over events did not commit.
 pub(crate) enum Failure {
@@ -32,6 +35,11 @@ pub(crate) enum Failure {
     },
     /// The event at `at` turned out not to decode (dead-letter it).
     Rejected { at: usize, rejected: Box<Rejected> },
+    /// A handler broke the transaction (aborted or ended it) without
+    /// saying so; which one is not known yet. The caller rolls back and
+    /// runs the range again, checking after each event
+    /// ([`Handling::careful`]). Counts nothing.
+    Suspect(String),
 }
 
 impl Failure {
@@ -40,7 +48,7 @@ impl Failure {
         match self {
             Self::Handler { handler, error, .. } => Self::Handler { at, handler, error },
             Self::Rejected { rejected, .. } => Self::Rejected { at, rejected },
-            outage => outage,
+            other => other,
         }
     }
 }
@@ -132,18 +140,30 @@ impl FollowUps {
     }
 }
 
+/// How a transaction runs its handlers.
+#[derive(Clone, Copy)]
+pub(crate) struct Handling<'r> {
+    pub registry: &'r Registry,
+    /// A handler call taking longer fails its event.
+    pub timeout: Duration,
+    /// Check the transaction after each event ([`txn::probe`]), so that a
+    /// handler that breaks it without saying so is named. Used after a
+    /// [`Failure::Suspect`].
+    pub careful: bool,
+}
+
 /// Runs every handler of `event`, in order, on `conn` (the caller's
 /// transaction), adding each successful handler's follow-up events to
 /// `follow_ups` (located at `follow_ups.at`). The caller rolls back on any
 /// error.
 pub(crate) async fn run_handlers(
     conn: &mut PgConnection,
-    registry: &Registry,
+    handling: Handling<'_>,
     event: &mut Event,
     follow_ups: &mut FollowUps,
 ) -> Result<(), Failure> {
     let span = handling_span(event);
-    run_handlers_inner(conn, registry, event, follow_ups)
+    run_handlers_inner(conn, handling, event, follow_ups)
         .instrument(span)
         .await
 }
@@ -179,42 +199,82 @@ impl std::fmt::Display for TraceIdOf<'_> {
 
 async fn run_handlers_inner(
     conn: &mut PgConnection,
-    registry: &Registry,
+    handling: Handling<'_>,
     event: &mut Event,
     follow_ups: &mut FollowUps,
 ) -> Result<(), Failure> {
+    let registry = handling.registry;
     for i in 0..event.handlers.len() {
         let value = event
             .take_decoded(i, registry)
             .map_err(|rejected| Failure::Rejected { at: 0, rejected })?;
         let handler = registry.handler(event.handlers[i]);
+        let fail = |error: String| Failure::Handler {
+            at: 0,
+            handler: handler.name(),
+            error,
+        };
         let mut ctx = HandlerContext::new(&mut *conn, &event.incoming);
-        let outcome = CatchUnwind(handler.handle(&mut ctx, value))
-            .await
-            .unwrap_or_else(|panic| Err(format!("handler panicked: {panic}").into()));
+        let outcome = match tokio::time::timeout(
+            handling.timeout,
+            CatchUnwind(handler.handle(&mut ctx, value)),
+        )
+        .await
+        {
+            Ok(Ok(result)) => result,
+            Ok(Err(panic)) => Err(format!("handler panicked: {panic}").into()),
+            Err(_) => {
+                return Err(fail(format!(
+                    "handler timed out after {} ms (the consumer's handler timeout)",
+                    handling.timeout.as_millis()
+                )));
+            }
+        };
         if let Err(error) = outcome {
-            return Err(if handler_error_is_outage(&error) {
-                Failure::Outage(error.to_string())
-            } else {
-                Failure::Handler {
-                    at: 0,
-                    handler: handler.name(),
-                    error: error.to_string(),
-                }
+            let sqlx = sqlx_error_in(&error);
+            return Err(match sqlx {
+                Some(e) if is_outage(e) => Failure::Outage(error.to_string()),
+                // The transaction was broken before this handler ran (it
+                // only met the consequence), unless every earlier event was
+                // checked: then it broke it itself.
+                Some(e) => match txn::symptom_of(e) {
+                    Some(_) if !handling.careful => Failure::Suspect(error.to_string()),
+                    Some(broken) => fail(format!("{} ({error})", broken.blame())),
+                    None => fail(error.to_string()),
+                },
+                _ => fail(error.to_string()),
             });
         }
-        match ctx.take_follow_ups() {
+        let follow_up_messages = ctx.take_follow_ups();
+        if handling.careful {
+            match txn::probe(&mut *conn).await {
+                Ok(()) => {}
+                Err(Broken::Outage(error)) => return Err(Failure::Outage(error.to_string())),
+                Err(broken) => return Err(fail(broken.blame())),
+            }
+        }
+        match follow_up_messages {
             Ok(messages) => follow_ups.push(handler.name(), messages),
             Err(error) => {
-                return Err(Failure::Handler {
-                    at: 0,
-                    handler: handler.name(),
-                    error: format!("recording the handler's follow-up events failed: {error}"),
-                });
+                return Err(fail(format!(
+                    "recording the handler's follow-up events failed: {error}"
+                )));
             }
         }
     }
     Ok(())
+}
+
+/// Checks, after the last handler of a transaction, that no handler broke
+/// it, and allows its commit (see `txn.rs`). A broken transaction is a
+/// [`Failure::Suspect`] (or, in a careful run, where every event was already
+/// checked, cannot happen).
+pub(crate) async fn seal(conn: &mut PgConnection) -> Result<(), Failure> {
+    match txn::seal(conn).await {
+        Ok(()) => Ok(()),
+        Err(Broken::Outage(error)) => Err(Failure::Outage(error.to_string())),
+        Err(broken) => Err(Failure::Suspect(broken.blame())),
+    }
 }
 
 /// Runs a future, turning a panic into an error (a handler that panics is a

@@ -8,7 +8,12 @@ use std::borrow::Cow;
 use outbox_core::BoxError;
 
 /// True when `error` says the database (or the connection to it) is
-/// unavailable, not that the statement or its data was wrong.
+/// unavailable, not that the statement or its data was wrong: retried
+/// without counting an attempt, for as long as it lasts.
+///
+/// Deadlocks and serialization failures (40P01, 40001) are not outages:
+/// retrying helps, but one that comes back every time is a failing handler,
+/// so they count as attempts and end as dead letters after `max_attempts`.
 pub(crate) fn is_outage(error: &sqlx::Error) -> bool {
     match error {
         sqlx::Error::Io(_)
@@ -18,15 +23,13 @@ pub(crate) fn is_outage(error: &sqlx::Error) -> bool {
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed => true,
         sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-            // 08: connection exception; 53: insufficient resources;
-            // 57P0x: shutdown / cannot connect now; 58: system error;
-            // 40001/40P01: serialization failure / deadlock (retry helps).
+            // 08: connection exception; 53: insufficient resources (too many
+            // connections, out of memory, disk full); 57P0x: shutdown,
+            // cannot connect now; 58: system error (I/O).
             code.starts_with("08")
                 || code.starts_with("53")
                 || code.starts_with("57P")
                 || code.starts_with("58")
-                || code == "40001"
-                || code == "40P01"
         }),
         _ => false,
     }
@@ -38,20 +41,21 @@ pub(crate) fn is_data_error(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("22")))
 }
 
-/// True when a handler's error is really a database outage (a
-/// [`sqlx::Error`] anywhere in its source chain that [`is_outage`]).
-pub(crate) fn handler_error_is_outage(error: &BoxError) -> bool {
+/// The first [`sqlx::Error`] in a handler error's source chain (returned
+/// directly, or wrapped in an [`outbox_core::Error`] or the application's
+/// own error type).
+pub(crate) fn sqlx_error_in(error: &BoxError) -> Option<&sqlx::Error> {
     let mut current: Option<&(dyn std::error::Error + 'static)> = Some(error.as_ref());
     while let Some(e) = current {
         if let Some(sqlx) = e.downcast_ref::<sqlx::Error>() {
-            return is_outage(sqlx);
+            return Some(sqlx);
         }
         if let Some(outbox_core::Error::Database(sqlx)) = e.downcast_ref::<outbox_core::Error>() {
-            return is_outage(sqlx);
+            return Some(sqlx);
         }
         current = e.source();
     }
-    false
+    None
 }
 
 /// `s` without NUL characters, which PostgreSQL text and jsonb cannot hold.
@@ -74,10 +78,10 @@ mod tests {
         assert!(is_outage(&sqlx::Error::PoolTimedOut));
         assert!(!is_outage(&sqlx::Error::RowNotFound));
         let boxed: BoxError = Box::new(sqlx::Error::PoolClosed);
-        assert!(handler_error_is_outage(&boxed));
+        assert!(sqlx_error_in(&boxed).is_some_and(is_outage));
         let core: BoxError = Box::new(outbox_core::Error::Database(sqlx::Error::PoolTimedOut));
-        assert!(handler_error_is_outage(&core));
+        assert!(sqlx_error_in(&core).is_some_and(is_outage));
         let other: BoxError = "business rule".into();
-        assert!(!handler_error_is_outage(&other));
+        assert!(sqlx_error_in(&other).is_none());
     }
 }

@@ -11,6 +11,11 @@
 //! rest in one transaction again. A failure costs only its own message's
 //! retries. While a message is retried its partition's later messages wait
 //! (they are behind it in the batch): dedup mode keeps per-partition order.
+//!
+//! Transactions run on the applier's guarded connection (`txn.rs`): a
+//! handler that aborts or ends the transaction without saying so is found
+//! by the seal after the handlers; the range then runs again, checked event
+//! by event, which names the event, and that event fails like any other.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -26,6 +31,7 @@ use super::dead_letter::{self, DeadLetterReason, NewDeadLetter};
 use super::dispatch::Registry;
 use super::poller::Shared;
 use super::record::{Body, Record};
+use super::txn::GuardedConn;
 use super::{ConsumerConfig, Stats};
 use crate::backoff::Health;
 
@@ -53,6 +59,8 @@ pub(crate) struct Applier<'a> {
     pub shared: &'a Shared,
     pub db: Health,
     pub latency: crate::metrics::ConsumerLatency,
+    /// The connection handlers run on.
+    pub conn: GuardedConn,
 }
 
 impl Applier<'_> {
@@ -68,6 +76,9 @@ impl Applier<'_> {
         // A message out of attempts, dead-lettered once what precedes it
         // has committed.
         let mut doomed: Option<(usize, &'static str, String, u32)> = None;
+        // Check event by event (a handler broke a transaction of this range
+        // without saying so).
+        let mut careful = false;
         while start < n {
             if let Some((i, handler, error, attempts)) = doomed.take() {
                 if i == start {
@@ -93,7 +104,11 @@ impl Applier<'_> {
                     }
                 }
             }
-            match self.transaction(&mut batch[start..end]).await {
+            let result = self.transaction(&mut batch[start..end], careful).await;
+            if result.is_err() {
+                self.conn.settle().await;
+            }
+            match result {
                 Ok(report) => {
                     self.db.up();
                     self.account(report);
@@ -103,17 +118,33 @@ impl Applier<'_> {
                     }
                     start = end;
                     end = n;
+                    careful = false;
                 }
                 Err(Failure::Outage(error)) => {
+                    self.conn.discard();
                     let wait = self.db.down(&error);
                     if !apply::pause(wait, shutdown).await {
                         return;
                     }
                 }
+                Err(Failure::Suspect(error)) if careful => {
+                    // Every event was checked and still: treat it as an
+                    // outage of unknown cause rather than blame an event.
+                    self.conn.discard();
+                    let wait = self.db.down(&error);
+                    if !apply::pause(wait, shutdown).await {
+                        return;
+                    }
+                }
+                Err(Failure::Suspect(error)) => {
+                    tracing::debug!(%error, "a handler broke the transaction: checking event by event");
+                    careful = true;
+                }
                 Err(Failure::Rejected { at, rejected }) => {
                     batch[start + at].body = Body::Rejected(rejected);
                 }
                 Err(Failure::Handler { at, handler, error }) => {
+                    careful = false;
                     self.stats.handler_failures.fetch_add(1, Ordering::Relaxed);
                     let i = start + at;
                     let attempts = match failing {
@@ -165,10 +196,19 @@ impl Applier<'_> {
     }
 
     /// One transaction over `records`.
-    async fn transaction(&self, records: &mut [Record]) -> Result<Report, Failure> {
+    async fn transaction(
+        &mut self,
+        records: &mut [Record],
+        careful: bool,
+    ) -> Result<Report, Failure> {
         let started = Instant::now();
         let mut handler_time = std::time::Duration::ZERO;
-        let mut tx = self.pool.begin().await?;
+        let handling = apply::Handling {
+            registry: self.registry,
+            timeout: self.config.handler_timeout,
+            careful,
+        };
+        let mut tx = self.conn.begin().await?;
         let ids: Vec<Uuid> = records
             .iter()
             .filter_map(|r| match &r.body {
@@ -198,7 +238,7 @@ impl Applier<'_> {
                     }
                     let t = Instant::now();
                     follow_ups.at = i;
-                    apply::run_handlers(&mut tx, self.registry, e, &mut follow_ups)
+                    apply::run_handlers(&mut tx, handling, e, &mut follow_ups)
                         .await
                         .map_err(|f| f.at(i))?;
                     handler_time += t.elapsed();
@@ -208,6 +248,7 @@ impl Applier<'_> {
                 Body::Rejected(_) => {}
             }
         }
+        apply::seal(&mut tx).await?;
         follow_ups.write(&mut tx).await?;
         let letters: Vec<NewDeadLetter<'_>> = records
             .iter()

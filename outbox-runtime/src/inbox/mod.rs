@@ -44,6 +44,7 @@ mod processor;
 mod record;
 mod redrive;
 mod store;
+mod txn;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -115,6 +116,9 @@ pub struct ConsumerConfig {
     pub retry_backoff: Duration,
     /// Cap of the retry delay.
     pub retry_backoff_max: Duration,
+    /// A handler call taking longer fails its event (an attempt); also the
+    /// `statement_timeout` of the handlers' transactions.
+    pub handler_timeout: Duration,
     /// First back-off during a database outage.
     pub outage_backoff: Duration,
     /// Cap of the outage back-off.
@@ -148,6 +152,7 @@ impl ConsumerConfig {
             max_attempts: 5,
             retry_backoff: Duration::from_millis(100),
             retry_backoff_max: Duration::from_secs(10),
+            handler_timeout: Duration::from_secs(30),
             outage_backoff: Duration::from_millis(100),
             outage_backoff_max: Duration::from_secs(5),
             max_payload_bytes: 1024 * 1024,
@@ -197,6 +202,9 @@ impl ConsumerConfig {
                 "processors must be 0..=64, got {}",
                 self.processors
             ));
+        }
+        if self.handler_timeout < Duration::from_millis(1) {
+            return bad("the handler timeout must be at least 1 ms".into());
         }
         if self.redrive_interval.is_zero() || self.processor_poll_interval.is_zero() {
             return bad("re-drive and processor poll intervals must be > 0".into());
@@ -321,6 +329,14 @@ impl ConsumerBuilder {
     pub fn retry_backoff(mut self, first: Duration, max: Duration) -> Self {
         self.config.retry_backoff = first;
         self.config.retry_backoff_max = max;
+        self
+    }
+    /// How long one handler call may take (default 30 s). A slower call
+    /// fails its event like an error (retried, then dead-lettered), and its
+    /// transaction's statements are bounded by the same `statement_timeout`,
+    /// so that a stuck query stops on the database side too.
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.config.handler_timeout = timeout;
         self
     }
     /// First and maximum back-off during a database outage (default 100 ms
@@ -629,6 +645,7 @@ impl Consumer {
                 shared: &shared,
                 db: health(),
                 latency: crate::metrics::ConsumerLatency::new(&config.group),
+                conn: txn::GuardedConn::new(pool.clone(), config.handler_timeout),
             }),
             Mode::Inbox => Sink::Store(store::Store {
                 pool: &pool,
@@ -656,6 +673,9 @@ impl Consumer {
                 }
             }
             shared.end_batch();
+        }
+        if let Sink::Dedup(applier) = &mut sink {
+            applier.conn.release().await;
         }
         shared.stop();
         drop(rx);

@@ -20,13 +20,18 @@
 //! after an exponential back-off; after `max_attempts` it is dead-lettered),
 //! and the next claim takes the rows again — without the failed row and the
 //! later rows of its key.
+//!
+//! The claiming transactions run on the processor's guarded connection
+//! (`txn.rs`): if a handler aborted or ended the transaction without saying
+//! so, the next claim runs its rows checked event by event, which names the
+//! row; it then fails like any failing handler.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use outbox_core::{Headers, IncomingEvent};
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -37,6 +42,7 @@ use super::db::pg_text;
 use super::dead_letter::{self, DeadLetterReason, NewDeadLetter};
 use super::dispatch::{Registry, Route};
 use super::record::{Event, Rejected};
+use super::txn::GuardedConn;
 use super::{ConsumerConfig, Stats};
 use crate::backoff::Health;
 
@@ -100,19 +106,19 @@ const MARK_PROCESSED: &str = "\
 UPDATE inbox_event
 SET processed = true, processed_at = now(), attempts = attempts + $2,
     last_attempt_at = now(), next_attempt_at = NULL
-WHERE event_id = ANY($1)";
+WHERE consumer = $3 AND event_id = ANY($1)";
 
 const RECORD_FAILURE: &str = "\
 UPDATE inbox_event
 SET attempts = attempts + 1, last_error = $2, last_attempt_at = now(),
     next_attempt_at = now() + make_interval(secs => $3)
-WHERE event_id = $1 AND NOT processed";
+WHERE consumer = $4 AND event_id = $1 AND NOT processed";
 
 const MARK_DEAD: &str = "\
 UPDATE inbox_event
 SET attempts = attempts + $3, last_error = $2, last_attempt_at = now(),
     dead_lettered_at = now(), next_attempt_at = NULL
-WHERE event_id = $1 AND NOT processed";
+WHERE consumer = $4 AND event_id = $1 AND NOT processed";
 
 #[derive(sqlx::FromRow)]
 struct Row {
@@ -150,6 +156,15 @@ pub(crate) struct Processor {
     latency: crate::metrics::ConsumerLatency,
 }
 
+/// What one round found.
+enum Round {
+    /// Rows settled (processed, dead-lettered or failed).
+    Settled(usize),
+    /// A handler broke the transaction without saying so: claim again,
+    /// checking event by event.
+    Suspect,
+}
+
 impl Processor {
     pub fn new(
         pool: PgPool,
@@ -176,18 +191,26 @@ impl Processor {
     }
 
     pub async fn run(self, shutdown: CancellationToken) {
+        // The connection the claiming transactions (and handlers) run on.
+        let mut conn = GuardedConn::new(self.pool.clone(), self.config.handler_timeout);
+        let mut careful = false;
         let mut db = Health::new(
             "database (inbox processor)",
             self.config.outage_backoff,
             self.config.outage_backoff_max,
         );
         while !shutdown.is_cancelled() {
-            let worked = match self.round().await {
-                Ok(n) => {
+            let worked = match self.round(&mut conn, std::mem::take(&mut careful)).await {
+                Ok(Round::Settled(n)) => {
                     db.up();
                     n > 0
                 }
+                Ok(Round::Suspect) => {
+                    careful = true;
+                    continue;
+                }
                 Err(error) => {
+                    conn.discard();
                     let wait = db.down(&error);
                     apply::pause(wait, &shutdown).await;
                     continue;
@@ -201,15 +224,16 @@ impl Processor {
                 }
             }
         }
+        conn.release().await;
     }
 
     /// One transaction: lock partitions, claim their next rows, process
     /// them. Returns how many rows were settled (processed, dead-lettered
     /// or failed).
-    async fn round(&self) -> Result<usize, String> {
+    async fn round(&self, conn: &mut GuardedConn, careful: bool) -> Result<Round, String> {
         let group = &self.config.group;
         let limit = i64::try_from(self.config.processor_batch_size).unwrap_or(i64::MAX);
-        let mut tx = self.pool.begin().await.map_err(|e| e.to_string())?;
+        let mut tx = conn.begin().await.map_err(|e| e.to_string())?;
         let candidates: Vec<String> = sqlx::query_scalar(&self.candidates_sql)
             .bind(group)
             .bind(limit)
@@ -219,7 +243,7 @@ impl Processor {
             .await
             .map_err(|e| e.to_string())?;
         if candidates.is_empty() {
-            return Ok(0);
+            return Ok(Round::Settled(0));
         }
         let locked: Vec<String> = sqlx::query_scalar(LOCK_PARTITIONS)
             .bind(group)
@@ -228,7 +252,7 @@ impl Processor {
             .await
             .map_err(|e| e.to_string())?;
         if locked.is_empty() {
-            return Ok(0); // other processors have them
+            return Ok(Round::Settled(0)); // other processors have them
         }
         let rows: Vec<Row> = sqlx::query_as(&self.claim_sql)
             .bind(group)
@@ -238,11 +262,11 @@ impl Processor {
             .await
             .map_err(|e| e.to_string())?;
         if rows.is_empty() {
-            return Ok(0);
+            return Ok(Round::Settled(0));
         }
         let started = std::time::Instant::now();
         let mut items: Vec<Item> = rows.iter().map(|r| self.item(r)).collect();
-        match self.fast(&mut tx, &rows, &mut items).await {
+        match self.fast(&mut tx, &rows, &mut items, careful).await {
             Ok(batch) => {
                 tx.commit().await.map_err(|e| e.to_string())?;
                 self.latency.batch.record(started.elapsed());
@@ -255,17 +279,24 @@ impl Processor {
                     super::dedup::log_rejected(group, &batch.rejected);
                 }
                 batch.apply(&self.stats);
-                Ok(rows.len())
+                Ok(Round::Settled(rows.len()))
             }
             Err(Failure::Outage(error)) => Err(error),
+            // Every event was checked and still: an outage of unknown cause.
+            Err(Failure::Suspect(error)) if careful => Err(error),
+            Err(Failure::Suspect(error)) => {
+                tracing::debug!(%error, "a handler broke the transaction: checking event by event");
+                Ok(Round::Suspect)
+            }
             Err(Failure::Handler { at, handler, error }) => {
                 drop(tx);
+                conn.settle().await;
                 self.stats.handler_failures.fetch_add(1, Ordering::Relaxed);
                 let row = &rows[at];
                 let attempts = row.attempts.saturating_add(1);
                 if u32::try_from(attempts).unwrap_or(u32::MAX) >= self.config.max_attempts {
                     let Item::Event(event) = &items[at] else {
-                        return Ok(1);
+                        return Ok(Round::Settled(1));
                     };
                     let rejected = event.rejected(
                         DeadLetterReason::HandlerFailed,
@@ -293,13 +324,14 @@ impl Processor {
                         .await?;
                     tracing::debug!(event_id = %row.event_id, handler, attempts, %error, "handler failed: retrying later");
                 }
-                Ok(1)
+                Ok(Round::Settled(1))
             }
             Err(Failure::Rejected { at, rejected }) => {
                 drop(tx);
+                conn.settle().await;
                 self.dead_letter(&rows[at], &rejected, 0).await?;
                 super::dedup::log_rejected(group, &[(rejected.reason, rejected.error.clone())]);
-                Ok(1)
+                Ok(Round::Settled(1))
             }
         }
     }
@@ -343,11 +375,17 @@ impl Processor {
     /// Runs every claimed row in the claiming transaction.
     async fn fast(
         &self,
-        tx: &mut Transaction<'static, Postgres>,
+        tx: &mut PgConnection,
         rows: &[Row],
         items: &mut [Item],
+        careful: bool,
     ) -> Result<Batch, Failure> {
         let group = &self.config.group;
+        let handling = apply::Handling {
+            registry: &self.registry,
+            timeout: self.config.handler_timeout,
+            careful,
+        };
         let ids: Vec<Uuid> = items
             .iter()
             .zip(rows)
@@ -360,7 +398,7 @@ impl Processor {
             sqlx::query_scalar(INSERT_PROCESSED)
                 .bind(group)
                 .bind(&ids)
-                .fetch_all(&mut **tx)
+                .fetch_all(&mut *tx)
                 .await?
                 .into_iter()
                 .collect()
@@ -375,7 +413,7 @@ impl Processor {
                     if fresh.contains(&row.event_id) {
                         let t = std::time::Instant::now();
                         follow_ups.at = i;
-                        apply::run_handlers(tx, &self.registry, event, &mut follow_ups)
+                        apply::run_handlers(tx, handling, event, &mut follow_ups)
                             .await
                             .map_err(|f| f.at(i))?;
                         batch.handler_time += t.elapsed();
@@ -392,11 +430,13 @@ impl Processor {
                 Item::Rejected(rejected) => letters.push((row, &**rejected)),
             }
         }
+        apply::seal(tx).await?;
         follow_ups.write(tx).await?;
         sqlx::query(MARK_PROCESSED)
             .bind(&settled)
             .bind(1_i32)
-            .execute(&mut **tx)
+            .bind(group)
+            .execute(&mut *tx)
             .await?;
         if !letters.is_empty() {
             let new: Vec<NewDeadLetter<'_>> = letters
@@ -414,7 +454,8 @@ impl Processor {
                     .bind(row.event_id)
                     .bind(pg_text(&rejected.error).as_ref())
                     .bind(0_i32)
-                    .execute(&mut **tx)
+                    .bind(group)
+                    .execute(&mut *tx)
                     .await?;
             }
             batch.rejected = letters
@@ -434,6 +475,7 @@ impl Processor {
                 .bind(row.event_id)
                 .bind(pg_text(error).as_ref())
                 .bind(delay_secs)
+                .bind(&self.config.group)
                 .execute(&mut *tx)
                 .await?;
             tx.commit().await
@@ -463,6 +505,7 @@ impl Processor {
                 .bind(row.event_id)
                 .bind(pg_text(&rejected.error).as_ref())
                 .bind(attempts)
+                .bind(&self.config.group)
                 .execute(&mut *tx)
                 .await?;
             tx.commit().await?;

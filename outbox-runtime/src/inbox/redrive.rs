@@ -16,6 +16,10 @@
 //!   `max_attempts` times again, the same dead letter is reopened.
 //!
 //! Still malformed → `dead` again with the new reason and error.
+//!
+//! The transaction runs on a guarded connection (`txn.rs`), checked after
+//! the handlers: a handler that breaks it without saying so fails; if it
+//! ended the transaction, the status update goes into a new one.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -30,6 +34,7 @@ use super::db::{is_data_error, pg_text};
 use super::dead_letter::DeadLetterReason;
 use super::dispatch::Registry;
 use super::record::{self, Body, Check, Event, Raw};
+use super::txn::{self, Broken, GuardedConn};
 use super::{ConsumerConfig, ConsumerStats, Mode};
 use crate::backoff::Health;
 
@@ -55,7 +60,7 @@ INSERT INTO inbox_event
     (event_id, payload, consumer, topic, "partition", "offset", partition_key,
      event_type, event_version, headers)
 VALUES ($1, $2::jsonb, $3, $4, $5, $6, $7, $8, $9, $10::jsonb)
-ON CONFLICT (event_id) DO UPDATE
+ON CONFLICT (consumer, event_id) DO UPDATE
 SET dead_lettered_at = NULL, attempts = 0, next_attempt_at = NULL, last_error = NULL
 WHERE inbox_event.dead_lettered_at IS NOT NULL AND NOT inbox_event.processed"#;
 
@@ -95,30 +100,34 @@ impl Redriver {
             self.config.outage_backoff,
             self.config.outage_backoff_max,
         );
+        let mut conn = GuardedConn::new(self.pool.clone(), self.config.handler_timeout);
         while apply::pause(self.config.redrive_interval, &shutdown).await {
             loop {
                 if shutdown.is_cancelled() {
                     return;
                 }
-                match self.one().await {
+                match self.one(&mut conn).await {
                     Ok(true) => db.up(),
                     Ok(false) => {
                         db.up();
                         break;
                     }
                     Err(error) => {
+                        conn.discard();
                         let wait = db.down(&error);
                         apply::pause(wait, &shutdown).await;
                         break;
                     }
                 }
             }
+            // Idle until the next look: the connection goes back to the pool.
+            conn.release().await;
         }
     }
 
     /// Re-drives one marked row; false when there is none.
-    async fn one(&self) -> Result<bool, String> {
-        let mut tx = self.pool.begin().await.map_err(|e| e.to_string())?;
+    async fn one(&self, conn: &mut GuardedConn) -> Result<bool, String> {
+        let mut tx = conn.begin().await.map_err(|e| e.to_string())?;
         let row: Option<Row> = sqlx::query_as(CLAIM)
             .bind(&self.config.group)
             .fetch_optional(&mut *tx)
@@ -163,7 +172,7 @@ impl Redriver {
             Body::Event(mut event) => match self.config.mode {
                 Mode::Dedup => match self.apply(&mut tx, &mut event).await {
                     Ok(()) => (Outcome::Resolved, 1, None),
-                    Err(Failure::Outage(error)) => return Err(error),
+                    Err(Failure::Outage(error) | Failure::Suspect(error)) => return Err(error),
                     Err(Failure::Handler { handler, error, .. }) => {
                         self.stats.handler_failures.fetch_add(1, Ordering::Relaxed);
                         (
@@ -190,6 +199,22 @@ impl Redriver {
                 },
             },
         };
+        // A handler that ended the transaction took the row's lock with it:
+        // the status update goes into a new transaction, on the row again.
+        let mut tx = match txn::probe(&mut tx).await {
+            Ok(()) => tx,
+            Err(Broken::Outage(error)) => return Err(error.to_string()),
+            Err(_) => {
+                drop(tx);
+                let mut fresh = conn.begin().await.map_err(|e| e.to_string())?;
+                sqlx::query("SELECT 1 FROM dead_letter WHERE id = $1 FOR UPDATE")
+                    .bind(row.id)
+                    .execute(&mut *fresh)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                fresh
+            }
+        };
         match &outcome {
             Outcome::Resolved => sqlx::query(RESOLVED).bind(row.id).execute(&mut *tx).await,
             Outcome::Dead(reason, error) => {
@@ -204,6 +229,9 @@ impl Redriver {
             }
         }
         .map_err(|e| e.to_string())?;
+        apply::seal(&mut tx)
+            .await
+            .map_err(|_| "the re-drive transaction was broken before its commit".to_owned())?;
         tx.commit().await.map_err(|e| e.to_string())?;
         match outcome {
             Outcome::Resolved => {
@@ -233,7 +261,12 @@ impl Redriver {
             == 1;
         if fresh {
             let mut follow_ups = apply::FollowUps::default();
-            apply::run_handlers(&mut sp, &self.registry, event, &mut follow_ups).await?;
+            let handling = apply::Handling {
+                registry: &self.registry,
+                timeout: self.config.handler_timeout,
+                careful: true,
+            };
+            apply::run_handlers(&mut sp, handling, event, &mut follow_ups).await?;
             follow_ups.write(&mut sp).await?;
             self.stats.processed.fetch_add(1, Ordering::Relaxed);
         } else {

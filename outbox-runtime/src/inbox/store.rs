@@ -8,7 +8,7 @@
 //! inserts the rows page by page, far cheaper than row by row). A `COPY`
 //! cannot skip duplicates: if the batch holds an event already stored (a
 //! redelivery), the transaction rolls back and the batch is written again
-//! with one multi-row `INSERT … ON CONFLICT (event_id) DO NOTHING`.
+//! with one multi-row `INSERT … ON CONFLICT (consumer, event_id) DO NOTHING`.
 //!
 //! Batches are split by partition over `writers` connections (default 2)
 //! that store their parts concurrently: PostgreSQL inserts with more than
@@ -43,7 +43,7 @@ FROM UNNEST($2::uuid[], $3::text[], $4::text[], $5::int4[], $6::int8[], $7::text
             $8::text[], $9::int4[], $10::text[])
      WITH ORDINALITY AS u(e, p, t, pa, o, k, et, ev, h, n)
 ORDER BY n
-ON CONFLICT (event_id) DO NOTHING"#;
+ON CONFLICT (consumer, event_id) DO NOTHING"#;
 
 /// Stores batches in inbox mode.
 pub(crate) struct Store<'a> {
