@@ -52,6 +52,29 @@ pub enum Error {
     #[error(transparent)]
     InvalidTraceParent(#[from] crate::trace::InvalidTraceParent),
 
+    /// The Unit of Work's transaction was aborted before `commit`: one of
+    /// its statements failed and the error was not returned (PostgreSQL then
+    /// answers `COMMIT` with `ROLLBACK`). Nothing was written.
+    #[error(
+        "the Unit of Work's transaction is aborted: one of its statements failed and its error \
+         was not returned; nothing was committed ({source})"
+    )]
+    TransactionAborted {
+        /// What PostgreSQL answered (SQLSTATE 25P02).
+        #[source]
+        source: sqlx::Error,
+    },
+
+    /// The Unit of Work's transaction was ended by the command itself
+    /// (`COMMIT` or `ROLLBACK` run through its connection) before `commit`.
+    /// The events were not written; what the command committed by hand, if
+    /// anything, stays committed.
+    #[error(
+        "the Unit of Work's transaction was ended by the command (COMMIT or ROLLBACK through its \
+         connection): its events were not written; only `commit()` may end it"
+    )]
+    TransactionEnded,
+
     /// Applying the embedded migrations failed.
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
