@@ -49,3 +49,8 @@ ALTER TABLE dead_letter DROP CONSTRAINT IF EXISTS dead_letter_reason_check;
 ALTER TABLE dead_letter ADD CONSTRAINT dead_letter_reason_check CHECK (reason IN (
     'not_json', 'no_event_id', 'unknown_event_type', 'payload_mismatch', 'oversized',
     'handler_failed', 'invalid_headers', 'no_key'));
+
+-- 4. A dead letter of a message over the size limit keeps a prefix of its
+--    payload; `payload_bytes` is then the payload's full size (NULL when the
+--    whole payload is kept). Such a letter cannot be re-driven.
+ALTER TABLE dead_letter ADD COLUMN IF NOT EXISTS payload_bytes bigint;

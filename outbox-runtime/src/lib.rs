@@ -8,7 +8,7 @@
 //! The relay's producer is private to it: nothing in this crate hands a
 //! Kafka producer to application code.
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)] // one exception: `inbox::raw_headers` reads header names as bytes
 #![warn(missing_docs)]
 
 mod backoff;

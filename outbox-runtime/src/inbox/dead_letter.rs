@@ -36,21 +36,31 @@ pub enum DeadLetterReason {
     /// JSON that does not decode into the handler's event type (or decodes
     /// into another variant than the one named).
     PayloadMismatch,
-    /// The payload exceeds the consumer's `max_payload_bytes`.
+    /// The message (key, headers and payload) exceeds the consumer's
+    /// `max_payload_bytes`. The dead letter keeps a prefix of it.
     Oversized,
     /// A handler kept failing (`max_attempts`); `error` is its last error.
     HandlerFailed,
+    /// Headers the consumer cannot trust: a name that is not UTF-8, or an
+    /// identity header (`event_id`, `event_type`, ...) given twice with
+    /// different values.
+    InvalidHeaders,
+    /// The message has no key (the partition key, which orders an
+    /// aggregate's events).
+    NoKey,
 }
 
 impl DeadLetterReason {
     /// Every reason.
-    pub const ALL: [DeadLetterReason; 6] = [
+    pub const ALL: [DeadLetterReason; 8] = [
         Self::NotJson,
         Self::NoEventId,
         Self::UnknownEventType,
         Self::PayloadMismatch,
         Self::Oversized,
         Self::HandlerFailed,
+        Self::InvalidHeaders,
+        Self::NoKey,
     ];
 
     /// The value stored in the `reason` column.
@@ -62,6 +72,8 @@ impl DeadLetterReason {
             Self::PayloadMismatch => "payload_mismatch",
             Self::Oversized => "oversized",
             Self::HandlerFailed => "handler_failed",
+            Self::InvalidHeaders => "invalid_headers",
+            Self::NoKey => "no_key",
         }
     }
 }
@@ -301,11 +313,12 @@ pub(crate) struct NewDeadLetter<'a> {
 const INSERT: &str = r#"
 INSERT INTO dead_letter
     (consumer, topic, "partition", "offset", key, event_id, event_type, headers, payload,
-     reason, error, handler, attempts)
-SELECT $1, t, p, o, k, e, et, h::jsonb, pl, r, err, hn, a
+     reason, error, handler, attempts, payload_bytes)
+SELECT $1, t, p, o, k, e, et, h::jsonb, pl, r, err, hn, a, pb
 FROM UNNEST($2::text[], $3::int4[], $4::int8[], $5::bytea[], $6::uuid[], $7::text[],
-            $8::text[], $9::bytea[], $10::text[], $11::text[], $12::text[], $13::int4[])
-     AS u(t, p, o, k, e, et, h, pl, r, err, hn, a)
+            $8::text[], $9::bytea[], $10::text[], $11::text[], $12::text[], $13::int4[],
+            $14::int8[])
+     AS u(t, p, o, k, e, et, h, pl, r, err, hn, a, pb)
 ON CONFLICT (consumer, topic, "partition", "offset") DO UPDATE
 SET reason = EXCLUDED.reason, error = EXCLUDED.error, handler = EXCLUDED.handler,
     attempts = dead_letter.attempts + EXCLUDED.attempts, last_failed_at = now(),
@@ -336,6 +349,7 @@ pub(crate) async fn insert(
     let mut errors = Vec::with_capacity(n);
     let mut handlers = Vec::with_capacity(n);
     let mut attempts = Vec::with_capacity(n);
+    let mut sizes = Vec::with_capacity(n);
     for l in letters {
         let r = l.rejected;
         topics.push(pg_text(l.topic).into_owned());
@@ -351,6 +365,7 @@ pub(crate) async fn insert(
         errors.push(pg_text(&r.error).into_owned());
         handlers.push(r.handler);
         attempts.push(r.attempts);
+        sizes.push(r.payload_bytes);
     }
     let result = sqlx::query(INSERT)
         .bind(pg_text(consumer).as_ref())
@@ -366,6 +381,7 @@ pub(crate) async fn insert(
         .bind(&errors)
         .bind(&handlers)
         .bind(&attempts)
+        .bind(&sizes)
         .execute(conn)
         .await?;
     Ok(result.rows_affected())

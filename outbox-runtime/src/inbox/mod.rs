@@ -41,6 +41,7 @@ mod dedup;
 mod dispatch;
 mod poller;
 mod processor;
+mod raw_headers;
 mod record;
 mod redrive;
 mod store;

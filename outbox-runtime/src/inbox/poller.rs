@@ -30,13 +30,14 @@ use rdkafka::client::ClientContext;
 use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::{KafkaError, KafkaResult};
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::Message;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 
 use super::Stats;
 use super::dispatch::Registry;
+use super::raw_headers;
 use super::record::{self, Check, Raw, Record};
 use crate::error::Result;
 
@@ -520,18 +521,16 @@ impl Poller {
                 None => {}
                 Some(Ok(m)) => {
                     broker.ok();
-                    let headers: Vec<(&str, Option<&[u8]>)> = m
-                        .headers()
-                        .map(|h| h.iter().map(|h| (h.key, h.value)).collect())
-                        .unwrap_or_default();
                     let raw = Raw {
                         topic: m.topic(),
                         partition: m.partition(),
                         offset: m.offset(),
                         key: m.key(),
                         payload: m.payload(),
-                        headers,
-                    };
+                        headers: Vec::new(),
+                        bad_names: 0,
+                    }
+                    .with_byte_headers(raw_headers::of(&m));
                     let (topic, generation) = self.shared.locate(raw.topic, raw.partition);
                     let body = record::parse(&raw, registry, s.max_bytes, s.check);
                     batch.push(Record {

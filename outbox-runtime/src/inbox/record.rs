@@ -5,6 +5,7 @@
 //! messages from the broker and, identically, for dead letters re-driven
 //! from the table.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use outbox_core::{Headers, IncomingEvent};
@@ -23,8 +24,47 @@ pub(crate) struct Raw<'a> {
     pub offset: i64,
     pub key: Option<&'a [u8]>,
     pub payload: Option<&'a [u8]>,
-    pub headers: Vec<(&'a str, Option<&'a [u8]>)>,
+    /// Header names (lossy UTF-8) and values, in order.
+    pub headers: Vec<(Cow<'a, str>, Option<&'a [u8]>)>,
+    /// How many header names were not UTF-8 (replaced in `headers`).
+    pub bad_names: usize,
 }
+
+impl<'a> Raw<'a> {
+    /// Headers whose names arrive as bytes (from the broker).
+    pub fn with_byte_headers(mut self, headers: Vec<(&'a [u8], Option<&'a [u8]>)>) -> Self {
+        self.headers = headers
+            .into_iter()
+            .map(|(name, value)| match std::str::from_utf8(name) {
+                Ok(name) => (Cow::Borrowed(name), value),
+                Err(_) => {
+                    self.bad_names += 1;
+                    (String::from_utf8_lossy(name), value)
+                }
+            })
+            .collect();
+        self
+    }
+
+    /// Size of the message as the limit counts it: key, payload, header
+    /// names and values.
+    fn size(&self) -> usize {
+        self.key.map_or(0, <[u8]>::len)
+            + self.payload.map_or(0, <[u8]>::len)
+            + self
+                .headers
+                .iter()
+                .map(|(k, v)| k.len() + v.map_or(0, <[u8]>::len))
+                .sum::<usize>()
+    }
+}
+
+/// Longest header value, key, or payload prefix a dead letter keeps of a
+/// message over the size limit (the rest is summed up by its size and hash).
+pub(crate) const KEPT_BYTES: usize = 64 * 1024;
+
+/// Longest header value a dead letter keeps.
+const KEPT_HEADER_BYTES: usize = 4 * 1024;
 
 /// How far the payload is examined while parsing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,6 +123,8 @@ pub(crate) struct Rejected {
     pub handler: Option<&'static str>,
     /// Handler attempts made.
     pub attempts: i32,
+    /// The payload's full size when `payload` keeps only a prefix of it.
+    pub payload_bytes: Option<i64>,
 }
 
 /// Headers that describe the event itself; the others become [`Headers`].
@@ -104,16 +146,49 @@ fn header<'a>(raw: &Raw<'a>, name: &str) -> Option<Option<&'a [u8]>> {
     raw.headers
         .iter()
         .rev()
-        .find(|(k, _)| *k == name)
+        .find(|(k, _)| k == name)
         .map(|(_, v)| *v)
 }
 
-/// The message's headers as a JSON object, for a dead letter.
+/// The message's headers as a JSON object, for a dead letter: values cut
+/// to [`KEPT_HEADER_BYTES`] (a repeated name keeps its last value).
 pub(crate) fn headers_json(raw: &Raw<'_>) -> Map<String, Value> {
     raw.headers
         .iter()
-        .map(|(k, v)| ((*k).to_owned(), text(*v).map_or(Value::Null, Value::String)))
+        .map(|(k, v)| {
+            let value = v.map(|v| match v.len() > KEPT_HEADER_BYTES {
+                true => format!(
+                    "{}… ({} bytes)",
+                    String::from_utf8_lossy(&v[..KEPT_HEADER_BYTES]),
+                    v.len()
+                ),
+                false => String::from_utf8_lossy(v).into_owned(),
+            });
+            (
+                pg_text(k).into_owned(),
+                value.map_or(Value::Null, |v| Value::String(pg_text(&v).into_owned())),
+            )
+        })
         .collect()
+}
+
+/// The first identity header given more than once with different values.
+fn conflicting_identity(raw: &Raw<'_>) -> Option<(&'static str, usize)> {
+    IDENTITY.iter().find_map(|name| {
+        let mut values = raw
+            .headers
+            .iter()
+            .filter(|(k, _)| k == name)
+            .map(|(_, v)| v);
+        let first = values.next()?;
+        let mut count = 1;
+        let mut differ = false;
+        for v in values {
+            count += 1;
+            differ |= v != first;
+        }
+        differ.then_some((*name, count))
+    })
 }
 
 /// The application headers (correlation, causation, trace context, custom
@@ -121,27 +196,28 @@ pub(crate) fn headers_json(raw: &Raw<'_>) -> Map<String, Value> {
 fn app_headers(raw: &Raw<'_>) -> Headers {
     let mut headers = Headers::default();
     for (key, value) in &raw.headers {
-        if IDENTITY.contains(key) {
+        let key = key.as_ref();
+        if IDENTITY.contains(&key) {
             continue;
         }
         let Some(value) = text(*value) else { continue };
-        match *key {
+        match key {
             "correlation_id" => match value.parse() {
                 Ok(id) => headers.correlation_id = Some(id),
                 Err(_) => {
-                    headers.extra.insert((*key).to_owned(), value);
+                    headers.extra.insert(key.to_owned(), value);
                 }
             },
             "causation_id" => match value.parse() {
                 Ok(id) => headers.causation_id = Some(id),
                 Err(_) => {
-                    headers.extra.insert((*key).to_owned(), value);
+                    headers.extra.insert(key.to_owned(), value);
                 }
             },
             "traceparent" => headers.traceparent = Some(value),
             "tracestate" => headers.tracestate = Some(value),
             _ => {
-                headers.extra.insert((*key).to_owned(), value);
+                headers.extra.insert(pg_text(key).into_owned(), value);
             }
         }
     }
@@ -185,17 +261,31 @@ pub(crate) fn parse(raw: &Raw<'_>, registry: &Registry, max_bytes: usize, check:
             error,
             handler: None,
             attempts: 0,
+            payload_bytes: None,
         }))
     };
     let event_id = match header(raw, header::EVENT_ID) {
         None | Some(None) => None,
         Some(Some(v)) => std::str::from_utf8(v).ok().and_then(|s| s.parse().ok()),
     };
-    let size = raw.payload.map_or(0, <[u8]>::len);
+    let size = raw.size();
     if size > max_bytes {
+        return oversized(raw, size, max_bytes, event_id);
+    }
+    if raw.bad_names > 0 {
         return reject(
-            DeadLetterReason::Oversized,
-            format!("payload of {size} bytes exceeds the consumer's limit of {max_bytes} bytes"),
+            DeadLetterReason::InvalidHeaders,
+            format!(
+                "{} header name(s) are not UTF-8 (kept with U+FFFD in their place)",
+                raw.bad_names
+            ),
+            event_id,
+        );
+    }
+    if let Some((name, count)) = conflicting_identity(raw) {
+        return reject(
+            DeadLetterReason::InvalidHeaders,
+            format!("the `{name}` header is given {count} times with different values"),
             event_id,
         );
     }
@@ -210,6 +300,13 @@ pub(crate) fn parse(raw: &Raw<'_>, registry: &Registry, max_bytes: usize, check:
         };
         return reject(DeadLetterReason::NoEventId, error, None);
     };
+    if raw.key.is_none() {
+        return reject(
+            DeadLetterReason::NoKey,
+            "the message has no key (the partition key, which orders an aggregate's events)".into(),
+            Some(event_id),
+        );
+    }
     let Some(event_type) = header(raw, header::EVENT_TYPE).and_then(text) else {
         return reject(
             DeadLetterReason::UnknownEventType,
@@ -302,6 +399,37 @@ pub(crate) fn parse(raw: &Raw<'_>, registry: &Registry, max_bytes: usize, check:
     }))
 }
 
+/// The dead letter of a message over the size limit: its key, headers and
+/// payload cut to [`KEPT_BYTES`], with the payload's full size and SHA-256.
+fn oversized(raw: &Raw<'_>, size: usize, max_bytes: usize, event_id: Option<Uuid>) -> Body {
+    use sha2::{Digest, Sha256};
+    let payload = raw.payload.unwrap_or_default();
+    let digest = Sha256::digest(payload);
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    let cut = |b: &[u8]| b[..b.len().min(KEPT_BYTES)].to_vec();
+    Body::Rejected(Box::new(Rejected {
+        key: raw.key.map(cut),
+        event_id,
+        event_type: header(raw, header::EVENT_TYPE)
+            .and_then(|v| v.map(cut))
+            .as_deref()
+            .map(|v| pg_text(&String::from_utf8_lossy(v)).into_owned()),
+        headers: headers_json(raw),
+        payload: raw.payload.map(cut),
+        reason: DeadLetterReason::Oversized,
+        error: format!(
+            "message of {size} bytes (key, headers and payload) exceeds the consumer's limit of \
+             {max_bytes} bytes; the dead letter keeps the first {} of the payload's {} bytes \
+             (sha256 {hex})",
+            payload.len().min(KEPT_BYTES),
+            payload.len()
+        ),
+        handler: None,
+        attempts: 0,
+        payload_bytes: (payload.len() > KEPT_BYTES).then_some(payload.len() as i64),
+    }))
+}
+
 impl Event {
     /// The value for handler number `i` of the route: the one decoded while
     /// parsing if still there, else decoded again.
@@ -357,6 +485,7 @@ impl Event {
             error,
             handler,
             attempts,
+            payload_bytes: None,
         }
     }
 }
@@ -374,15 +503,19 @@ mod tests {
             offset: 0,
             key: Some(b"k"),
             payload: Some(b"{}"),
-            headers: vec![
-                ("event_id", Some(b"x")),
-                ("correlation_id", Some(corr.as_bytes())),
-                ("causation_id", Some(b"not-a-uuid")),
-                ("traceparent", Some(b"00-a-b-01")),
-                ("tenant", Some(b"acme")),
-                ("empty", None),
-            ],
-        };
+            headers: Vec::new(),
+            bad_names: 0,
+        }
+        .with_byte_headers(vec![
+            (b"event_id", Some(b"x")),
+            (b"correlation_id", Some(corr.as_bytes())),
+            (b"causation_id", Some(b"not-a-uuid")),
+            (b"traceparent", Some(b"00-a-b-01")),
+            (b"tenant", Some(b"acme")),
+            (b"empty", None),
+            (b"caf\xe9", Some(b"latin-1 name")),
+        ]);
+        assert_eq!(raw.bad_names, 1);
         let h = app_headers(&raw);
         assert_eq!(h.correlation_id.map(|c| c.to_string()), Some(corr.clone()));
         assert_eq!(h.causation_id, None);

@@ -39,7 +39,8 @@ use super::{ConsumerConfig, ConsumerStats, Mode};
 use crate::backoff::Health;
 
 const CLAIM: &str = r#"
-SELECT id, topic, "partition" AS partition, "offset" AS offset, key, headers, payload
+SELECT id, topic, "partition" AS partition, "offset" AS offset, key, headers, payload,
+       payload_bytes
 FROM dead_letter
 WHERE consumer = $1 AND status = 'retry'
 ORDER BY id
@@ -76,6 +77,7 @@ struct Row {
     key: Option<Vec<u8>>,
     headers: Value,
     payload: Option<Vec<u8>>,
+    payload_bytes: Option<i64>,
 }
 
 /// The re-drive task of one consumer.
@@ -158,14 +160,34 @@ impl Redriver {
             payload: row.payload.as_deref(),
             headers: headers
                 .iter()
-                .map(|(k, v)| (k.as_str(), v.as_deref().map(str::as_bytes)))
+                .map(|(k, v)| (k.as_str().into(), v.as_deref().map(str::as_bytes)))
                 .collect(),
+            bad_names: 0,
         };
         let check = match self.config.mode {
             Mode::Dedup => Check::Decode,
             Mode::Inbox => Check::Json,
         };
-        let body = record::parse(&raw, &self.registry, self.config.max_payload_bytes, check);
+        let body = match row.payload_bytes {
+            // Only a prefix was kept: nothing to run.
+            Some(size) => Body::Rejected(Box::new(record::Rejected {
+                key: None,
+                event_id: None,
+                event_type: None,
+                headers: Default::default(),
+                payload: None,
+                reason: DeadLetterReason::Oversized,
+                error: format!(
+                    "the dead letter keeps only the first {} of the payload's {size} bytes: it \
+                     cannot be re-driven (replay the event from the producer's outbox)",
+                    row.payload.as_ref().map_or(0, Vec::len)
+                ),
+                handler: None,
+                attempts: 0,
+                payload_bytes: Some(size),
+            })),
+            None => record::parse(&raw, &self.registry, self.config.max_payload_bytes, check),
+        };
         let (outcome, attempts, handler) = match body {
             Body::Ignored => (Outcome::Resolved, 0, None),
             Body::Rejected(r) => (Outcome::Dead(r.reason, r.error), 0, None),

@@ -503,6 +503,8 @@ pub struct TestMessage {
     pub key: Option<String>,
     pub payload: Option<Vec<u8>>,
     pub headers: Vec<(String, String)>,
+    /// Headers added after `headers`, as bytes (names need not be UTF-8).
+    pub raw_headers: Vec<(Vec<u8>, Option<Vec<u8>>)>,
 }
 
 impl TestMessage {
@@ -521,6 +523,7 @@ impl TestMessage {
                 ("content-type".into(), "application/json".into()),
                 ("correlation_id".into(), Uuid::now_v7().to_string()),
             ],
+            raw_headers: Vec::new(),
         }
     }
 
@@ -534,6 +537,13 @@ impl TestMessage {
     /// Removes a header.
     pub fn without_header(mut self, key: &str) -> Self {
         self.headers.retain(|(k, _)| k != key);
+        self
+    }
+
+    /// Adds a header given as bytes (its name need not be UTF-8).
+    pub fn raw_header(mut self, name: &[u8], value: Option<&[u8]>) -> Self {
+        self.raw_headers
+            .push((name.to_vec(), value.map(<[u8]>::to_vec)));
         self
     }
 
@@ -568,6 +578,7 @@ async fn produce_batched(brokers: &str, topic: &str, messages: &[TestMessage], p
         .set("linger.ms", "5")
         .set("queue.buffering.max.messages", "1000000")
         .set("batch.num.messages", per_batch.to_string())
+        .set("message.max.bytes", "33554432")
         .create()
         .expect("producer");
     let mut pending = Vec::with_capacity(messages.len());
@@ -578,6 +589,9 @@ async fn produce_batched(brokers: &str, topic: &str, messages: &[TestMessage], p
                 key: k,
                 value: Some(v.as_bytes()),
             });
+        }
+        for (name, value) in &m.raw_headers {
+            add_raw_header(&headers, name, value.as_deref());
         }
         let mut record: FutureRecord<'_, str, [u8]> = FutureRecord::to(topic).headers(headers);
         if let Some(key) = &m.key {
@@ -602,6 +616,32 @@ async fn produce_batched(brokers: &str, topic: &str, messages: &[TestMessage], p
     for d in pending {
         d.await.expect("delivery").expect("delivered");
     }
+}
+
+/// Adds a header whose name is raw bytes (rdkafka's API takes `&str` names
+/// only): what a hostile producer can send.
+#[allow(unsafe_code)]
+fn add_raw_header(headers: &rdkafka::message::OwnedHeaders, name: &[u8], value: Option<&[u8]>) {
+    use rdkafka::bindings as rd;
+    let list = headers.as_borrowed() as *const rdkafka::message::BorrowedHeaders
+        as *mut rd::rd_kafka_headers_t;
+    let (value_ptr, value_len) = match value {
+        Some(v) => (v.as_ptr().cast::<std::ffi::c_void>(), v.len() as isize),
+        None => (std::ptr::null(), 0),
+    };
+    // SAFETY: `list` is the header list `headers` owns (the pointer
+    // `as_borrowed` reinterprets), writable, and not shared; librdkafka
+    // copies the name and value.
+    let err = unsafe {
+        rd::rd_kafka_header_add(
+            list,
+            name.as_ptr().cast(),
+            name.len() as isize,
+            value_ptr,
+            value_len,
+        )
+    };
+    assert_eq!(err, rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR);
 }
 
 /// Deletes `topic` (if it exists) and creates it again, empty: tests whose
