@@ -141,3 +141,42 @@ async fn a_unit_of_work_on_the_applications_own_transaction_is_checked_too(pool:
     assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 1);
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_event").await, 1);
 }
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn a_header_named_like_the_frameworks_own_is_refused_and_nothing_is_written(pool: PgPool) {
+    setup(&pool).await;
+    for name in [
+        "event_id",
+        "event_type",
+        "aggregate_id",
+        "replay_id",
+        "Content-Type",
+    ] {
+        // On the Unit of Work's inherited headers...
+        let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+        let id = Uuid::now_v7();
+        insert_order(&mut uow, id).await.unwrap();
+        uow.headers_mut()
+            .extra
+            .insert(name.into(), Uuid::now_v7().to_string());
+        uow.record(OrderPlaced { order_id: id });
+        let error = uow.commit().await.expect_err(name);
+        assert!(
+            matches!(error, outbox::Error::ReservedHeader { .. }),
+            "{error}"
+        );
+        assert!(error.to_string().contains(name), "{error}");
+
+        // ...and on one message's own.
+        let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+        let mut message = outbox::OutboxMessage::from_event(&OrderPlaced { order_id: id }).unwrap();
+        message.headers.extra.insert(name.into(), "spoofed".into());
+        uow.record_message(message);
+        assert!(matches!(
+            uow.commit().await,
+            Err(outbox::Error::ReservedHeader { .. })
+        ));
+    }
+    assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 0);
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_event").await, 0);
+}

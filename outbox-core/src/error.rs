@@ -75,6 +75,17 @@ pub enum Error {
     )]
     TransactionEnded,
 
+    /// An application header uses a name the framework writes itself
+    /// ([`RESERVED_HEADERS`](crate::RESERVED_HEADERS)). Nothing was written.
+    #[error(
+        "the header `{name}` is the framework's own: set correlation, causation and trace \
+         context through their fields, and give custom headers other names; nothing was written"
+    )]
+    ReservedHeader {
+        /// The refused name.
+        name: String,
+    },
+
     /// Applying the embedded migrations failed.
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),

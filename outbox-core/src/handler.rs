@@ -198,6 +198,7 @@ impl<'c> HandlerContext<'c> {
         };
         let mut messages = std::mem::take(&mut self.recorded);
         for message in &mut messages {
+            message.headers.check()?;
             message.headers.fill_from(&defaults);
         }
         Ok(messages)

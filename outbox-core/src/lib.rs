@@ -24,7 +24,7 @@ pub use event::DomainEvent;
 pub use handler::{
     BoxError, HandlerArg, HandlerContext, HandlerFuture, InboxHandler, InboxOutput, IncomingEvent,
 };
-pub use message::{Headers, OutboxMessage};
+pub use message::{Headers, OutboxMessage, RESERVED_HEADERS};
 pub use migrate::{MIGRATOR, migrate};
 pub use trace::TraceParent;
 pub use uow::{Committed, KEY_LOCK_CLASS, UnitOfWork, insert_messages};

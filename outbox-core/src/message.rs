@@ -5,8 +5,27 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::event::DomainEvent;
+
+/// Header names the framework writes itself: the event's identity (from the
+/// row), `replay_id` (set by a replay), `content-type`, and the entries
+/// [`Headers`] has fields for. An application header (`Headers::extra`) may
+/// not use them (compared ignoring ASCII case): a consumer must be able to
+/// trust them.
+pub const RESERVED_HEADERS: &[&str] = &[
+    "event_id",
+    "event_type",
+    "event_version",
+    "aggregate_type",
+    "aggregate_id",
+    "replay_id",
+    "content-type",
+    "correlation_id",
+    "causation_id",
+    "traceparent",
+    "tracestate",
+];
 
 /// Message metadata stored in `outbox_event.headers` and sent as Kafka headers:
 /// correlation and causation ids, W3C trace context, and free-form entries.
@@ -57,6 +76,19 @@ impl Headers {
             self.extra
                 .entry(key.clone())
                 .or_insert_with(|| value.clone());
+        }
+    }
+
+    /// Refuses application entries named like a header the framework writes
+    /// ([`RESERVED_HEADERS`]).
+    pub fn check(&self) -> Result<()> {
+        match self
+            .extra
+            .keys()
+            .find(|k| RESERVED_HEADERS.iter().any(|r| r.eq_ignore_ascii_case(k)))
+        {
+            Some(name) => Err(Error::ReservedHeader { name: name.clone() }),
+            None => Ok(()),
         }
     }
 
@@ -122,6 +154,25 @@ mod tests {
         );
         let back: Headers = serde_json::from_str(&h.to_json()).unwrap();
         assert_eq!(back, h);
+    }
+
+    #[test]
+    fn reserved_names_are_refused_in_any_case() {
+        let mut h = Headers::default();
+        h.extra.insert("tenant".into(), "acme".into());
+        assert!(h.check().is_ok());
+        for name in [
+            "event_id",
+            "Event_Type",
+            "REPLAY_ID",
+            "content-type",
+            "traceparent",
+        ] {
+            let mut bad = h.clone();
+            bad.extra.insert(name.into(), "x".into());
+            let error = bad.check().unwrap_err();
+            assert!(error.to_string().contains(name), "{error}");
+        }
     }
 
     #[test]

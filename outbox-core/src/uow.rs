@@ -280,6 +280,7 @@ impl UnitOfWork {
             // Dropping `tx` rolls back.
             return Err(error);
         }
+        check_headers(&self.messages, &self.headers)?;
         if !self.marked {
             sqlx::query(TX_MARK)
                 .execute(&mut *self.tx)
@@ -340,7 +341,14 @@ pub async fn insert_messages(
     messages: &[OutboxMessage],
     defaults: &Headers,
 ) -> Result<Vec<Uuid>> {
+    check_headers(messages, defaults)?;
     Ok(insert(conn, messages, defaults, false).await?.0)
+}
+
+/// Refuses application headers named like the framework's own.
+fn check_headers(messages: &[OutboxMessage], defaults: &Headers) -> Result<()> {
+    defaults.check()?;
+    messages.iter().try_for_each(|m| m.headers.check())
 }
 
 /// A statement error, or [`Error::TransactionAborted`] when it says the

@@ -206,6 +206,16 @@ pub(crate) async fn settle(
     }
 }
 
+/// The headers the relay writes from the row's columns.
+const IDENTITY: [&str; 6] = [
+    header::EVENT_ID,
+    header::EVENT_TYPE,
+    header::EVENT_VERSION,
+    header::AGGREGATE_TYPE,
+    header::AGGREGATE_ID,
+    header::CONTENT_TYPE,
+];
+
 /// Kafka headers of a row: the event's identity and the stored headers.
 fn headers_of(row: &Row) -> OwnedHeaders {
     let version = row.event_version.to_string();
@@ -238,6 +248,12 @@ fn headers_of(row: &Row) -> OwnedHeaders {
     if row.headers.len() > 2 {
         if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(&row.headers) {
             for (key, value) in map {
+                // The identity headers above are the only ones: a stored
+                // entry of the same name (written by another tool or an
+                // older version) is not sent.
+                if IDENTITY.iter().any(|h| h.eq_ignore_ascii_case(&key)) {
+                    continue;
+                }
                 let text = match value {
                     serde_json::Value::String(s) => s,
                     other => other.to_string(),

@@ -81,6 +81,8 @@ pub struct Received {
     pub key: String,
     pub payload: serde_json::Value,
     pub headers: HashMap<String, String>,
+    /// Every header in order, repeated names included.
+    pub header_list: Vec<(String, String)>,
 }
 
 impl Received {
@@ -210,12 +212,15 @@ fn read_all_blocking(brokers: &str, topic: &str, timeout: Duration) -> Vec<Recei
 
 fn received(m: &rdkafka::message::BorrowedMessage<'_>) -> Received {
     let mut headers = HashMap::new();
+    let mut header_list = Vec::new();
     if let Some(h) = m.headers() {
         for header in h.iter() {
             let value = header
                 .value
-                .map(|v| String::from_utf8_lossy(v).into_owned());
-            headers.insert(header.key.to_owned(), value.unwrap_or_default());
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .unwrap_or_default();
+            headers.insert(header.key.to_owned(), value.clone());
+            header_list.push((header.key.to_owned(), value));
         }
     }
     Received {
@@ -224,6 +229,7 @@ fn received(m: &rdkafka::message::BorrowedMessage<'_>) -> Received {
         key: String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned(),
         payload: serde_json::from_slice(m.payload().unwrap_or_default()).expect("JSON payload"),
         headers,
+        header_list,
     }
 }
 
