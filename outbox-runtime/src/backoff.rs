@@ -1,6 +1,8 @@
 //! Exponential back-off, capped, and the up/down state of a dependency
 //! (logged on changes only): shared by the relay and the consumers.
 
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The delay before retry number `attempt` (1-based): `first * 2^(attempt-1)`,
@@ -39,11 +41,16 @@ impl Backoff {
     }
 }
 
+/// What a component's [`Health`] values report while down: the dependency
+/// and its last error (read by the consumer's `health()`).
+pub(crate) type Problems = Arc<Mutex<BTreeMap<&'static str, String>>>;
+
 /// Up/down state of a dependency, with logging on state changes only.
 pub(crate) struct Health {
     what: &'static str,
     down_since: Option<Instant>,
     backoff: Backoff,
+    report: Option<Problems>,
 }
 
 impl Health {
@@ -52,7 +59,14 @@ impl Health {
             what,
             down_since: None,
             backoff: Backoff::new(first, max),
+            report: None,
         }
+    }
+
+    /// Also reports the state in `problems` (the last error while down).
+    pub fn reporting(mut self, problems: Problems) -> Self {
+        self.report = Some(problems);
+        self
     }
 
     /// Records a failure; returns how long to wait before retrying.
@@ -60,6 +74,12 @@ impl Health {
         if self.down_since.is_none() {
             self.down_since = Some(Instant::now());
             tracing::warn!(%error, "{} unavailable: backing off and retrying", self.what);
+        }
+        if let Some(report) = &self.report {
+            report
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(self.what, error.to_string());
         }
         self.backoff.next()
     }
@@ -77,6 +97,12 @@ impl Health {
                 "{} available again: resuming",
                 self.what
             );
+            if let Some(report) = &self.report {
+                report
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(self.what);
+            }
         }
         self.backoff.reset();
     }

@@ -23,8 +23,8 @@ pub mod replay;
 
 pub use error::{Error, Result};
 pub use inbox::{
-    Consumer, ConsumerBuilder, ConsumerConfig, ConsumerCounts, ConsumerHandle, ConsumerStats,
-    DeadLetter, DeadLetterFilter, DeadLetterReason, Mode,
+    Consumer, ConsumerBuilder, ConsumerConfig, ConsumerCounts, ConsumerHandle, ConsumerHealth,
+    ConsumerStats, DeadLetter, DeadLetterFilter, DeadLetterReason, Mode,
 };
 pub use relay::{Relay, RelayBuilder, RelayConfig, RelayCounts, RelayHandle};
 pub use tokio_util::sync::CancellationToken;

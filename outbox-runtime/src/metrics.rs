@@ -29,6 +29,7 @@
 //! | `outbox_consumer_batch_duration_seconds` | histogram | `group` | one batch transaction (dedup mode: received messages; inbox mode: a processor's claimed rows) |
 //! | `outbox_consumer_handler_seconds` | histogram | `group` | mean handler time per event, one sample per batch |
 //! | `outbox_consumer_lag` | gauge | `group`, `topic`, `partition` | messages between the committed offset and the end of the partition (librdkafka statistics) |
+//! | `outbox_consumer_up` | gauge | `group` | 1 while the consumer runs, 0 once it stopped or failed |
 //! | `outbox_replayed_total` | counter | | events sent again by `replay` |
 
 use std::sync::Arc;
@@ -134,6 +135,12 @@ pub(crate) async fn consumer_task(
         }
     }
     copy(stats.snapshot());
+}
+
+/// Sets the `outbox_consumer_up` gauge of `group`: 1 while its consumer
+/// runs, 0 once it stopped (or failed).
+pub(crate) fn consumer_up(group: &str, up: bool) {
+    gauge!("outbox_consumer_up", "group" => group.to_owned()).set(if up { 1.0 } else { 0.0 });
 }
 
 /// The per-batch latency histograms of one consumer.

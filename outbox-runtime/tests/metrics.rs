@@ -141,5 +141,12 @@ async fn the_metrics_endpoint_counts_published_events(pool: PgPool) {
         body.contains("outbox_consumer_batch_duration_seconds_bucket"),
         "{body}"
     );
+    assert_eq!(labelled(&body, "outbox_consumer_up", &[&g]), Some(1.0));
     consumer.shutdown().await.unwrap();
+    let body = get(addr, "/metrics").await;
+    assert_eq!(
+        labelled(&body, "outbox_consumer_up", &[&g]),
+        Some(0.0),
+        "a stopped consumer shows"
+    );
 }

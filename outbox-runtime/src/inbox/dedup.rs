@@ -262,7 +262,9 @@ impl Applier<'_> {
                 _ => None,
             })
             .collect();
-        dead_letter::insert(&mut tx, &self.config.group, &letters).await?;
+        dead_letter::insert(&mut tx, &self.config.group, &letters)
+            .await
+            .map_err(refused_dead_letters)?;
         report.rejected = letters
             .iter()
             .map(|l| (l.rejected.reason, l.rejected.error.clone()))
@@ -326,12 +328,36 @@ impl Applier<'_> {
                     return true;
                 }
                 Err(db) => {
-                    let wait = self.db.down(&db);
+                    let wait = self.db.down(&refused_dead_letters(db).to_string());
                     if !apply::pause(wait, shutdown).await {
                         return false;
                     }
                 }
             }
+        }
+    }
+}
+
+/// A dead-letter insert that failed: an outage, or a refusal (a constraint,
+/// a permission, a trigger) that is retried like one — the message is never
+/// acknowledged without its dead letter — and said so.
+pub(crate) fn refused_dead_letters(error: sqlx::Error) -> Failure {
+    if super::db::is_outage(&error) {
+        Failure::Outage(error.to_string())
+    } else {
+        Failure::Outage(format!(
+            "the database refuses to write dead letters ({error}): retrying; nothing from the \
+             refused message on is acknowledged until it is written"
+        ))
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Outage(e) | Failure::Suspect(e) => f.write_str(e),
+            Failure::Handler { error, .. } => f.write_str(error),
+            Failure::Rejected { rejected, .. } => f.write_str(&rejected.error),
         }
     }
 }

@@ -428,6 +428,33 @@ pub struct ConsumerStats {
     handler_failures: AtomicU64,
     batches: AtomicU64,
     redriven: AtomicU64,
+    /// What its tasks are stuck retrying on (dependency → last error).
+    problems: crate::backoff::Problems,
+    /// How the consumer ended: `Some(None)` stopped, `Some(Some(e))` failed.
+    ended: std::sync::Mutex<Option<Option<String>>>,
+}
+
+/// What a consumer's handle reports about it ([`ConsumerHandle::health`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConsumerHealth {
+    /// Running; nothing it depends on is failing.
+    Running,
+    /// Running, but stuck retrying: the database (or the broker) is
+    /// unavailable, or refuses a write it cannot skip, such as a dead
+    /// letter. Nothing after the message in question is acknowledged
+    /// meanwhile. `error` names each component and its last error.
+    Degraded {
+        /// What fails, component by component (`database: …`).
+        error: String,
+    },
+    /// Stopped after a shutdown.
+    Stopped,
+    /// Stopped on an error (what [`ConsumerHandle::join`] returns).
+    Failed {
+        /// The error.
+        error: String,
+    },
 }
 
 /// A snapshot of [`ConsumerStats`].
@@ -455,6 +482,26 @@ pub struct ConsumerCounts {
 }
 
 impl ConsumerStats {
+    /// How the consumer is doing.
+    pub fn health(&self) -> ConsumerHealth {
+        let ended = self.ended.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(ended) = ended {
+            return match ended {
+                None => ConsumerHealth::Stopped,
+                Some(error) => ConsumerHealth::Failed { error },
+            };
+        }
+        let problems = self.problems.lock().unwrap_or_else(|p| p.into_inner());
+        if problems.is_empty() {
+            ConsumerHealth::Running
+        } else {
+            let error: Vec<String> = problems.iter().map(|(w, e)| format!("{w}: {e}")).collect();
+            ConsumerHealth::Degraded {
+                error: error.join("; "),
+            }
+        }
+    }
+
     /// The current counts.
     pub fn snapshot(&self) -> ConsumerCounts {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -513,6 +560,12 @@ impl ConsumerHandle {
     pub fn is_finished(&self) -> bool {
         self.task.is_finished()
     }
+    /// Running, degraded (stuck retrying, and on what), stopped, or failed
+    /// (with the error). Also logged, and exported as the
+    /// `outbox_consumer_up` gauge: an embedded consumer never stops silently.
+    pub fn health(&self) -> ConsumerHealth {
+        self.stats.health()
+    }
     /// Stops the consumer gracefully: the batch in flight is applied and
     /// committed, its offsets committed, the group left. Returns the
     /// consumer's result.
@@ -556,11 +609,29 @@ impl Consumer {
         ConsumerHandle { token, stats, task }
     }
 
+    /// Records how the consumer ended: health, the `outbox_consumer_up`
+    /// gauge, and an error log if it failed.
+    fn ended(group: &str, stats: &ConsumerStats, result: &Result<()>) {
+        let error = result.as_ref().err().map(ToString::to_string);
+        if let Some(error) = &error {
+            tracing::error!(group, %error, "consumer stopped on an error");
+        }
+        *stats.ended.lock().unwrap_or_else(|p| p.into_inner()) = Some(error);
+        crate::metrics::consumer_up(group, false);
+    }
+
     /// Runs the consumer until `shutdown` is cancelled, then finishes the
     /// batch in flight, commits its offsets and leaves the group. Returns an
     /// error only for problems a retry cannot fix (e.g. an invalid Kafka
     /// setting).
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+        let (group, stats) = (self.config.group.clone(), self.stats.clone());
+        let result = self.run_inner(shutdown).await;
+        Self::ended(&group, &stats, &result);
+        result
+    }
+
+    async fn run_inner(self, shutdown: CancellationToken) -> Result<()> {
         let Consumer {
             pool,
             config,
@@ -604,12 +675,15 @@ impl Consumer {
         // The background tasks stop with this function, however it ends.
         let _stop_background = background.clone().drop_guard();
         let wake = Arc::new(Notify::new());
-        let mut tasks = vec![tokio::spawn(crate::metrics::consumer_task(
+        // The background tasks, watched: one that ends before the consumer
+        // (a panic) stops the consumer with its error.
+        let mut tasks = tokio::task::JoinSet::new();
+        tasks.spawn(crate::metrics::consumer_task(
             config.group.clone(),
             stats.clone(),
             background.clone(),
-        ))];
-        tasks.push(tokio::spawn(
+        ));
+        tasks.spawn(
             redrive::Redriver {
                 pool: pool.clone(),
                 config: config.clone(),
@@ -618,10 +692,10 @@ impl Consumer {
                 wake: wake.clone(),
             }
             .run(background.clone()),
-        ));
+        );
         if config.mode == Mode::Inbox {
             for worker in 0..config.processors {
-                tasks.push(tokio::spawn(
+                tasks.spawn(
                     processor::Processor::new(
                         pool.clone(),
                         config.clone(),
@@ -631,12 +705,16 @@ impl Consumer {
                         worker,
                     )
                     .run(background.clone()),
-                ));
+                );
             }
         }
 
-        let health =
-            || backoff::Health::new("database", config.outage_backoff, config.outage_backoff_max);
+        let health = || {
+            backoff::Health::new("database", config.outage_backoff, config.outage_backoff_max)
+                .reporting(stats.problems.clone())
+        };
+        crate::metrics::consumer_up(&config.group, true);
+        let mut failed = None;
         let mut sink = match config.mode {
             Mode::Dedup => Sink::Dedup(dedup::Applier {
                 pool: &pool,
@@ -662,6 +740,15 @@ impl Consumer {
             let batch = tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => None,
+                Some(ended) = tasks.join_next() => {
+                    let error = match ended {
+                        Err(e) if e.is_panic() => format!("a consumer task panicked: {e}"),
+                        Err(e) => format!("a consumer task failed: {e}"),
+                        Ok(()) => "a consumer task ended early".to_owned(),
+                    };
+                    failed = Some(Error::Task(error));
+                    None
+                }
                 batch = rx.recv() => batch,
             };
             shared.set_idle(false);
@@ -685,13 +772,17 @@ impl Consumer {
             .map_err(|e| Error::Task(e.to_string()))
             .and_then(|r| r);
         background.cancel();
-        for task in tasks {
-            if let Err(error) = task.await {
+        while let Some(ended) = tasks.join_next().await {
+            if let Err(error) = ended {
                 tracing::error!(%error, "consumer background task failed");
+                failed.get_or_insert(Error::Task(error.to_string()));
             }
         }
         tracing::info!(group = %config.group, counts = ?stats.snapshot(), "consumer stopped");
-        polled
+        match failed {
+            Some(error) => Err(error),
+            None => polled,
+        }
     }
 }
 

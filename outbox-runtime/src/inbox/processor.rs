@@ -198,7 +198,8 @@ impl Processor {
             "database (inbox processor)",
             self.config.outage_backoff,
             self.config.outage_backoff_max,
-        );
+        )
+        .reporting(self.stats.problems.clone());
         while !shutdown.is_cancelled() {
             let worked = match self.round(&mut conn, std::mem::take(&mut careful)).await {
                 Ok(Round::Settled(n)) => {

@@ -101,7 +101,8 @@ impl Redriver {
             "database (dead-letter re-drive)",
             self.config.outage_backoff,
             self.config.outage_backoff_max,
-        );
+        )
+        .reporting(self.stats.problems.clone());
         let mut conn = GuardedConn::new(self.pool.clone(), self.config.handler_timeout);
         while apply::pause(self.config.redrive_interval, &shutdown).await {
             loop {
