@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use outbox_core::{OutboxMessage, UnitOfWork};
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::Message;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use sqlx::PgPool;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -90,6 +90,10 @@ impl Received {
         self.headers["event_id"]
             .parse()
             .expect("event_id header is a UUID")
+    }
+    /// The event id, if the message has a valid one.
+    pub fn try_event_id(&self) -> Option<Uuid> {
+        self.headers.get("event_id")?.parse().ok()
     }
     pub fn seq(&self) -> u64 {
         self.payload["seq"].as_u64().expect("seq")
@@ -213,21 +217,21 @@ fn read_all_blocking(brokers: &str, topic: &str, timeout: Duration) -> Vec<Recei
 fn received(m: &rdkafka::message::BorrowedMessage<'_>) -> Received {
     let mut headers = HashMap::new();
     let mut header_list = Vec::new();
-    if let Some(h) = m.headers() {
-        for header in h.iter() {
-            let value = header
-                .value
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-                .unwrap_or_default();
-            headers.insert(header.key.to_owned(), value.clone());
-            header_list.push((header.key.to_owned(), value));
-        }
+    for (name, value) in raw_headers(m) {
+        let name = String::from_utf8_lossy(name).into_owned();
+        let value = value
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .unwrap_or_default();
+        headers.insert(name.clone(), value.clone());
+        header_list.push((name, value));
     }
     Received {
         partition: m.partition(),
         offset: m.offset(),
         key: String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned(),
-        payload: serde_json::from_slice(m.payload().unwrap_or_default()).expect("JSON payload"),
+        // Not JSON (a hostile message): null.
+        payload: serde_json::from_slice(m.payload().unwrap_or_default())
+            .unwrap_or(serde_json::Value::Null),
         headers,
         header_list,
     }
@@ -622,6 +626,43 @@ async fn produce_batched(brokers: &str, topic: &str, messages: &[TestMessage], p
     for d in pending {
         d.await.expect("delivery").expect("delivered");
     }
+}
+
+/// A received message's headers as bytes (rdkafka's accessor panics on a
+/// name that is not UTF-8, which hostile messages carry).
+#[allow(unsafe_code)]
+fn raw_headers<'a>(
+    m: &'a rdkafka::message::BorrowedMessage<'a>,
+) -> Vec<(&'a [u8], Option<&'a [u8]>)> {
+    use rdkafka::bindings as rd;
+    let mut list: *mut rd::rd_kafka_headers_t = std::ptr::null_mut();
+    // SAFETY: `m.ptr()` is the live message; the header list it returns is
+    // owned by the message and lives as long as `m`.
+    let err = unsafe { rd::rd_kafka_message_headers(m.ptr(), &mut list) };
+    if err != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR || list.is_null() {
+        return Vec::new();
+    }
+    // SAFETY: `list` is valid (above).
+    let count = unsafe { rd::rd_kafka_header_cnt(list) };
+    (0..count)
+        .map_while(|idx| {
+            let mut name: *const std::ffi::c_char = std::ptr::null();
+            let mut value: *const std::ffi::c_void = std::ptr::null();
+            let mut size = 0;
+            // SAFETY: `idx < count`; the out-pointers are valid locals; the
+            // name is NUL-terminated and the value `size` bytes, both inside
+            // the list, which lives as long as `m`.
+            unsafe {
+                let err = rd::rd_kafka_header_get_all(list, idx, &mut name, &mut value, &mut size);
+                (err == rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR && !name.is_null())
+                    .then(|| {
+                        let value = (!value.is_null())
+                            .then(|| std::slice::from_raw_parts(value.cast::<u8>(), size));
+                        (std::ffi::CStr::from_ptr(name).to_bytes(), value)
+                    })
+            }
+        })
+        .collect()
 }
 
 /// Adds a header whose name is raw bytes (rdkafka's API takes `&str` names

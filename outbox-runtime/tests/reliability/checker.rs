@@ -42,6 +42,12 @@ pub struct Evidence {
     pub kafka: Vec<Seen>,
     /// Effects the consumer applied, in the order they were applied.
     pub effects: Vec<Seen>,
+    /// Committed events the consumer must dead-letter instead of applying
+    /// (their handler misbehaves): they must be in Kafka and dead-lettered;
+    /// an applied one counts as a phantom.
+    pub expected_dead: HashSet<Uuid>,
+    /// The events found in the dead-letter table.
+    pub dead_lettered: HashSet<Uuid>,
 }
 
 /// The figures of one scenario run.
@@ -103,6 +109,16 @@ pub fn check(scenario: &str, evidence: &Evidence) -> Figures {
     let lost = must
         .iter()
         .filter(|id| !in_kafka.contains(id) || !applied.contains_key(id))
+        .count()
+        + evidence
+            .expected_dead
+            .iter()
+            .filter(|id| !in_kafka.contains(id) || !evidence.dead_lettered.contains(id))
+            .count();
+    let applied_dead = evidence
+        .expected_dead
+        .iter()
+        .filter(|id| applied.contains_key(id))
         .count();
     Figures {
         scenario: scenario.to_owned(),
@@ -118,7 +134,7 @@ pub fn check(scenario: &str, evidence: &Evidence) -> Figures {
             .filter(|id| committed.contains_key(id))
             .count(),
         lost,
-        phantom: phantom.len(),
+        phantom: phantom.len() + applied_dead,
         duplicates: evidence.kafka.len() - in_kafka.len(),
         applied_twice: applied.values().filter(|n| **n > 1).count(),
         order_violations: order_violations(&evidence.kafka) + order_violations(&evidence.effects),
@@ -314,6 +330,36 @@ mod tests {
             ..evidence
         };
         assert_eq!(check("partial", &evidence).lost, 1);
+    }
+
+    #[test]
+    fn events_meant_for_dead_letters_must_be_dead_lettered_and_never_applied() {
+        let a = [written("a", 0), written("a", 1), written("a", 2)];
+        let good = a[0].event_id;
+        let base = Evidence {
+            committed: a.to_vec(),
+            must_arrive: Some([good].into()),
+            kafka: a.iter().map(seen).collect(),
+            effects: vec![seen(&a[0])],
+            expected_dead: [a[1].event_id, a[2].event_id].into(),
+            dead_lettered: [a[1].event_id, a[2].event_id].into(),
+            ..Evidence::default()
+        };
+        let f = check("dead letters", &base);
+        assert_eq!((f.lost, f.phantom), (0, 0));
+        // One of them not dead-lettered: lost.
+        let evidence = Evidence {
+            dead_lettered: [a[1].event_id].into(),
+            ..Evidence { ..base }
+        };
+        assert_eq!(check("dead letters", &evidence).lost, 1);
+        // One of them applied: a phantom effect.
+        let evidence = Evidence {
+            effects: vec![seen(&a[0]), seen(&a[2])],
+            dead_lettered: [a[1].event_id, a[2].event_id].into(),
+            ..evidence
+        };
+        assert_eq!(check("dead letters", &evidence).phantom, 1);
     }
 
     #[test]

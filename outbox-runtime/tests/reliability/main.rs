@@ -15,6 +15,7 @@ mod common;
 
 mod checker;
 mod harness;
+mod misbehaving;
 mod pg;
 
 use std::collections::HashSet;
