@@ -137,7 +137,7 @@ impl Applier<'_> {
                     }
                 }
                 Err(Failure::Suspect(error)) => {
-                    tracing::debug!(%error, "a handler broke the transaction: checking event by event");
+                    tracing::info!(%error, "a handler broke the transaction: checking event by event");
                     careful = true;
                 }
                 Err(Failure::Rejected { at, rejected }) => {

@@ -286,7 +286,7 @@ impl Processor {
             // Every event was checked and still: an outage of unknown cause.
             Err(Failure::Suspect(error)) if careful => Err(error),
             Err(Failure::Suspect(error)) => {
-                tracing::debug!(%error, "a handler broke the transaction: checking event by event");
+                tracing::info!(%error, "a handler broke the transaction: checking event by event");
                 Ok(Round::Suspect)
             }
             Err(Failure::Handler { at, handler, error }) => {
