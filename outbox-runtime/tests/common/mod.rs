@@ -1,9 +1,13 @@
 //! Shared helpers of the runtime's integration tests: the broker address,
 //! unique topics, committing messages through a Unit of Work, reading a
 //! topic back, a TCP proxy that can cut or delay connections, a private
-//! broker process, and the `outbox relay` process.
+//! broker process, and the `outbox relay` process (for the tests of the
+//! `outbox-cli` package, which include this module); a private PostgreSQL
+//! server in [`pg`].
 
 #![allow(dead_code)]
+
+pub mod pg;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -479,10 +483,17 @@ pub fn signal(pid: u32, sig: &str) {
         .expect("run kill");
 }
 
+/// The `outbox` binary: built for the tests and benchmarks of the
+/// `outbox-cli` package, which include this module.
+pub fn outbox_bin() -> &'static str {
+    option_env!("CARGO_BIN_EXE_outbox")
+        .expect("the `outbox` binary is built only for the outbox-cli package's tests")
+}
+
 /// Starts `outbox relay` (the CLI binary built with these tests) against
 /// `database_url` and `brokers`, with extra arguments; killed on drop.
 pub fn relay_process(database_url: &str, brokers: &str, extra: &[&str]) -> tokio::process::Child {
-    tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox"))
+    tokio::process::Command::new(outbox_bin())
         .arg("relay")
         .args(extra)
         .env("DATABASE_URL", database_url)
