@@ -1,12 +1,17 @@
-//! Kafka client configuration shared by the relay and the consumers: the
-//! relay's producer settings, `-X key=value` passthrough, secret redaction for
-//! logs, the message header names, and topic creation.
+//! Kafka client configuration shared by the relay, the consumers, replay
+//! and topic creation: `key=value` passthrough of librdkafka settings, which
+//! settings are secret, their redaction in logs and `Debug`, creating
+//! clients without echoing secrets in errors, the message header names, and
+//! topic creation.
 
+use std::fmt;
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
+use rdkafka::client::{ClientContext, DefaultClientContext};
+use rdkafka::config::FromClientConfigAndContext;
+use rdkafka::error::KafkaError;
 use rdkafka::types::RDKafkaErrorCode;
 
 use crate::error::{Error, Result};
@@ -42,20 +47,31 @@ pub fn parse_setting(s: &str) -> Result<(String, String)> {
     }
 }
 
-/// True for settings whose values must never be logged.
+/// True for settings whose values must never be logged or printed: every
+/// property librdkafka itself marks sensitive (`sasl.username`,
+/// `sasl.password`, `sasl.oauthbearer.config`,
+/// `sasl.oauthbearer.client.secret`, `ssl.key.password`, `ssl.key.pem`,
+/// `ssl.keystore.password`, the OIDC assertion's private key and
+/// passphrase, ...), and any other whose name says password, secret, token,
+/// passphrase, private key, PEM or JAAS.
 pub fn is_secret(key: &str) -> bool {
-    let key = key.to_ascii_lowercase();
-    [
+    let key = key.trim().to_ascii_lowercase();
+    const EXACT: &[&str] = &["sasl.username", "sasl.oauthbearer.config", "ssl_key"];
+    const PARTS: &[&str] = &[
         "password",
         "secret",
         "token",
-        "key.pem",
-        "certificate.pem",
+        "passphrase",
+        "private",
+        ".pem",
         "jaas",
-    ]
-    .iter()
-    .any(|s| key.contains(s))
+        "credential",
+    ];
+    EXACT.contains(&key.as_str()) || PARTS.iter().any(|s| key.contains(s))
 }
+
+/// The text shown instead of a secret value.
+pub const REDACTED: &str = "***";
 
 /// `key=value` pairs for logging, secrets replaced by `***`.
 pub fn redacted(settings: &[(String, String)]) -> Vec<String> {
@@ -63,12 +79,61 @@ pub fn redacted(settings: &[(String, String)]) -> Vec<String> {
         .iter()
         .map(|(k, v)| {
             if is_secret(k) {
-                format!("{k}=***")
+                format!("{k}={REDACTED}")
             } else {
                 format!("{k}={v}")
             }
         })
         .collect()
+}
+
+/// Formats librdkafka settings for `Debug` with secret values redacted:
+/// `{"linger.ms": "5", "sasl.password": "***"}`.
+pub struct Redacted<'a>(pub &'a [(String, String)]);
+
+impl fmt::Debug for Redacted<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map()
+            .entries(self.0.iter().map(|(k, v)| {
+                let shown = if is_secret(k) { REDACTED } else { v.as_str() };
+                (k, shown)
+            }))
+            .finish()
+    }
+}
+
+/// Replaces every secret value of `config` found in `text` by `***`.
+pub(crate) fn scrub(text: &str, config: &ClientConfig) -> String {
+    let mut secrets: Vec<&str> = config
+        .config_map()
+        .into_iter()
+        .filter(|(k, v)| is_secret(k) && !v.is_empty())
+        .map(|(_, v)| v)
+        .collect();
+    // Longest first, so that a secret containing another is replaced whole.
+    secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
+    let mut out = text.to_owned();
+    for secret in secrets {
+        out = out.replace(secret, REDACTED);
+    }
+    out
+}
+
+/// The same error with the rejected value of a secret setting redacted
+/// (librdkafka's configuration errors echo the value they reject, in the
+/// value and in the description).
+pub(crate) fn scrub_error(error: KafkaError) -> KafkaError {
+    match error {
+        KafkaError::ClientConfig(code, description, key, value) if is_secret(&key) => {
+            let description = if value.is_empty() {
+                description
+            } else {
+                description.replace(&value, REDACTED)
+            };
+            KafkaError::ClientConfig(code, description, key, REDACTED.into())
+        }
+        other => other,
+    }
 }
 
 /// A librdkafka configuration for `brokers` plus `overrides`.
@@ -79,6 +144,35 @@ pub(crate) fn client_config(brokers: &str, overrides: &[(String, String)]) -> Cl
         config.set(key, value);
     }
     config
+}
+
+/// Creates a Kafka client from `config`. A failure is a configuration
+/// error whose text never contains a secret value of `config`.
+pub(crate) fn create<T>(config: &ClientConfig) -> Result<T>
+where
+    T: rdkafka::config::FromClientConfig,
+{
+    config
+        .create()
+        .map_err(|error| creation_error(&scrub_error(error), config))
+}
+
+/// Like [`create`], with a client context.
+pub(crate) fn create_with_context<C, T>(config: &ClientConfig, context: C) -> Result<T>
+where
+    C: ClientContext,
+    T: FromClientConfigAndContext<C>,
+{
+    config
+        .create_with_context(context)
+        .map_err(|error| creation_error(&scrub_error(error), config))
+}
+
+fn creation_error(error: &KafkaError, config: &ClientConfig) -> Error {
+    Error::Config(format!(
+        "cannot create the Kafka client: {}",
+        scrub(&error.to_string(), config)
+    ))
 }
 
 /// Creates the topics that do not exist yet; existing ones are left alone.
@@ -99,7 +193,7 @@ pub async fn create_topics(
             "replication must be >= 1, got {replication}"
         )));
     }
-    let admin: AdminClient<DefaultClientContext> = client_config(brokers, overrides).create()?;
+    let admin: AdminClient<DefaultClientContext> = create(&client_config(brokers, overrides))?;
     let new: Vec<NewTopic<'_>> = topics
         .iter()
         .map(|t| NewTopic::new(t, partitions, TopicReplication::Fixed(replication)))
