@@ -11,7 +11,7 @@
 //! | variable | setting |
 //! |---|---|
 //! | `DATABASE_URL` | [`DatabaseSettings::url`] |
-//! | `OUTBOX_DATABASE_CONNECT_TIMEOUT_MS` | [`DatabaseSettings::connect_timeout_ms`] |
+//! | `OUTBOX_DATABASE_<SETTING>` | [`DatabaseSettings`] field (`OUTBOX_DATABASE_CONNECT_TIMEOUT_MS`) |
 //! | `KAFKA_BROKERS` | [`KafkaSettings::brokers`] |
 //! | `OUTBOX_KAFKA_<PROPERTY>` | librdkafka property `<property>`: lower case, `_` → `.`, `__` → `_` (`OUTBOX_KAFKA_SASL_PASSWORD` → `sasl.password`) |
 //! | `OUTBOX_RELAY_<SETTING>` | [`RelaySettings`] field (`OUTBOX_RELAY_BATCH_SIZE`); `OUTBOX_LANES` = `OUTBOX_RELAY_LANES` |
@@ -36,7 +36,8 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use serde::Deserialize;
+use outbox_core::LockPolicy;
+use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 
 use crate::error::{Error, Result};
@@ -122,12 +123,35 @@ impl Settings {
                 database.insert(name.to_ascii_lowercase(), (key, value));
             }
         }
-        settings.relay = from_fields(relay)?;
-        settings.consumer = from_fields(consumer)?;
+        settings.relay = from_fields(relay, &["metrics_addr"])?;
+        settings.consumer = from_fields(consumer, &["group", "mode"])?;
         let url = settings.database.url.take();
-        settings.database = from_fields(database)?;
+        settings.database = from_fields(database, &[])?;
         settings.database.url = url;
         Ok(settings)
+    }
+
+    /// Every setting that is set, as `section.name` and a value to show:
+    /// secret Kafka values and the database URL's password as `***`.
+    pub fn entries(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        let mut database = self.database.clone();
+        database.url = database.url.as_deref().map(redact_url);
+        push_section(&mut out, "database", &database);
+        if let Some(brokers) = &self.kafka.brokers {
+            out.push(("kafka.brokers".into(), brokers.clone()));
+        }
+        for (key, value) in &self.kafka.properties {
+            let shown = if kafka::is_secret(key) {
+                kafka::REDACTED
+            } else {
+                value
+            };
+            out.push((format!("kafka.{key}"), shown.to_owned()));
+        }
+        push_section(&mut out, "relay", &self.relay);
+        push_section(&mut out, "consumer", &self.consumer);
+        out
     }
 
     /// These settings with `higher`'s on top: every setting `higher` has
@@ -138,6 +162,21 @@ impl Settings {
             kafka: self.kafka.overlay(higher.kafka),
             relay: self.relay.overlay(higher.relay),
             consumer: self.consumer.overlay(higher.consumer),
+        }
+    }
+}
+
+/// Appends the fields of a settings section that are set, as
+/// `section.field` and their value as text.
+fn push_section(out: &mut Vec<(String, String)>, name: &str, section: &impl Serialize) {
+    if let Ok(serde_json::Value::Object(fields)) = serde_json::to_value(section) {
+        for (field, value) in fields {
+            let shown = match value {
+                serde_json::Value::Null => continue,
+                serde_json::Value::String(s) => s,
+                other => other.to_string(),
+            };
+            out.push((format!("{name}.{field}"), shown));
         }
     }
 }
@@ -159,13 +198,20 @@ fn env_property(variable: &str, name: &str) -> Result<String> {
 }
 
 /// Deserializes a settings section from environment variables (field name
-/// → (variable, value)); values are parsed by the field's type.
+/// → (variable, value)); values are parsed by the field's type (`strings`:
+/// the fields that take text as it is).
 fn from_fields<T: serde::de::DeserializeOwned>(
     fields: BTreeMap<String, (String, String)>,
+    strings: &[&str],
 ) -> Result<T> {
     let mut object = serde_json::Map::new();
     for (field, (_, value)) in &fields {
-        object.insert(field.clone(), env_value(value));
+        let value = if strings.contains(&field.as_str()) {
+            value.as_str().into()
+        } else {
+            env_value(value)
+        };
+        object.insert(field.clone(), value);
     }
     serde_json::from_value(serde_json::Value::Object(object)).map_err(|error| {
         // Name the variable, not the field: the message is for whoever set it.
@@ -205,7 +251,7 @@ fn env_value(value: &str) -> serde_json::Value {
 /// The database: its URL (with `sslmode`, `sslrootcert`, `sslcert`,
 /// `sslkey` for TLS) and the connect timeout. `Debug` hides the URL's
 /// password.
-#[derive(Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 #[non_exhaustive]
 pub struct DatabaseSettings {
@@ -214,6 +260,11 @@ pub struct DatabaseSettings {
     /// How long to wait for a connection (TCP, TLS and authentication);
     /// default 10 s.
     pub connect_timeout_ms: Option<u64>,
+    /// Schema changes (migrations, `outbox notify on|off`): how long one
+    /// attempt waits for a table lock (default 2 s; see [`LockPolicy`]).
+    pub lock_timeout_ms: Option<u64>,
+    /// Schema changes: how long to keep trying (default 5 min).
+    pub lock_max_wait_ms: Option<u64>,
 }
 
 impl fmt::Debug for DatabaseSettings {
@@ -221,6 +272,8 @@ impl fmt::Debug for DatabaseSettings {
         f.debug_struct("DatabaseSettings")
             .field("url", &self.url.as_deref().map(redact_url))
             .field("connect_timeout_ms", &self.connect_timeout_ms)
+            .field("lock_timeout_ms", &self.lock_timeout_ms)
+            .field("lock_max_wait_ms", &self.lock_max_wait_ms)
             .finish()
     }
 }
@@ -291,10 +344,22 @@ impl DatabaseSettings {
             .connect_lazy_with(options))
     }
 
-    fn overlay(self, higher: DatabaseSettings) -> DatabaseSettings {
+    /// How schema changes wait for table locks.
+    pub fn lock_policy(&self) -> LockPolicy {
+        let default = LockPolicy::default();
+        LockPolicy::new(
+            self.lock_timeout_ms.map_or(default.lock_timeout, ms),
+            self.lock_max_wait_ms.map_or(default.max_wait, ms),
+        )
+    }
+
+    /// These settings with `higher`'s on top.
+    pub fn overlay(self, higher: DatabaseSettings) -> DatabaseSettings {
         DatabaseSettings {
             url: higher.url.or(self.url),
             connect_timeout_ms: higher.connect_timeout_ms.or(self.connect_timeout_ms),
+            lock_timeout_ms: higher.lock_timeout_ms.or(self.lock_timeout_ms),
+            lock_max_wait_ms: higher.lock_max_wait_ms.or(self.lock_max_wait_ms),
         }
     }
 }
@@ -479,7 +544,7 @@ fn flatten(
 /// Relay settings, each optional (unset: the builder's default). Section
 /// `[relay]`; environment `OUTBOX_RELAY_<FIELD>`; flags of `outbox relay`
 /// with the same names (`--batch-size`).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 #[non_exhaustive]
 pub struct RelaySettings {
@@ -532,7 +597,7 @@ impl RelaySettings {
 
 /// Consumer settings, each optional (unset: the builder's default). Section
 /// `[consumer]`; environment `OUTBOX_CONSUMER_<FIELD>`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 #[non_exhaustive]
 pub struct ConsumerSettings {
@@ -761,7 +826,7 @@ mod tests {
             ("KAFKA_BROKERS", "k:9093"),
             ("OUTBOX_RELAY_BATCH_SIZE", "100"),
             ("OUTBOX_RELAY_LISTEN", "false"),
-            ("OUTBOX_CONSUMER_GROUP", "billing"),
+            ("OUTBOX_CONSUMER_GROUP", "1234"),
             ("OUTBOX_CONSUMER_MODE", "inbox"),
             ("DATABASE_URL", "postgres://u:pw@h/d"),
             ("OUTBOX_DATABASE_CONNECT_TIMEOUT_MS", "2500"),
@@ -774,7 +839,7 @@ mod tests {
         assert_eq!(s.kafka.brokers(), "k:9093");
         assert_eq!(s.relay.batch_size, Some(100));
         assert_eq!(s.relay.listen, Some(false));
-        assert_eq!(s.consumer.group.as_deref(), Some("billing"));
+        assert_eq!(s.consumer.group.as_deref(), Some("1234"));
         assert_eq!(s.consumer.mode.as_deref(), Some("inbox"));
         assert_eq!(s.database.url.as_deref(), Some("postgres://u:pw@h/d"));
         assert_eq!(s.database.connect_timeout(), Duration::from_millis(2500));
@@ -859,7 +924,7 @@ mod tests {
         assert_eq!(redact_url("garbage s3cret"), "***");
         let d = DatabaseSettings {
             url: Some("postgres://u:s3cret@h/d".into()),
-            connect_timeout_ms: None,
+            ..DatabaseSettings::default()
         };
         assert!(!format!("{d:?}").contains("s3cret"));
         assert_eq!(d.password().as_deref(), Some("s3cret"));
