@@ -175,7 +175,71 @@ fn creation_error(error: &KafkaError, config: &ClientConfig) -> Error {
     ))
 }
 
+/// A client context that keeps the client's first distinct errors (and
+/// logs as the default context does).
+#[derive(Default)]
+struct LastError(std::sync::Mutex<Vec<String>>);
+
+impl LastError {
+    /// The errors reported, the first ones first.
+    fn last(&self) -> Option<String> {
+        let errors = self.0.lock().ok()?;
+        (!errors.is_empty()).then(|| errors.join("; "))
+    }
+
+    fn keep(&self, reason: &str) {
+        if let Ok(mut errors) = self.0.lock() {
+            if errors.len() < 3 && !errors.iter().any(|e| e == reason) {
+                errors.push(reason.to_owned());
+            }
+        }
+    }
+}
+
+impl rdkafka::producer::ProducerContext for LastError {
+    type DeliveryOpaque = ();
+    fn delivery(&self, _: &rdkafka::message::DeliveryResult<'_>, _: Self::DeliveryOpaque) {}
+}
+
+impl ClientContext for LastError {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
+        use rdkafka::config::RDKafkaLogLevel as L;
+        match level {
+            L::Emerg | L::Alert | L::Critical | L::Error => {
+                tracing::error!(target: "librdkafka", "{fac} {message}");
+                self.keep(message);
+            }
+            L::Warning => tracing::warn!(target: "librdkafka", "{fac} {message}"),
+            L::Notice | L::Info => tracing::info!(target: "librdkafka", "{fac} {message}"),
+            L::Debug => tracing::debug!(target: "librdkafka", "{fac} {message}"),
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::warn!(target: "librdkafka", %error, reason, "Kafka client error");
+        self.keep(reason);
+    }
+}
+
+/// What goes wrong when a client with `config` asks the brokers for
+/// metadata: librdkafka's last error, if it reports one within a few
+/// seconds. (An admin client never hands its log and error events over.)
+fn last_client_error(config: &ClientConfig) -> Option<String> {
+    use rdkafka::producer::{BaseProducer, Producer};
+    let producer: BaseProducer<LastError> =
+        create_with_context(config, LastError::default()).ok()?;
+    let _ = producer
+        .client()
+        .fetch_metadata(None, Duration::from_secs(3));
+    // Hands the queued log and error events to the context.
+    producer.poll(Duration::from_millis(100));
+    producer.context().last()
+}
+
 /// Creates the topics that do not exist yet; existing ones are left alone.
+/// When no broker answers in time (the admin request's timeout is
+/// librdkafka's `socket.timeout.ms`), the error carries the client's last
+/// error, e.g. a refused certificate.
 pub async fn create_topics(
     brokers: &str,
     overrides: &[(String, String)],
@@ -193,13 +257,39 @@ pub async fn create_topics(
             "replication must be >= 1, got {replication}"
         )));
     }
-    let admin: AdminClient<DefaultClientContext> = create(&client_config(brokers, overrides))?;
+    let mut config = client_config(brokers, overrides);
+    // Errors reach the context even when nothing has set up `log` logging
+    // (rdkafka derives librdkafka's log level from it).
+    if (config.log_level as i32) < (rdkafka::config::RDKafkaLogLevel::Error as i32) {
+        config.set_log_level(rdkafka::config::RDKafkaLogLevel::Error);
+    }
+    let admin: AdminClient<DefaultClientContext> = create(&config)?;
     let new: Vec<NewTopic<'_>> = topics
         .iter()
         .map(|t| NewTopic::new(t, partitions, TopicReplication::Fixed(replication)))
         .collect();
     let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
-    let results = admin.create_topics(&new, &options).await?;
+    let results = match admin.create_topics(&new, &options).await {
+        Ok(results) => results,
+        Err(KafkaError::AdminOp(RDKafkaErrorCode::OperationTimedOut)) => {
+            // No broker answered: say why, as librdkafka tells it (a
+            // refused TLS certificate, a failed login, ...).
+            let probe = config.clone();
+            let last = tokio::task::spawn_blocking(move || last_client_error(&probe))
+                .await
+                .ok()
+                .flatten()
+                .unwrap_or_else(|| "none reported".into());
+            return Err(Error::TopicCreation {
+                topic: topics.join(", "),
+                reason: format!(
+                    "no answer from the brokers ({brokers}) in time; what the client reported: {}",
+                    scrub(&last, &config)
+                ),
+            });
+        }
+        Err(error) => return Err(error.into()),
+    };
     let mut out = Vec::new();
     for result in results {
         match result {

@@ -421,6 +421,12 @@ pub struct PrivateBroker {
 
 impl PrivateBroker {
     pub fn start(port: u16, advertised: u16) -> Self {
+        Self::start_advertising(port, &format!("tcp://127.0.0.1:{advertised}"))
+    }
+
+    /// A broker on `port` that tells clients to connect to `advertised`
+    /// (`tcp://host:port`).
+    pub fn start_advertising(port: u16, advertised: &str) -> Self {
         let bin = std::env::var("TANSU_BIN").unwrap_or_else(|_| "tansu".into());
         let child = std::process::Command::new(bin)
             .args([
@@ -428,7 +434,7 @@ impl PrivateBroker {
                 "--listener-url",
                 &format!("tcp://127.0.0.1:{port}"),
                 "--advertised-listener-url",
-                &format!("tcp://127.0.0.1:{advertised}"),
+                advertised,
                 "--storage-engine",
                 "memory://tansu/",
             ])
