@@ -14,55 +14,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::tls::{Pki, TlsProxy};
+use common::tls::TlsBroker;
 use common::*;
 use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler};
 use outbox_runtime::replay::{self, ReplayFilter, ReplayOptions};
 use outbox_runtime::settings::KafkaSettings;
 use outbox_runtime::{Consumer, Relay, kafka};
 use sqlx::PgPool;
-
-/// A private broker reachable only through a TLS endpoint for `localhost`.
-struct TlsBroker {
-    pki: Pki,
-    proxy: TlsProxy,
-    _broker: PrivateBroker,
-}
-
-impl TlsBroker {
-    async fn start() -> Self {
-        let pki = Pki::generate("client");
-        let (broker_port, tls_port) = (free_port(), free_port());
-        let broker =
-            PrivateBroker::start_advertising(broker_port, &format!("tcp://localhost:{tls_port}"));
-        let proxy = TlsProxy::start(
-            tls_port,
-            ([127, 0, 0, 1], broker_port).into(),
-            pki.server_identity(),
-        )
-        .await;
-        Self {
-            pki,
-            proxy,
-            _broker: broker,
-        }
-    }
-
-    /// Client settings: TLS, the CA, `host` as the bootstrap host.
-    fn settings(&self, host: &str, ca: &str) -> KafkaSettings {
-        let mut s = KafkaSettings::default();
-        s.set("bootstrap.servers", format!("{host}:{}", self.proxy.port));
-        s.set("security.protocol", "SSL");
-        s.set("ssl.ca.location", self.pki.path(ca));
-        // `localhost` may also resolve to ::1, where nothing listens.
-        s.set("broker.address.family", "v4");
-        s
-    }
-
-    fn verified(&self) -> KafkaSettings {
-        self.settings("localhost", "ca.pem")
-    }
-}
 
 async fn create(settings: &KafkaSettings, topic: &str) -> outbox_runtime::Result<()> {
     kafka::create_topics(

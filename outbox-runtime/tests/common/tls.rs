@@ -18,6 +18,7 @@ use openssl::x509::extension::{
     BasicConstraints, ExtendedKeyUsage, KeyUsage, SubjectAlternativeName,
 };
 use openssl::x509::{X509, X509NameBuilder};
+use outbox_runtime::settings::KafkaSettings;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
@@ -238,5 +239,50 @@ impl TlsProxy {
 impl Drop for TlsProxy {
     fn drop(&mut self) {
         self.accept.abort();
+    }
+}
+
+/// A private broker reachable only through a TLS endpoint for `localhost`.
+pub struct TlsBroker {
+    pub pki: Pki,
+    pub proxy: TlsProxy,
+    _broker: super::PrivateBroker,
+}
+
+impl TlsBroker {
+    pub async fn start() -> Self {
+        let pki = Pki::generate("client");
+        let (broker_port, tls_port) = (super::free_port(), super::free_port());
+        let broker = super::PrivateBroker::start_advertising(
+            broker_port,
+            &format!("tcp://localhost:{tls_port}"),
+        );
+        let proxy = TlsProxy::start(
+            tls_port,
+            ([127, 0, 0, 1], broker_port).into(),
+            pki.server_identity(),
+        )
+        .await;
+        Self {
+            pki,
+            proxy,
+            _broker: broker,
+        }
+    }
+
+    /// Client settings: TLS, the CA file `ca` of the PKI, `host` as the
+    /// bootstrap host.
+    pub fn settings(&self, host: &str, ca: &str) -> KafkaSettings {
+        let mut s = KafkaSettings::default();
+        s.set("bootstrap.servers", format!("{host}:{}", self.proxy.port));
+        s.set("security.protocol", "SSL");
+        s.set("ssl.ca.location", self.pki.path(ca));
+        // `localhost` may also resolve to ::1, where nothing listens.
+        s.set("broker.address.family", "v4");
+        s
+    }
+
+    pub fn verified(&self) -> KafkaSettings {
+        self.settings("localhost", "ca.pem")
     }
 }
