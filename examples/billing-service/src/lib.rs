@@ -140,6 +140,9 @@ mod tests {
         };
         let shown = format!("{config:?}");
         assert!(!shown.contains("s3cret"), "{shown}");
-        assert!(shown.contains("postgres://billing:***@db/billing"), "{shown}");
+        assert!(
+            shown.contains("postgres://billing:***@db/billing"),
+            "{shown}"
+        );
     }
 }

@@ -493,8 +493,10 @@ pub fn signal(pid: u32, sig: &str) {
 /// The `outbox` binary: built for the tests and benchmarks of the
 /// `outbox-cli` package, which include this module.
 pub fn outbox_bin() -> &'static str {
-    option_env!("CARGO_BIN_EXE_outbox")
-        .expect("the `outbox` binary is built only for the outbox-cli package's tests")
+    match option_env!("CARGO_BIN_EXE_outbox") {
+        Some(bin) => bin,
+        None => panic!("the `outbox` binary is built only for the outbox-cli package's tests"),
+    }
 }
 
 /// Starts `outbox relay` (the CLI binary built with these tests) against
