@@ -910,6 +910,55 @@ mod tests {
         );
     }
 
+    #[tokio::test]
+    async fn builders_take_the_settings_that_are_set() {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://u@127.0.0.1:1/d")
+            .unwrap();
+        let s = Settings::from_vars([
+            ("KAFKA_BROKERS", "k:1"),
+            ("OUTBOX_KAFKA_CLIENT_ID", "c"),
+            ("OUTBOX_RELAY_BATCH_SIZE", "10"),
+            ("OUTBOX_RELAY_RETRY_BACKOFF_MAX_MS", "7000"),
+            ("OUTBOX_RELAY_STATEMENT_TIMEOUT_MS", "1500"),
+            ("OUTBOX_CONSUMER_GROUP", "g"),
+            ("OUTBOX_CONSUMER_MODE", "inbox"),
+            ("OUTBOX_CONSUMER_OUTAGE_BACKOFF_MS", "300"),
+        ])
+        .unwrap();
+        let relay = crate::Relay::builder(pool.clone())
+            .retry_backoff(ms(40), ms(50))
+            .kafka(&s.kafka)
+            .settings(&s.relay);
+        let r = relay.current();
+        assert_eq!((r.brokers.as_str(), r.batch_size), ("k:1", 10));
+        assert_eq!(r.kafka_settings, vec![("client.id".into(), "c".into())]);
+        // Only the maximum was set: the first delay stays as it was.
+        assert_eq!((r.retry_backoff, r.retry_backoff_max), (ms(40), ms(7000)));
+        assert_eq!(r.statement_timeout, ms(1500));
+        assert_eq!(r.lanes, 16, "unset: the default");
+        let consumer = crate::Consumer::builder(pool)
+            .kafka(&s.kafka)
+            .settings(&s.consumer)
+            .unwrap();
+        let c = consumer.current();
+        assert_eq!((c.group.as_str(), c.mode), ("g", Mode::Inbox));
+        assert_eq!(
+            (c.outage_backoff, c.outage_backoff_max),
+            (ms(300), Duration::from_secs(5))
+        );
+        let mut bad = ConsumerSettings::default();
+        bad.mode = Some("fast".into());
+        let error = crate::Consumer::builder(
+            sqlx::postgres::PgPoolOptions::new()
+                .connect_lazy("postgres://u@127.0.0.1:1/d")
+                .unwrap(),
+        )
+        .settings(&bad)
+        .unwrap_err();
+        assert!(error.to_string().contains("dedup or inbox"), "{error}");
+    }
+
     #[test]
     fn urls_lose_their_passwords() {
         assert_eq!(
