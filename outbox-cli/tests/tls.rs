@@ -1,7 +1,8 @@
 //! The `outbox` command over TLS: PostgreSQL with `sslmode=verify-full` and
 //! a CA made at test time (a wrong CA or host name is refused with a hint),
 //! and Kafka through a TLS endpoint, its settings from the environment and
-//! a configuration file: topics, the relay, replay.
+//! a configuration file: topics, the relay, replay; a SCRAM login with the
+//! password from the environment, and a flag's password winning over it.
 
 #[path = "../../outbox-runtime/tests/common/mod.rs"]
 mod common;
@@ -10,6 +11,7 @@ use std::process::Output;
 use std::time::Duration;
 
 use common::pg::PrivatePostgres;
+use common::sasl::SaslBroker;
 use common::tls::{Pki, TlsBroker};
 use common::*;
 use sqlx::PgPool;
@@ -147,4 +149,56 @@ async fn kafka_over_tls_from_the_environment_and_a_file(pool: PgPool) {
         "{}",
         text(&o)
     );
+}
+
+#[tokio::test]
+async fn kafka_scram_password_from_the_environment() {
+    let broker = SaslBroker::start().await;
+    let settings = broker.settings("SCRAM-SHA-512", "unused");
+    let env: Vec<(String, String)> = settings
+        .properties
+        .iter()
+        .filter(|(k, _)| *k != "sasl.password")
+        .map(|(k, v)| {
+            (
+                format!("OUTBOX_KAFKA_{}", k.to_uppercase().replace('.', "_")),
+                v.clone(),
+            )
+        })
+        .chain([
+            ("KAFKA_BROKERS".to_owned(), settings.brokers().to_owned()),
+            (
+                "OUTBOX_KAFKA_SOCKET_TIMEOUT_MS".to_owned(),
+                "2000".to_owned(),
+            ),
+        ])
+        .collect();
+    let with = |password: &str| -> Vec<(String, String)> {
+        let mut env = env.clone();
+        env.push(("OUTBOX_KAFKA_SASL_PASSWORD".into(), password.into()));
+        env
+    };
+    let run = |env: Vec<(String, String)>, args: Vec<&'static str>| async move {
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        outbox(&env, &args).await
+    };
+    let o = run(with("s3cret-pw"), vec!["topics", "create", "scram-env"]).await;
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("scram-env: created"), "{}", text(&o));
+    let o = run(with("wrong"), vec!["topics", "create", "scram-wrong"]).await;
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("invalid credentials"), "{}", text(&o));
+    // A -X flag beats the environment.
+    let o = run(
+        with("wrong"),
+        vec![
+            "topics",
+            "create",
+            "scram-flag",
+            "-X",
+            "sasl.password=s3cret-pw",
+        ],
+    )
+    .await;
+    assert!(o.status.success(), "{}", text(&o));
 }

@@ -3,11 +3,13 @@
 //! topic back, a TCP proxy that can cut or delay connections, a private
 //! broker process, and the `outbox relay` process (for the tests of the
 //! `outbox-cli` package, which include this module); a private PostgreSQL
-//! server in [`pg`], certificates and a TLS-terminating proxy in [`tls`].
+//! server in [`pg`], certificates and a TLS-terminating proxy in [`tls`], a
+//! SASL-authenticating one in [`sasl`].
 
 #![allow(dead_code)]
 
 pub mod pg;
+pub mod sasl;
 pub mod tls;
 
 use std::collections::HashMap;
