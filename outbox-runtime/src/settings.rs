@@ -947,8 +947,10 @@ mod tests {
             (c.outage_backoff, c.outage_backoff_max),
             (ms(300), Duration::from_secs(5))
         );
-        let mut bad = ConsumerSettings::default();
-        bad.mode = Some("fast".into());
+        let bad = ConsumerSettings {
+            mode: Some("fast".into()),
+            ..ConsumerSettings::default()
+        };
         let error = crate::Consumer::builder(
             sqlx::postgres::PgPoolOptions::new()
                 .connect_lazy("postgres://u@127.0.0.1:1/d")
