@@ -135,9 +135,24 @@ impl Settings {
     /// secret Kafka values and the database URL's password as `***`.
     pub fn entries(&self) -> Vec<(String, String)> {
         let mut out = Vec::new();
-        let mut database = self.database.clone();
-        database.url = database.url.as_deref().map(redact_url);
-        push_section(&mut out, "database", &database);
+        let d = &self.database;
+        let database = [
+            ("url", d.url.as_deref().map(redact_url)),
+            (
+                "connect_timeout_ms",
+                d.connect_timeout_ms.map(|n| n.to_string()),
+            ),
+            ("lock_timeout_ms", d.lock_timeout_ms.map(|n| n.to_string())),
+            (
+                "lock_max_wait_ms",
+                d.lock_max_wait_ms.map(|n| n.to_string()),
+            ),
+        ];
+        for (name, value) in database {
+            if let Some(value) = value {
+                out.push((format!("database.{name}"), value));
+            }
+        }
         if let Some(brokers) = &self.kafka.brokers {
             out.push(("kafka.brokers".into(), brokers.clone()));
         }
@@ -251,7 +266,7 @@ fn env_value(value: &str) -> serde_json::Value {
 /// The database: its URL (with `sslmode`, `sslrootcert`, `sslcert`,
 /// `sslkey` for TLS) and the connect timeout. `Debug` hides the URL's
 /// password.
-#[derive(Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 #[non_exhaustive]
 pub struct DatabaseSettings {
