@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Makes the services the tests and the demo need ready, idempotently:
+#   - the system OpenSSL headers and pkg-config that the TLS builds of
+#     librdkafka and sqlx link against (Debian packages, installed if missing),
 #   - PostgreSQL on 127.0.0.1:5432 (started if installed but down; installed if missing),
 #   - a Kafka-protocol broker (tansu) on 127.0.0.1:9092 (installed with cargo if missing).
 # Fast when everything is already up. PID files and logs: $OUTBOX_SERVICES_DIR
@@ -32,6 +34,17 @@ wait_port() { # host port seconds what
     done
     log "$4 did not open $1:$2 within $3 s"
     return 1
+}
+
+build_deps_up() {
+    command -v dpkg >/dev/null 2>&1 || return 0
+    local missing=()
+    dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
+    command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+    if ((${#missing[@]})); then
+        log "installing ${missing[*]} (OpenSSL for the TLS builds of librdkafka and sqlx)"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    fi
 }
 
 postgres_up() {
@@ -101,6 +114,7 @@ broker_stop() {
 
 case "${1:-start}" in
 start)
+    build_deps_up
     postgres_up
     broker_up
     log "ready: postgres://postgres@$PG_HOST:$PG_PORT, kafka $KAFKA_HOST:$KAFKA_PORT"

@@ -94,8 +94,8 @@
 pub use outbox_core::{
     Aggregate, AggregateRoot, BoxError, CommandFuture, CommandHandler, CommandOutput, Committed,
     DomainEvent, Error, HandlerArg, HandlerContext, HandlerFuture, Headers, InboxHandler,
-    InboxOutput, IncomingEvent, MIGRATOR, OutboxMessage, PendingEvents, Result, TraceParent,
-    UnitOfWork, execute, migrate, trace,
+    InboxOutput, IncomingEvent, LockPolicy, MIGRATOR, OutboxMessage, PendingEvents, Result,
+    TraceParent, UnitOfWork, execute, migrate, migrate_with, trace,
 };
 
 /// `#[derive(DomainEvent)]`: see [`DomainEvent`] for the `#[event(...)]` attributes.

@@ -89,6 +89,20 @@ pub enum Error {
     /// Applying the embedded migrations failed.
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+
+    /// A schema change kept finding its table locked (each attempt gave up
+    /// after its `lock_timeout`) until its maximum wait passed.
+    #[error(
+        "{what}: the tables stayed locked by other transactions (long transactions on outbox_event?) through {attempts} attempts over {waited:.1?}; nothing was changed by the last attempt; run it again or raise the maximum wait"
+    )]
+    LockTimeout {
+        /// The change (`migrations`, `notify off`).
+        what: String,
+        /// Attempts made.
+        attempts: u32,
+        /// Time spent trying.
+        waited: std::time::Duration,
+    },
 }
 
 /// `Result` with this crate's [`Error`] as the default error type.

@@ -25,7 +25,7 @@ pub use handler::{
     BoxError, HandlerArg, HandlerContext, HandlerFuture, InboxHandler, InboxOutput, IncomingEvent,
 };
 pub use message::{Headers, OutboxMessage, RESERVED_HEADERS};
-pub use migrate::{MIGRATOR, migrate};
+pub use migrate::{LockPolicy, MIGRATOR, migrate, migrate_with};
 pub use trace::TraceParent;
 pub use uow::{Committed, KEY_LOCK_CLASS, UnitOfWork, insert_messages};
 

@@ -10,7 +10,7 @@ pub enum Error {
 
     /// A Kafka client operation failed.
     #[error("kafka error: {0}")]
-    Kafka(#[from] rdkafka::error::KafkaError),
+    Kafka(rdkafka::error::KafkaError),
 
     /// An error of the core crate (Unit of Work, payloads, migrations).
     #[error(transparent)]
@@ -50,6 +50,14 @@ pub enum Error {
     /// A background task panicked or was aborted.
     #[error("background task failed: {0}")]
     Task(String),
+}
+
+impl From<rdkafka::error::KafkaError> for Error {
+    /// Wraps a Kafka error; a configuration error about a secret setting
+    /// loses the rejected value (librdkafka echoes it).
+    fn from(error: rdkafka::error::KafkaError) -> Self {
+        Error::Kafka(crate::kafka::scrub_error(error))
+    }
 }
 
 /// `Result` with this crate's [`Error`] as the default error type.

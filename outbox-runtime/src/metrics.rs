@@ -92,8 +92,21 @@ pub(crate) async fn relay_task(pool: PgPool, stats: Arc<RelayStats>, shutdown: C
     copy(stats.snapshot());
 }
 
+/// Samples the backlog gauges; the query gives up (`statement_timeout`)
+/// when the next sample is due.
 async fn sample_backlog(pool: &PgPool) {
-    let row: Result<(i64, Option<f64>, i64), _> = sqlx::query_as(BACKLOG).fetch_one(pool).await;
+    let row: Result<(i64, Option<f64>, i64), sqlx::Error> = async {
+        let mut tx = pool
+            .begin_with(format!(
+                "BEGIN READ ONLY; SET LOCAL statement_timeout = {}",
+                BACKLOG_INTERVAL.as_millis()
+            ))
+            .await?;
+        let row = sqlx::query_as(BACKLOG).fetch_one(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(row)
+    }
+    .await;
     match row {
         Ok((backlog, oldest, parked)) => {
             gauge!("outbox_backlog_events").set(backlog as f64);

@@ -11,6 +11,7 @@
 
 use std::time::Duration;
 
+use outbox_core::LockPolicy;
 use serde::Serialize;
 use sqlx::PgPool;
 
@@ -210,14 +211,30 @@ pub async fn notify_enabled(pool: &PgPool) -> Result<bool> {
     Ok(enabled.unwrap_or(false))
 }
 
-/// Enables or disables the commit-time NOTIFY (relays then poll).
+/// Enables or disables the commit-time NOTIFY (relays then poll), waiting
+/// for the table lock as [`LockPolicy::default`] says.
 pub async fn set_notify(pool: &PgPool, on: bool) -> Result<()> {
+    set_notify_with(pool, on, &LockPolicy::default()).await
+}
+
+/// [`set_notify`] with another lock policy: `ALTER TABLE` needs the table's
+/// exclusive lock; each attempt waits at most `lock_timeout` for it, so
+/// writers never queue behind it for longer.
+pub async fn set_notify_with(pool: &PgPool, on: bool, policy: &LockPolicy) -> Result<()> {
     let sql = if on {
         "ALTER TABLE outbox_event ENABLE TRIGGER outbox_event_notify"
     } else {
         "ALTER TABLE outbox_event DISABLE TRIGGER outbox_event_notify"
     };
-    sqlx::query(sql).execute(pool).await?;
+    let what = if on { "notify on" } else { "notify off" };
+    policy
+        .retry(what, || async {
+            let mut conn = policy.connect(pool).await?;
+            sqlx::query(sql).execute(&mut conn).await?;
+            let _ = sqlx::Connection::close(conn).await;
+            Ok(())
+        })
+        .await?;
     Ok(())
 }
 

@@ -55,8 +55,8 @@ pub struct ReplayFilter {
     pub aggregate_id: Option<String>,
 }
 
-/// A replay run's settings.
-#[derive(Debug, Clone)]
+/// A replay run's settings. `Debug` redacts secret Kafka settings.
+#[derive(Clone)]
 pub struct ReplayOptions {
     /// Kafka bootstrap servers.
     pub brokers: String,
@@ -73,6 +73,30 @@ pub struct ReplayOptions {
     pub max_attempts: u32,
     /// librdkafka `message.timeout.ms`.
     pub delivery_timeout: Duration,
+}
+
+impl std::fmt::Debug for ReplayOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Destructured without `..`: a new field must be added here.
+        let Self {
+            brokers,
+            kafka_settings,
+            filter,
+            to_topic,
+            batch_size,
+            max_attempts,
+            delivery_timeout,
+        } = self;
+        f.debug_struct("ReplayOptions")
+            .field("brokers", brokers)
+            .field("kafka_settings", &kafka::Redacted(kafka_settings))
+            .field("filter", filter)
+            .field("to_topic", to_topic)
+            .field("batch_size", batch_size)
+            .field("max_attempts", max_attempts)
+            .field("delivery_timeout", delivery_timeout)
+            .finish()
+    }
 }
 
 impl ReplayOptions {

@@ -410,15 +410,17 @@ async fn a_failing_handler_is_dead_lettered_after_max_attempts_and_retry_redrive
             .contains("\"fail\":true")
     );
 
-    // The CLI lists it and re-drives it once the handler is fixed.
+    // Re-driven (what `outbox dead-letters retry` does) once the handler is
+    // fixed.
     failing.store(false, Ordering::SeqCst);
-    let url = database_url(&pool);
-    let out = outbox_cli(&url, &["dead-letters", "list", "--json"]).await;
-    let listed: serde_json::Value = serde_json::from_str(&out).expect("JSON list");
-    assert_eq!(listed[0]["reason"], "handler_failed");
-    let id = letter.id.to_string();
-    let out = outbox_cli(&url, &["dead-letters", "retry", "--id", &id]).await;
-    assert!(out.contains("marked 1"), "{out}");
+    let listed = dead_letter::list(&pool, &DeadLetterFilter::new())
+        .await
+        .unwrap();
+    assert_eq!(listed[0].reason, "handler_failed");
+    let marked = dead_letter::retry(&pool, None, Some(&[letter.id]))
+        .await
+        .unwrap();
+    assert_eq!(marked, 1);
     assert!(
         eventually(Duration::from_secs(10), || async {
             handle.counts().redriven == 1
@@ -430,8 +432,7 @@ async fn a_failing_handler_is_dead_lettered_after_max_attempts_and_retry_redrive
     assert_eq!(effects_of(&pool, &[poison]).await, vec![1]);
     let calls_before = calls.load(Ordering::SeqCst);
     // Retrying a resolved dead letter does nothing.
-    let out = outbox_cli(&url, &["dead-letters", "retry", "--all"]).await;
-    assert!(out.contains("marked 0"), "{out}");
+    assert_eq!(dead_letter::retry(&pool, None, None).await.unwrap(), 0);
     let resolved = dead_letter::list(&pool, &DeadLetterFilter::new().statuses(["resolved"]))
         .await
         .unwrap();
@@ -440,24 +441,7 @@ async fn a_failing_handler_is_dead_lettered_after_max_attempts_and_retry_redrive
     assert_eq!(calls.load(Ordering::SeqCst), calls_before);
     handle.shutdown().await.unwrap();
     assert_eq!(effects_of(&pool, &[poison]).await, vec![1]);
-    let out = outbox_cli(&url, &["dead-letters", "drop", "--all"]).await;
-    assert!(out.contains("dropped 1"), "{out}");
-}
-
-async fn outbox_cli(url: &str, args: &[&str]) -> String {
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .args(args)
-        .env("DATABASE_URL", url)
-        .env("RUST_LOG", "warn")
-        .output()
-        .await
-        .expect("run outbox");
-    assert!(
-        out.status.success(),
-        "outbox {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    assert_eq!(dead_letter::discard(&pool, None, None).await.unwrap(), 1);
 }
 
 test_event!(BadEvent, "consumer-test-malformed");

@@ -11,6 +11,7 @@
 use demo_events::{OrderCreated, PaymentCaptured};
 use outbox::BoxError;
 use outbox::prelude::*;
+use outbox::runtime::settings::{KafkaSettings, redact_url};
 use outbox::runtime::{CancellationToken, Consumer, Mode, Relay};
 use sqlx::PgPool;
 use sqlx::migrate::Migrator;
@@ -51,30 +52,44 @@ pub async fn charge_order(
     Ok(())
 }
 
-/// The service's settings, from the environment.
-#[derive(Debug, Clone)]
+/// The service's settings, from the environment. `Debug` hides the
+/// database password and the Kafka secrets.
+#[derive(Clone)]
 pub struct Config {
-    /// `DATABASE_URL` (default: the local `postgres` database).
+    /// `DATABASE_URL` (default: the local `postgres` database); TLS with
+    /// `?sslmode=verify-full&sslrootcert=ca.pem`.
     pub database_url: String,
-    /// `KAFKA_BROKERS` (default `127.0.0.1:9092`).
-    pub brokers: String,
+    /// `KAFKA_BROKERS` (default `127.0.0.1:9092`) and any librdkafka
+    /// setting as `OUTBOX_KAFKA_<PROPERTY>` (TLS, SASL).
+    pub kafka: KafkaSettings,
     /// `CONSUMER_GROUP`: the orders consumer's group (default `billing`).
     pub group: String,
 }
 
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("database_url", &redact_url(&self.database_url))
+            .field("kafka", &self.kafka)
+            .field("group", &self.group)
+            .finish()
+    }
+}
+
 impl Config {
-    /// Reads the settings.
-    pub fn from_env() -> Self {
+    /// Reads the settings; a malformed `OUTBOX_KAFKA_*` variable is an
+    /// error naming it.
+    pub fn from_env() -> Result<Self, BoxError> {
         let var =
             |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
-        Self {
+        Ok(Self {
             database_url: var(
                 "DATABASE_URL",
                 "postgres://postgres@127.0.0.1:5432/postgres",
             ),
-            brokers: var("KAFKA_BROKERS", "127.0.0.1:9092"),
+            kafka: KafkaSettings::from_env()?,
             group: var("CONSUMER_GROUP", "billing"),
-        }
+        })
     }
 }
 
@@ -88,12 +103,10 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), BoxE
         .connect(&config.database_url)
         .await?;
     migrate(&pool).await?;
-    let relay = Relay::builder(pool.clone())
-        .brokers(&config.brokers)
-        .spawn()?;
+    let relay = Relay::builder(pool.clone()).kafka(&config.kafka).spawn()?;
     let consumer = Consumer::builder(pool.clone())
         .group(&config.group)
-        .brokers(&config.brokers)
+        .kafka(&config.kafka)
         // Latency over fetch requests: ask the broker to answer a fetch
         // within 50 ms when it has nothing new (librdkafka's default is
         // 500 ms, and some brokers hold every fetch that long).
@@ -110,4 +123,26 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), BoxE
     relay_stopped?;
     tracing::info!("billing service stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_debug_hides_secrets() {
+        let mut kafka = KafkaSettings::default();
+        kafka.set("sasl.password", "kafka-s3cret");
+        let config = Config {
+            database_url: "postgres://billing:db-s3cret@db/billing".into(),
+            kafka,
+            group: "billing".into(),
+        };
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(
+            shown.contains("postgres://billing:***@db/billing"),
+            "{shown}"
+        );
+    }
 }

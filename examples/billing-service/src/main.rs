@@ -14,7 +14,13 @@ async fn main() -> std::process::ExitCode {
         )
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let config = Config::from_env();
+    let config = match Config::from_env() {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("billing-service: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
     let shutdown = CancellationToken::new();
     tokio::spawn(stop_on_signal(shutdown.clone()));
     match run(config, shutdown).await {

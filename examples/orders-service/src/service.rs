@@ -8,6 +8,7 @@
 use std::net::SocketAddr;
 
 use outbox::BoxError;
+use outbox::runtime::settings::{KafkaSettings, redact_url};
 use outbox::runtime::{CancellationToken, Consumer, Mode, Relay};
 use sqlx::postgres::PgPoolOptions;
 use tokio::net::TcpListener;
@@ -16,20 +17,35 @@ use crate::api::router;
 use crate::payments::mark_paid;
 
 /// The service's settings, read from the environment by [`Config::from_env`].
-#[derive(Debug, Clone)]
+/// `Debug` hides the database password and the Kafka secrets.
+#[derive(Clone)]
 pub struct Config {
-    /// `DATABASE_URL` (default: the local `postgres` database).
+    /// `DATABASE_URL` (default: the local `postgres` database); TLS with
+    /// `?sslmode=verify-full&sslrootcert=ca.pem`.
     pub database_url: String,
-    /// `KAFKA_BROKERS` (default `127.0.0.1:9092`).
-    pub brokers: String,
+    /// `KAFKA_BROKERS` (default `127.0.0.1:9092`) and any librdkafka
+    /// setting as `OUTBOX_KAFKA_<PROPERTY>` (TLS, SASL).
+    pub kafka: KafkaSettings,
     /// `LISTEN_ADDR` (default `127.0.0.1:3000`).
     pub listen: SocketAddr,
     /// `CONSUMER_GROUP`: the payments consumer's group (default `orders`).
     pub group: String,
 }
 
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("database_url", &redact_url(&self.database_url))
+            .field("kafka", &self.kafka)
+            .field("listen", &self.listen)
+            .field("group", &self.group)
+            .finish()
+    }
+}
+
 impl Config {
-    /// Reads the settings; a malformed `LISTEN_ADDR` is an error naming it.
+    /// Reads the settings; a malformed `LISTEN_ADDR` or `OUTBOX_KAFKA_*`
+    /// variable is an error naming it.
     pub fn from_env() -> Result<Self, BoxError> {
         let var =
             |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
@@ -39,7 +55,7 @@ impl Config {
                 "DATABASE_URL",
                 "postgres://postgres@127.0.0.1:5432/postgres",
             ),
-            brokers: var("KAFKA_BROKERS", "127.0.0.1:9092"),
+            kafka: KafkaSettings::from_env()?,
             listen: listen
                 .parse()
                 .map_err(|e| format!("LISTEN_ADDR={listen:?} is not a socket address: {e}"))?,
@@ -58,12 +74,10 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), BoxE
         .await?;
     crate::migrate(&pool).await?;
 
-    let relay = Relay::builder(pool.clone())
-        .brokers(&config.brokers)
-        .spawn()?;
+    let relay = Relay::builder(pool.clone()).kafka(&config.kafka).spawn()?;
     let consumer = Consumer::builder(pool.clone())
         .group(&config.group)
-        .brokers(&config.brokers)
+        .kafka(&config.kafka)
         // Latency over fetch requests: ask the broker to answer a fetch
         // within 50 ms when it has nothing new (librdkafka's default is
         // 500 ms, and some brokers hold every fetch that long).
@@ -87,4 +101,24 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), BoxE
     consumer_stopped?;
     tracing::info!("orders service stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_debug_hides_secrets() {
+        let mut kafka = KafkaSettings::default();
+        kafka.set("sasl.password", "kafka-s3cret");
+        let config = Config {
+            database_url: "postgres://orders:db-s3cret@db/orders".into(),
+            kafka,
+            listen: "127.0.0.1:3000".parse().unwrap(),
+            group: "orders".into(),
+        };
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(shown.contains("postgres://orders:***@db/orders"), "{shown}");
+    }
 }

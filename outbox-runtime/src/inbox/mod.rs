@@ -93,8 +93,8 @@ const ENFORCED: &[(&str, &str)] = &[
 ];
 
 /// Consumer settings. Build with [`Consumer::builder`]; readable with
-/// [`Consumer::config`].
-#[derive(Debug, Clone)]
+/// [`Consumer::config`]. `Debug` redacts secret Kafka settings.
+#[derive(Clone)]
 #[non_exhaustive]
 pub struct ConsumerConfig {
     /// The consumer group id, also the `processed_event.consumer` and
@@ -139,6 +139,54 @@ pub struct ConsumerConfig {
     /// Inbox mode: processor tasks in this process (0: store only).
     pub processors: usize,
     commit_offsets: bool,
+}
+
+impl std::fmt::Debug for ConsumerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Destructured without `..`: a new field must be added here.
+        let Self {
+            group,
+            brokers,
+            kafka_settings,
+            mode,
+            batch_size,
+            batch_linger,
+            max_attempts,
+            retry_backoff,
+            retry_backoff_max,
+            handler_timeout,
+            outage_backoff,
+            outage_backoff_max,
+            max_payload_bytes,
+            redrive_interval,
+            writers,
+            processor_batch_size,
+            processor_poll_interval,
+            processors,
+            commit_offsets,
+        } = self;
+        f.debug_struct("ConsumerConfig")
+            .field("group", group)
+            .field("brokers", brokers)
+            .field("kafka_settings", &kafka::Redacted(kafka_settings))
+            .field("mode", mode)
+            .field("batch_size", batch_size)
+            .field("batch_linger", batch_linger)
+            .field("max_attempts", max_attempts)
+            .field("handler_timeout", handler_timeout)
+            .field("retry_backoff", retry_backoff)
+            .field("retry_backoff_max", retry_backoff_max)
+            .field("outage_backoff", outage_backoff)
+            .field("outage_backoff_max", outage_backoff_max)
+            .field("max_payload_bytes", max_payload_bytes)
+            .field("redrive_interval", redrive_interval)
+            .field("writers", writers)
+            .field("processor_batch_size", processor_batch_size)
+            .field("processor_poll_interval", processor_poll_interval)
+            .field("processors", processors)
+            .field("commit_offsets", commit_offsets)
+            .finish()
+    }
 }
 
 impl ConsumerConfig {
@@ -382,6 +430,10 @@ impl ConsumerBuilder {
     pub fn processors(mut self, n: usize) -> Self {
         self.config.processors = n;
         self
+    }
+    /// The configuration so far.
+    pub(crate) fn current(&self) -> &ConsumerConfig {
+        &self.config
     }
     /// Test support: never commit offsets, as if the process died after
     /// each database commit and before the offset commit.

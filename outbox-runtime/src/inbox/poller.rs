@@ -396,10 +396,13 @@ impl Poller {
     }
 
     fn create(settings: &PollerSettings, shared: &Arc<Shared>) -> Result<BaseConsumer<Context>> {
-        let consumer: BaseConsumer<Context> = settings.client.create_with_context(Context {
-            shared: shared.clone(),
-            group: settings.group.clone(),
-        })?;
+        let consumer: BaseConsumer<Context> = crate::kafka::create_with_context(
+            &settings.client,
+            Context {
+                shared: shared.clone(),
+                group: settings.group.clone(),
+            },
+        )?;
         let topics: Vec<&str> = settings.topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topics)?;
         Ok(consumer)

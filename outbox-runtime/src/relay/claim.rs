@@ -113,17 +113,25 @@ const BEGIN: &str = "BEGIN; SET LOCAL enable_seqscan = off";
 
 /// Claims up to `limit` unpublished rows, skipping rows other relays hold and
 /// the keys and topics currently blocked by failures; with `lanes`, only rows
-/// of those lanes (none when the relay owns no lane).
+/// of those lanes (none when the relay owns no lane). Every statement of the
+/// claim's transaction (the mark too) runs with `statement_timeout`.
 pub(crate) async fn claim(
     pool: &PgPool,
     limit: i64,
     blocked_keys: &[String],
     blocked_topics: &[String],
     lanes: Option<&Claimable>,
+    statement_timeout: std::time::Duration,
 ) -> Result<Batch> {
-    let begin: std::borrow::Cow<'static, str> = match lanes {
-        Some(l) if !l.lanes.is_empty() => format!("{BEGIN}; {}", hold_in_use(&l.lanes)).into(),
-        _ => BEGIN.into(),
+    let timeout = format!(
+        "SET LOCAL statement_timeout = {}",
+        statement_timeout.as_millis()
+    );
+    let begin = match lanes {
+        Some(l) if !l.lanes.is_empty() => {
+            format!("{BEGIN}; {timeout}; {}", hold_in_use(&l.lanes))
+        }
+        _ => format!("{BEGIN}; {timeout}"),
     };
     let mut tx = pool.begin_with(begin).await?;
     let rows = match lanes {

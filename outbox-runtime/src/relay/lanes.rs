@@ -206,7 +206,15 @@ impl LaneManager {
     }
 
     async fn connect(&mut self) -> Result<()> {
-        let mut conn = PgConnection::connect_with(&self.pool.connect_options()).await?;
+        // A server that does not answer fails the connect after the pool's
+        // acquire timeout, as the pool's own connections do.
+        let timeout = self.pool.options().get_acquire_timeout();
+        let mut conn = tokio::time::timeout(
+            timeout,
+            PgConnection::connect_with(&self.pool.connect_options()),
+        )
+        .await
+        .map_err(|_| sqlx::Error::PoolTimedOut)??;
         let pid: i32 = sqlx::query_scalar(
             "SELECT pg_backend_pid() FROM
                (SELECT pg_advisory_lock_shared($1, $2), pg_advisory_lock($3, pg_backend_pid())) AS l",

@@ -40,8 +40,9 @@ use crate::backoff::{self, Health};
 use crate::error::{Error, Result};
 use crate::kafka;
 
-/// Relay settings. Build with [`Relay::builder`].
-#[derive(Debug, Clone)]
+/// Relay settings. Build with [`Relay::builder`]. `Debug` redacts secret
+/// Kafka settings.
+#[derive(Clone)]
 pub struct RelayConfig {
     /// Kafka bootstrap servers.
     pub brokers: String,
@@ -71,6 +72,46 @@ pub struct RelayConfig {
     /// use the same count. `0` turns lanes off: relays then only skip each
     /// other's rows, and per-key order holds only with a single relay.
     pub lanes: u16,
+    /// `statement_timeout` of the relay's SQL (claims, marks, lane and
+    /// metrics queries); zero: none. A statement that runs longer fails and
+    /// is retried after the outage back-off.
+    pub statement_timeout: Duration,
+}
+
+impl std::fmt::Debug for RelayConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Destructured without `..`: a new field must be added here.
+        let Self {
+            brokers,
+            kafka_settings,
+            batch_size,
+            poll_interval,
+            listen,
+            max_attempts,
+            retry_backoff,
+            retry_backoff_max,
+            outage_backoff,
+            outage_backoff_max,
+            delivery_timeout,
+            lanes,
+            statement_timeout,
+        } = self;
+        f.debug_struct("RelayConfig")
+            .field("brokers", brokers)
+            .field("kafka_settings", &kafka::Redacted(kafka_settings))
+            .field("batch_size", batch_size)
+            .field("poll_interval", poll_interval)
+            .field("listen", listen)
+            .field("max_attempts", max_attempts)
+            .field("retry_backoff", retry_backoff)
+            .field("retry_backoff_max", retry_backoff_max)
+            .field("outage_backoff", outage_backoff)
+            .field("outage_backoff_max", outage_backoff_max)
+            .field("delivery_timeout", delivery_timeout)
+            .field("lanes", lanes)
+            .field("statement_timeout", statement_timeout)
+            .finish()
+    }
 }
 
 impl Default for RelayConfig {
@@ -88,6 +129,7 @@ impl Default for RelayConfig {
             outage_backoff_max: Duration::from_secs(5),
             delivery_timeout: Duration::from_secs(30),
             lanes: 16,
+            statement_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -115,6 +157,10 @@ impl RelayConfig {
         }
         if self.lanes > 1024 {
             return bad(format!("lanes must be 0..=1024, got {}", self.lanes));
+        }
+        if !self.statement_timeout.is_zero() && self.statement_timeout < Duration::from_millis(100)
+        {
+            return bad("statement timeout must be 0 (none) or >= 100 ms".into());
         }
         Ok(())
     }
@@ -197,6 +243,15 @@ impl RelayBuilder {
     pub fn lanes(mut self, n: u16) -> Self {
         self.config.lanes = n;
         self
+    }
+    /// `statement_timeout` of the relay's SQL (default 30 s; zero: none).
+    pub fn statement_timeout(mut self, d: Duration) -> Self {
+        self.config.statement_timeout = d;
+        self
+    }
+    /// The configuration so far.
+    pub(crate) fn current(&self) -> &RelayConfig {
+        &self.config
     }
     /// Replaces the whole configuration.
     pub fn config(mut self, config: RelayConfig) -> Self {
@@ -517,6 +572,7 @@ impl Loop<'_> {
             let limit = self.config.batch_size as i64;
             let pool = self.pool;
             let claimable = self.lanes.as_ref().map(|l| l.claimable());
+            let statement_timeout = self.config.statement_timeout;
             if let Some(c) = &claimable {
                 if let Ok(mut held) = self.stats.lanes.lock() {
                     held.clone_from(&c.lanes);
@@ -531,7 +587,17 @@ impl Loop<'_> {
             let claim = async move {
                 let start = Instant::now();
                 let claimed = if claim_next {
-                    Some(claim::claim(pool, limit, &keys, &topics, claimable.as_ref()).await)
+                    Some(
+                        claim::claim(
+                            pool,
+                            limit,
+                            &keys,
+                            &topics,
+                            claimable.as_ref(),
+                            statement_timeout,
+                        )
+                        .await,
+                    )
                 } else {
                     None
                 };

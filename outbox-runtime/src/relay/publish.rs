@@ -93,11 +93,11 @@ pub(crate) struct Publisher {
 const ENFORCED: &[(&str, &str)] = &[("enable.idempotence", "true"), ("acks", "all")];
 
 impl Publisher {
-    pub fn new(mut config: ClientConfig) -> Result<Self, KafkaError> {
+    pub fn new(mut config: ClientConfig) -> crate::error::Result<Self> {
         for (key, value) in ENFORCED {
             config.set(*key, *value);
         }
-        let producer = config.create()?;
+        let producer = crate::kafka::create(&config)?;
         Ok(Self { config, producer })
     }
 
@@ -113,7 +113,7 @@ impl Publisher {
     /// Replaces the producer by a new one (new producer id and epoch).
     pub fn recreate(&mut self, reason: &str) -> bool {
         tracing::error!(reason, "producer unusable: recreating it");
-        match self.config.create() {
+        match crate::kafka::create(&self.config) {
             Ok(producer) => {
                 self.producer = producer;
                 true
@@ -133,7 +133,8 @@ impl Publisher {
         let mut config = self.config.clone();
         config.set("enable.idempotence", "false");
         tokio::task::spawn_blocking(move || {
-            let Ok(client) = config.create::<rdkafka::producer::BaseProducer>() else {
+            let Ok(client) = crate::kafka::create::<rdkafka::producer::BaseProducer>(&config)
+            else {
                 return false;
             };
             client.client().fetch_metadata(None, timeout).is_ok()

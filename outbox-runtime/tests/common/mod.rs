@@ -1,9 +1,16 @@
 //! Shared helpers of the runtime's integration tests: the broker address,
 //! unique topics, committing messages through a Unit of Work, reading a
 //! topic back, a TCP proxy that can cut or delay connections, a private
-//! broker process, and the `outbox relay` process.
+//! broker process, and the `outbox relay` process (for the tests of the
+//! `outbox-cli` package, which include this module); a private PostgreSQL
+//! server in [`pg`], certificates and a TLS-terminating proxy in [`tls`], a
+//! SASL-authenticating one in [`sasl`].
 
 #![allow(dead_code)]
+
+pub mod pg;
+pub mod sasl;
+pub mod tls;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -426,6 +433,12 @@ pub struct PrivateBroker {
 
 impl PrivateBroker {
     pub fn start(port: u16, advertised: u16) -> Self {
+        Self::start_advertising(port, &format!("tcp://127.0.0.1:{advertised}"))
+    }
+
+    /// A broker on `port` that tells clients to connect to `advertised`
+    /// (`tcp://host:port`).
+    pub fn start_advertising(port: u16, advertised: &str) -> Self {
         let bin = std::env::var("TANSU_BIN").unwrap_or_else(|_| "tansu".into());
         let child = std::process::Command::new(bin)
             .args([
@@ -433,7 +446,7 @@ impl PrivateBroker {
                 "--listener-url",
                 &format!("tcp://127.0.0.1:{port}"),
                 "--advertised-listener-url",
-                &format!("tcp://127.0.0.1:{advertised}"),
+                advertised,
                 "--storage-engine",
                 "memory://tansu/",
             ])
@@ -489,10 +502,19 @@ pub fn signal(pid: u32, sig: &str) {
         .expect("run kill");
 }
 
+/// The `outbox` binary: built for the tests and benchmarks of the
+/// `outbox-cli` package, which include this module.
+pub fn outbox_bin() -> &'static str {
+    match option_env!("CARGO_BIN_EXE_outbox") {
+        Some(bin) => bin,
+        None => panic!("the `outbox` binary is built only for the outbox-cli package's tests"),
+    }
+}
+
 /// Starts `outbox relay` (the CLI binary built with these tests) against
 /// `database_url` and `brokers`, with extra arguments; killed on drop.
 pub fn relay_process(database_url: &str, brokers: &str, extra: &[&str]) -> tokio::process::Child {
-    tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox"))
+    tokio::process::Command::new(outbox_bin())
         .arg("relay")
         .args(extra)
         .env("DATABASE_URL", database_url)

@@ -2,6 +2,7 @@
 //! broker that becomes unreachable and comes back (a proxy in front of a
 //! private broker is cut, then restored).
 
+#[path = "../../outbox-runtime/tests/common/mod.rs"]
 mod common;
 
 use std::time::{Duration, Instant};

@@ -19,6 +19,45 @@ pub struct PrivatePostgres {
 impl PrivatePostgres {
     /// Creates and starts a server, or says why it cannot and returns `None`.
     pub fn start() -> Option<Self> {
+        let server = Self::create()?;
+        server.start_again();
+        Some(server)
+    }
+
+    /// Creates and starts a server with TLS on (the certificate of `pki`
+    /// for `localhost`, its CA for client certificates) and `hba` as its
+    /// `pg_hba.conf`.
+    pub fn start_tls(pki: &super::tls::Pki, hba: &str) -> Option<Self> {
+        let server = Self::create()?;
+        let data = std::path::PathBuf::from(server.data());
+        for (name, from) in [
+            ("server.pem", "server.pem"),
+            ("server.key", "server.key"),
+            ("ca.pem", "ca.pem"),
+        ] {
+            let to = data.join(name);
+            std::fs::copy(pki.dir.join(from), &to).expect("copy certificate");
+            super::tls::set_mode(&to, 0o600);
+            if server.as_postgres {
+                let ok = Command::new("chown")
+                    .args(["postgres:", to.to_str().expect("utf-8 path")])
+                    .status()
+                    .is_ok_and(|s| s.success());
+                assert!(ok, "chown {}", to.display());
+            }
+        }
+        let conf = data.join("postgresql.conf");
+        let mut text = std::fs::read_to_string(&conf).expect("postgresql.conf");
+        text.push_str(
+            "\nssl = on\nssl_cert_file = 'server.pem'\nssl_key_file = 'server.key'\nssl_ca_file = 'ca.pem'\n",
+        );
+        std::fs::write(&conf, text).expect("postgresql.conf");
+        std::fs::write(data.join("pg_hba.conf"), hba).expect("pg_hba.conf");
+        server.start_again();
+        Some(server)
+    }
+
+    fn create() -> Option<Self> {
         let Some(bin) = bindir() else {
             eprintln!(
                 "SKIPPED: no PostgreSQL server binaries (initdb, pg_ctl) found via pg_config or /usr/lib/postgresql/*/bin"
@@ -67,7 +106,6 @@ impl PrivatePostgres {
                 "UTF8",
             ],
         );
-        server.start_again();
         Some(server)
     }
 

@@ -1,6 +1,7 @@
 //! The `outbox` command against a real PostgreSQL and the broker: every
 //! subcommand, exit codes for bad configuration, and no secrets in logs.
 
+#[path = "../../outbox-runtime/tests/common/mod.rs"]
 mod common;
 
 use std::process::Output;

@@ -4,11 +4,12 @@
 //! database. Then commit→consumed latency at a steady rate, and the relay
 //! process's peak RSS.
 //!
-//! `cargo bench -p outbox-runtime --bench relay -- [--events N] [--batch N] [--rate N] [--seconds S] [--json PATH]`
+//! `cargo bench -p outbox-cli --bench relay -- [--events N] [--batch N] [--rate N] [--seconds S] [--json PATH]`
 //!
 //! Needs PostgreSQL (DATABASE_URL names the server; the benchmark creates
 //! its own database `outbox_bench_relay`) and a broker (KAFKA_BROKERS).
 
+#[path = "../../outbox-runtime/benches/common/mod.rs"]
 mod common;
 
 use clap::Parser;

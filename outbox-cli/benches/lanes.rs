@@ -4,11 +4,12 @@
 //! back to full coverage, and an event of every lane, committed right after
 //! the kill, published).
 //!
-//! `cargo bench -p outbox-runtime --bench lanes -- [--events N] [--batch N] [--kills N] [--json PATH]`
+//! `cargo bench -p outbox-cli --bench lanes -- [--events N] [--batch N] [--kills N] [--json PATH]`
 //!
 //! Needs PostgreSQL (DATABASE_URL names the server; the benchmark creates
 //! its own database `outbox_bench_lanes`) and a broker (KAFKA_BROKERS).
 
+#[path = "../../outbox-runtime/benches/common/mod.rs"]
 mod common;
 
 use clap::Parser;

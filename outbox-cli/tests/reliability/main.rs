@@ -10,13 +10,14 @@
 //! `OUTBOX_SOAK=1` repeats or stretches every fault 5 times
 //! (`OUTBOX_SOAK=N`: N times); not for CI.
 
-#[path = "../common/mod.rs"]
+#[path = "../../../outbox-runtime/tests/common/mod.rs"]
 mod common;
 
 mod checker;
 mod harness;
 mod misbehaving;
-mod pg;
+
+use common::pg;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};

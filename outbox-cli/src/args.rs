@@ -1,0 +1,357 @@
+//! The command line: subcommands and flags. Flags of settings that can also
+//! come from the environment or the configuration file have no defaults
+//! here: unset flags leave the setting to those sources (see `config`).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use outbox_runtime::Error;
+use outbox_runtime::settings::{KafkaSettings, RelaySettings, Settings};
+
+#[derive(Parser)]
+#[command(
+    name = "outbox",
+    version,
+    about = "Transactional outbox: migrations, relay, operations",
+    after_help = "Settings: flags, then the environment (DATABASE_URL, KAFKA_BROKERS, \
+                  OUTBOX_KAFKA_<PROPERTY>, OUTBOX_RELAY_<SETTING>, OUTBOX_DATABASE_<SETTING>), \
+                  then the configuration file (--config), then defaults. `outbox config` \
+                  shows what is in effect."
+)]
+pub(crate) struct Cli {
+    /// Configuration file (TOML: [database], [kafka], [relay], [consumer]).
+    #[arg(long, env = "OUTBOX_CONFIG", global = true, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+    /// PostgreSQL URL of the service's database. Prefer DATABASE_URL or the
+    /// configuration file for a URL with a password: a command line is
+    /// visible to every user of the machine.
+    #[arg(long, global = true, value_name = "URL")]
+    pub database_url: Option<String>,
+    /// Connect timeout of the database in milliseconds (default 10000).
+    #[arg(long, global = true, value_name = "MS")]
+    pub connect_timeout_ms: Option<u64>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+impl Cli {
+    /// The settings given by flags.
+    pub fn flag_settings(&self) -> Result<Settings, Error> {
+        let mut settings = Settings::default();
+        settings.database.url = self.database_url.clone();
+        settings.database.connect_timeout_ms = self.connect_timeout_ms;
+        match &self.command {
+            Command::Relay(relay) => {
+                settings.kafka = relay.kafka.settings()?;
+                settings.relay = relay.settings();
+            }
+            Command::Replay(replay) => settings.kafka = replay.kafka.settings()?,
+            Command::Topics(TopicsCommand::Create { kafka, .. }) => {
+                settings.kafka = kafka.settings()?
+            }
+            Command::Migrate(lock) | Command::Notify { lock, .. } => {
+                settings.database.lock_timeout_ms = lock.lock_timeout_ms;
+                settings.database.lock_max_wait_ms = lock.lock_max_wait_ms;
+            }
+            _ => {}
+        }
+        Ok(settings)
+    }
+}
+
+#[derive(Subcommand)]
+pub(crate) enum Command {
+    /// Create or upgrade the outbox tables (idempotent).
+    Migrate(LockArgs),
+    /// Publish the outbox to Kafka until SIGINT/SIGTERM.
+    Relay(RelayArgs),
+    /// Backlog, oldest unpublished age, parked, dropped and published rows,
+    /// per topic.
+    Status {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Kafka topics.
+    #[command(subcommand)]
+    Topics(TopicsCommand),
+    /// Rows parked after repeated delivery failures.
+    #[command(subcommand)]
+    Parked(ParkedCommand),
+    /// Messages consumers could not apply (list, retry, drop).
+    #[command(subcommand)]
+    DeadLetters(DeadLettersCommand),
+    /// Publish already published events again (after the broker lost data,
+    /// to rebuild a projection); the outbox is only read.
+    Replay(ReplayArgs),
+    /// Delete old published outbox rows, dedup rows and processed inbox rows,
+    /// in small batches (never unpublished or parked rows).
+    Cleanup(CleanupArgs),
+    /// The commit-time NOTIFY that wakes idle relays: `on`, `off` or `status`.
+    Notify {
+        /// on | off | status
+        #[arg(value_parser = ["on", "off", "status"])]
+        state: String,
+        #[command(flatten)]
+        lock: LockArgs,
+    },
+    /// Show the settings in effect and where each comes from (flag,
+    /// environment, file, default); secrets as ***.
+    Config {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// How a schema change waits for table locks.
+#[derive(Args, Clone)]
+pub(crate) struct LockArgs {
+    /// How long one attempt waits for a table lock before it gives up its
+    /// place (writers go on) and tries again, in milliseconds (default 2000).
+    #[arg(long, value_name = "MS")]
+    pub lock_timeout_ms: Option<u64>,
+    /// How long to keep trying, in milliseconds (default 300000).
+    #[arg(long, value_name = "MS")]
+    pub lock_max_wait_ms: Option<u64>,
+}
+
+#[derive(Args, Clone)]
+pub(crate) struct KafkaArgs {
+    /// Kafka bootstrap servers (default 127.0.0.1:9092).
+    #[arg(long)]
+    pub brokers: Option<String>,
+    /// librdkafka setting, e.g. -X security.protocol=SASL_SSL (repeatable).
+    /// Secrets belong in the environment (OUTBOX_KAFKA_SASL_PASSWORD) or the
+    /// configuration file, not on a command line.
+    #[arg(short = 'X', value_name = "KEY=VALUE")]
+    pub settings: Vec<String>,
+}
+
+impl KafkaArgs {
+    fn settings(&self) -> Result<KafkaSettings, Error> {
+        let mut kafka = KafkaSettings::default();
+        kafka.brokers = self.brokers.clone();
+        for setting in &self.settings {
+            let (key, value) = outbox_runtime::kafka::parse_setting(setting)?;
+            kafka.set(key, value);
+        }
+        Ok(kafka)
+    }
+}
+
+#[derive(Args)]
+pub(crate) struct RelayArgs {
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+    /// Rows per batch (default 2000).
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Poll interval in milliseconds when no NOTIFY arrives (default 500).
+    #[arg(long)]
+    pub poll_interval_ms: Option<u64>,
+    /// Do not LISTEN for NOTIFY; poll only.
+    #[arg(long)]
+    pub no_listen: bool,
+    /// Message-level failures before a row is parked (default 5).
+    #[arg(long)]
+    pub max_attempts: Option<u32>,
+    /// librdkafka message.timeout.ms (default 30000).
+    #[arg(long)]
+    pub delivery_timeout_ms: Option<u64>,
+    /// Lanes the partition keys are spread over, shared out among the relays
+    /// of the database (all must use the same count); 0 turns lanes off
+    /// (default 16).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(0..=1024))]
+    pub lanes: Option<u16>,
+    /// statement_timeout of the relay's SQL in milliseconds; 0: none
+    /// (default 30000).
+    #[arg(long, value_name = "MS")]
+    pub statement_timeout_ms: Option<u64>,
+    /// Serve Prometheus metrics on this address (GET /metrics), e.g. 127.0.0.1:9464.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+impl RelayArgs {
+    fn settings(&self) -> RelaySettings {
+        let mut relay = RelaySettings::default();
+        relay.batch_size = self.batch_size;
+        relay.poll_interval_ms = self.poll_interval_ms;
+        relay.listen = self.no_listen.then_some(false);
+        relay.max_attempts = self.max_attempts;
+        relay.delivery_timeout_ms = self.delivery_timeout_ms;
+        relay.lanes = self.lanes;
+        relay.statement_timeout_ms = self.statement_timeout_ms;
+        relay.metrics_addr = self.metrics_addr;
+        relay
+    }
+}
+
+#[derive(Args)]
+pub(crate) struct ReplayArgs {
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+    /// Outbox ids from (inclusive).
+    #[arg(long)]
+    pub from_id: Option<i64>,
+    /// Outbox ids up to (inclusive).
+    #[arg(long)]
+    pub to_id: Option<i64>,
+    /// Events created at or after: RFC 3339 (2026-11-30T12:00:00Z) or an
+    /// age (2h = two hours ago).
+    #[arg(long, value_name = "TIME")]
+    pub since: Option<String>,
+    /// Events created before: RFC 3339 or an age.
+    #[arg(long, value_name = "TIME")]
+    pub until: Option<String>,
+    /// Only this topic.
+    #[arg(long)]
+    pub topic: Option<String>,
+    /// Only this aggregate type.
+    #[arg(long)]
+    pub aggregate_type: Option<String>,
+    /// Only this aggregate id.
+    #[arg(long)]
+    pub aggregate_id: Option<String>,
+    /// Publish to this topic instead of each event's own.
+    #[arg(long)]
+    pub to_topic: Option<String>,
+    /// Only count the events that would be replayed.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Rows per page.
+    #[arg(long, default_value_t = 1000)]
+    pub batch_size: i64,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub(crate) struct CleanupArgs {
+    /// Delete rows older than this (e.g. 30d, 12h).
+    #[arg(long, value_name = "DURATION")]
+    pub older_than: String,
+    /// The consumers' dedup window: how long a redelivery can happen (the
+    /// topics' Kafka retention plus the longest lag). A shorter
+    /// --older-than is refused.
+    #[arg(long, value_name = "DURATION", default_value = "7d")]
+    pub dedup_window: String,
+    /// Rows per statement.
+    #[arg(long, default_value_t = 1000)]
+    pub batch_size: i64,
+    /// Run every DURATION until SIGINT/SIGTERM, as the single leader among
+    /// the cleanup jobs of this database (advisory lock); without it, one
+    /// pass.
+    #[arg(long, value_name = "DURATION")]
+    pub every: Option<String>,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Which rows an operation applies to: every row, or the given ids.
+#[derive(Args)]
+pub(crate) struct Selection {
+    /// Every row.
+    #[arg(long, conflicts_with = "ids")]
+    pub all: bool,
+    /// Row ids (repeatable).
+    #[arg(long = "id")]
+    pub ids: Vec<i64>,
+}
+
+impl Selection {
+    /// `None` for every row, else the ids; refuses an empty selection.
+    pub fn ids(self) -> Result<Option<Vec<i64>>, Error> {
+        if !self.all && self.ids.is_empty() {
+            Err(Error::Config("pass --all or one or more --id N".into()))
+        } else {
+            Ok((!self.all).then_some(self.ids))
+        }
+    }
+}
+
+#[derive(Subcommand)]
+pub(crate) enum TopicsCommand {
+    /// Create topics (existing ones are left alone).
+    Create {
+        /// Topics to create.
+        topics: Vec<String>,
+        /// Also every topic named by rows in the outbox.
+        #[arg(long)]
+        from_outbox: bool,
+        #[arg(long, default_value_t = 4)]
+        partitions: i32,
+        #[arg(long, default_value_t = 1)]
+        replication: i32,
+        #[command(flatten)]
+        kafka: KafkaArgs,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum ParkedCommand {
+    /// List parked rows.
+    List {
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Put parked rows back in the queue (--all: every parked row not
+    /// dropped; --id: dropped ones too).
+    Requeue {
+        #[command(flatten)]
+        selection: Selection,
+    },
+    /// Give up on parked rows: they are marked discarded with the reason and
+    /// kept (audit trail), never published, never deleted by cleanup;
+    /// `requeue --id N` undoes it.
+    Drop {
+        #[command(flatten)]
+        selection: Selection,
+        /// Why (stored with the rows).
+        #[arg(long)]
+        reason: String,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum DeadLettersCommand {
+    /// List dead letters, oldest first (default: status dead and retry).
+    List {
+        /// Only this consumer group.
+        #[arg(long)]
+        consumer: Option<String>,
+        /// dead | retry | resolved | all (repeatable).
+        #[arg(long, value_parser = ["dead", "retry", "resolved", "all"])]
+        status: Vec<String>,
+        /// Only this reason (not_json, no_event_id, unknown_event_type,
+        /// payload_mismatch, oversized, handler_failed).
+        #[arg(long)]
+        reason: Option<String>,
+        /// At most this many rows.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        /// Print JSON (with headers and payload) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Mark dead letters for retry: the consumer of their group runs them
+    /// again within its re-drive interval.
+    Retry(DeadLetterSelection),
+    /// Delete dead letters.
+    Drop(DeadLetterSelection),
+}
+
+#[derive(Args)]
+pub(crate) struct DeadLetterSelection {
+    #[command(flatten)]
+    pub selection: Selection,
+    /// Only this consumer group's dead letters (with --all: all of them).
+    #[arg(long)]
+    pub consumer: Option<String>,
+}

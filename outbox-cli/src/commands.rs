@@ -1,0 +1,396 @@
+//! The subcommands: each reads the settings in effect ([`Ctx`]), opens what
+//! it needs (a pool of a few connections, a Kafka client) and prints its
+//! result.
+
+use std::time::Duration;
+
+use outbox_runtime::settings::Settings;
+use outbox_runtime::{CancellationToken, Error, Relay, cleanup, kafka, ops, replay};
+use sqlx::PgPool;
+use sqlx::types::chrono::{DateTime, Utc};
+
+use crate::args::{
+    CleanupArgs, Command, DeadLetterSelection, DeadLettersCommand, ParkedCommand, ReplayArgs,
+    TopicsCommand,
+};
+use crate::config::Layers;
+use crate::output::{print_status, table};
+
+/// What a subcommand runs with.
+pub(crate) struct Ctx {
+    pub layers: Layers,
+    pub settings: Settings,
+}
+
+impl Ctx {
+    /// A pool of at most `max` connections on the database, connecting
+    /// lazily (the first query reports an unreachable server).
+    async fn pool(&self, max: u32) -> Result<PgPool, Error> {
+        let database = &self.settings.database;
+        let options = database.connect_options()?;
+        tracing::debug!(
+            host = options.get_host(),
+            database = ?options.get_database(),
+            ssl_mode = ?options.get_ssl_mode(),
+            "connecting"
+        );
+        database.pool(max).await
+    }
+}
+
+pub(crate) async fn run(ctx: Ctx, command: Command) -> Result<(), Error> {
+    match command {
+        Command::Migrate(_) => {
+            let pool = ctx.pool(2).await?;
+            outbox_core::migrate_with(&pool, &ctx.settings.database.lock_policy()).await?;
+            println!("migrations applied");
+        }
+        Command::Relay(_) => relay(&ctx).await?,
+        Command::Status { json } => {
+            let pool = ctx.pool(2).await?;
+            let status = ops::status(&pool).await?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&status).unwrap_or_default()
+                );
+            } else {
+                print_status(&status);
+            }
+        }
+        Command::Topics(TopicsCommand::Create {
+            mut topics,
+            from_outbox,
+            partitions,
+            replication,
+            kafka: _,
+        }) => {
+            if from_outbox {
+                let pool = ctx.pool(2).await?;
+                topics.extend(ops::outbox_topics(&pool).await?);
+            }
+            topics.sort();
+            topics.dedup();
+            if topics.is_empty() {
+                return Err(Error::Config(
+                    "no topics: name them or pass --from-outbox".into(),
+                ));
+            }
+            let kafka = &ctx.settings.kafka;
+            let created = kafka::create_topics(
+                kafka.brokers(),
+                &kafka.pairs(),
+                &topics,
+                partitions,
+                replication,
+            )
+            .await?;
+            for (topic, new) in created {
+                println!("{topic}: {}", if new { "created" } else { "exists" });
+            }
+        }
+        Command::Parked(ParkedCommand::List { limit, json }) => {
+            let pool = ctx.pool(2).await?;
+            let rows = ops::parked(&pool, limit).await?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&rows).unwrap_or_default()
+                );
+            } else {
+                println!(
+                    "{:>10}  {:<36}  {:<20}  {:<20}  {:>8}  last error",
+                    "id", "event id", "topic", "event type", "attempts"
+                );
+                for r in rows {
+                    println!(
+                        "{:>10}  {:<36}  {:<20}  {:<20}  {:>8}  {}",
+                        r.id,
+                        r.event_id,
+                        r.topic,
+                        r.event_type,
+                        r.attempts,
+                        r.last_error.unwrap_or_default()
+                    );
+                }
+            }
+        }
+        Command::Parked(ParkedCommand::Requeue { selection }) => {
+            let ids = selection.ids()?;
+            let pool = ctx.pool(2).await?;
+            let n = ops::requeue_parked(&pool, ids.as_deref()).await?;
+            println!("requeued {n} parked rows");
+        }
+        Command::Parked(ParkedCommand::Drop { selection, reason }) => {
+            let ids = selection.ids()?;
+            let pool = ctx.pool(2).await?;
+            let n = ops::discard_parked(&pool, ids.as_deref(), &reason).await?;
+            println!(
+                "dropped {n} parked rows (kept as discarded; `outbox parked requeue --id N` undoes it)"
+            );
+        }
+        Command::Replay(args) => replay_events(&ctx, args).await?,
+        Command::Cleanup(args) => cleanup(&ctx, args).await?,
+        Command::DeadLetters(command) => dead_letters(&ctx, command).await?,
+        Command::Notify { state, lock: _ } => {
+            let pool = ctx.pool(2).await?;
+            let policy = ctx.settings.database.lock_policy();
+            match state.as_str() {
+                "on" => ops::set_notify_with(&pool, true, &policy).await?,
+                "off" => ops::set_notify_with(&pool, false, &policy).await?,
+                _ => {}
+            }
+            let on = ops::notify_enabled(&pool).await?;
+            println!("notify: {}", if on { "on" } else { "off" });
+        }
+        Command::Config { json } => show_config(&ctx, json),
+    }
+    Ok(())
+}
+
+/// `outbox relay`: the relay with the settings in effect, until a signal.
+async fn relay(ctx: &Ctx) -> Result<(), Error> {
+    let settings = &ctx.settings;
+    // Claims, the batch being delivered, the batch being marked, metrics.
+    let pool = ctx.pool(4).await?;
+    let _metrics = match settings.relay.metrics_addr {
+        Some(addr) => Some(outbox_runtime::metrics::serve(addr).await?),
+        None => None,
+    };
+    let relay = Relay::builder(pool)
+        .kafka(&settings.kafka)
+        .settings(&settings.relay)
+        .build()?;
+    let token = CancellationToken::new();
+    tokio::spawn(stop_on_signal(token.clone()));
+    relay.run(token).await
+}
+
+/// `outbox config`: every setting in effect and its source.
+fn show_config(ctx: &Ctx, json: bool) {
+    let entries = ctx.layers.entries();
+    if json {
+        let value = serde_json::json!({
+            "file": ctx.layers.path.as_ref().map(|p| p.display().to_string()),
+            "settings": entries,
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&value).unwrap_or_default()
+        );
+        return;
+    }
+    if let Some(path) = &ctx.layers.path {
+        println!("configuration file: {}", path.display());
+    }
+    let rows: Vec<[String; 3]> = entries
+        .into_iter()
+        .map(|e| [e.setting, e.value, e.source.to_owned()])
+        .collect();
+    print!("{}", table(&["SETTING", "VALUE", "SOURCE"], &rows));
+}
+
+async fn dead_letters(ctx: &Ctx, command: DeadLettersCommand) -> Result<(), Error> {
+    use outbox_runtime::inbox::dead_letter;
+    match command {
+        DeadLettersCommand::List {
+            consumer,
+            status,
+            reason,
+            limit,
+            json,
+        } => {
+            let mut filter = dead_letter::DeadLetterFilter::new().limit(limit);
+            if let Some(consumer) = consumer {
+                filter = filter.consumer(consumer);
+            }
+            if status.iter().any(|s| s == "all") {
+                filter = filter.statuses(["dead", "retry", "resolved"]);
+            } else if !status.is_empty() {
+                filter = filter.statuses(status);
+            }
+            if let Some(reason) = reason {
+                filter = filter.reason(reason.parse()?);
+            }
+            let pool = ctx.pool(2).await?;
+            let rows = dead_letter::list(&pool, &filter).await?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&rows).unwrap_or_default()
+                );
+            } else {
+                println!(
+                    "{:>8}  {:<16}  {:<24}  {:>4}  {:>8}  {:<36}  {:<18}  {:<8}  {:>3}  error",
+                    "id",
+                    "consumer",
+                    "topic",
+                    "part",
+                    "offset",
+                    "event id",
+                    "reason",
+                    "status",
+                    "att"
+                );
+                for r in rows {
+                    println!(
+                        "{:>8}  {:<16}  {:<24}  {:>4}  {:>8}  {:<36}  {:<18}  {:<8}  {:>3}  {}",
+                        r.id,
+                        r.consumer,
+                        r.topic,
+                        r.partition,
+                        r.offset,
+                        r.event_id
+                            .map(|e| e.to_string())
+                            .unwrap_or_else(|| "-".into()),
+                        r.reason,
+                        r.status,
+                        r.attempts,
+                        r.error.lines().next().unwrap_or_default()
+                    );
+                }
+            }
+        }
+        DeadLettersCommand::Retry(DeadLetterSelection {
+            selection,
+            consumer,
+        }) => {
+            let ids = selection.ids()?;
+            let pool = ctx.pool(2).await?;
+            let n = dead_letter::retry(&pool, consumer.as_deref(), ids.as_deref()).await?;
+            println!(
+                "marked {n} dead letters for retry (their consumers pick them up within their re-drive interval)"
+            );
+        }
+        DeadLettersCommand::Drop(DeadLetterSelection {
+            selection,
+            consumer,
+        }) => {
+            let ids = selection.ids()?;
+            let pool = ctx.pool(2).await?;
+            let n = dead_letter::discard(&pool, consumer.as_deref(), ids.as_deref()).await?;
+            println!("dropped {n} dead letters");
+        }
+    }
+    Ok(())
+}
+
+async fn replay_events(ctx: &Ctx, args: ReplayArgs) -> Result<(), Error> {
+    let filter = replay::ReplayFilter {
+        from_id: args.from_id,
+        to_id: args.to_id,
+        since: args.since.as_deref().map(parse_time).transpose()?,
+        until: args.until.as_deref().map(parse_time).transpose()?,
+        topic: args.topic,
+        aggregate_type: args.aggregate_type,
+        aggregate_id: args.aggregate_id,
+    };
+    let pool = ctx.pool(2).await?;
+    if args.dry_run {
+        let n = replay::count(&pool, &filter).await?;
+        if args.json {
+            println!("{}", serde_json::json!({ "dry_run": true, "matched": n }));
+        } else {
+            println!("dry run: {n} published events match; nothing sent");
+        }
+        return Ok(());
+    }
+    let mut options =
+        replay::ReplayOptions::new(ctx.settings.kafka.brokers(), filter).kafka(&ctx.settings.kafka);
+    options.to_topic = args.to_topic;
+    options.batch_size = args.batch_size;
+    let report = replay::replay(&pool, &options).await?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).unwrap_or_default()
+        );
+    } else {
+        let range = match (report.first_id, report.last_id) {
+            (Some(a), Some(b)) => format!(" (outbox ids {a}..={b})"),
+            _ => String::new(),
+        };
+        println!(
+            "replayed {} events{range}; replay id {}",
+            report.replayed, report.replay_id
+        );
+    }
+    Ok(())
+}
+
+/// RFC 3339, or an age (`2h`: two hours ago).
+fn parse_time(text: &str) -> Result<DateTime<Utc>, Error> {
+    if let Ok(t) = DateTime::parse_from_rfc3339(text) {
+        return Ok(t.with_timezone(&Utc));
+    }
+    let age = ops::parse_duration(text).map_err(|_| {
+        Error::Config(format!(
+            "invalid time `{text}`: use RFC 3339 (2026-11-30T12:00:00Z) or an age (2h, 30d)"
+        ))
+    })?;
+    if age > Duration::from_secs(100 * 365 * 86_400) {
+        return Err(Error::Config(format!("age `{text}` is too long")));
+    }
+    Ok(Utc::now() - age)
+}
+
+async fn cleanup(ctx: &Ctx, args: CleanupArgs) -> Result<(), Error> {
+    let retention = cleanup::Retention::new(ops::parse_duration(&args.older_than)?)
+        .dedup_window(ops::parse_duration(&args.dedup_window)?)
+        .batch_size(args.batch_size);
+    retention.validate()?;
+    let every = args.every.as_deref().map(ops::parse_duration).transpose()?;
+    let pool = ctx.pool(3).await?;
+    match every {
+        None => {
+            let report = cleanup::cleanup_as_leader(&pool, &retention)
+                .await?
+                .ok_or(Error::CleanupBusy)?;
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).unwrap_or_default()
+                );
+            } else {
+                println!(
+                    "deleted {} published outbox rows, {} processed_event rows, {} processed inbox rows (statements: {})",
+                    report.outbox_events,
+                    report.processed_events,
+                    report.inbox_events,
+                    report.statements
+                );
+            }
+        }
+        Some(every) => {
+            let job = cleanup::Cleanup::new(pool, retention, every)?;
+            let token = CancellationToken::new();
+            tokio::spawn(stop_on_signal(token.clone()));
+            job.run(token).await;
+        }
+    }
+    Ok(())
+}
+
+async fn stop_on_signal(token: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    token.cancel();
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("shutdown requested: finishing the batch in flight");
+    token.cancel();
+}

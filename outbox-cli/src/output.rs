@@ -1,0 +1,150 @@
+//! Text output of the `outbox` command: the status tables, lane lists and
+//! ages for people.
+
+use outbox_runtime::ops;
+
+pub(crate) fn print_status(s: &ops::Status) {
+    let age = |a: Option<f64>| a.map_or_else(|| "-".to_owned(), ops_age);
+    let rows: Vec<[String; 6]> = s
+        .topics
+        .iter()
+        .map(|t| {
+            [
+                t.topic.clone(),
+                t.unpublished.to_string(),
+                age(t.oldest_unpublished_secs),
+                t.parked.to_string(),
+                t.discarded.to_string(),
+                t.published.to_string(),
+            ]
+        })
+        .chain(std::iter::once([
+            "TOTAL".to_owned(),
+            s.unpublished.to_string(),
+            age(s.oldest_unpublished_secs),
+            s.parked.to_string(),
+            s.discarded.to_string(),
+            s.published.to_string(),
+        ]))
+        .collect();
+    let header = [
+        "TOPIC",
+        "UNPUBLISHED",
+        "OLDEST UNPUBLISHED",
+        "PARKED",
+        "DROPPED",
+        "PUBLISHED",
+    ];
+    print!("{}", table(&header, &rows));
+    println!("notify: {}", if s.notify_enabled { "on" } else { "off" });
+    if s.relays.is_empty() {
+        println!("relays with lanes: none running");
+    } else {
+        let rows: Vec<[String; 4]> = s
+            .relays
+            .iter()
+            .map(|r| {
+                [
+                    r.pid.to_string(),
+                    r.client.clone().unwrap_or_else(|| "local".into()),
+                    r.lane_count.map_or_else(|| "-".into(), |c| c.to_string()),
+                    lane_list(&r.lanes),
+                ]
+            })
+            .collect();
+        print!(
+            "{}",
+            table(
+                &["RELAY (PID)", "CLIENT", "LANE COUNT", "LANES OWNED"],
+                &rows
+            )
+        );
+    }
+}
+
+/// `0-5,9,12-13`.
+fn lane_list(lanes: &[i32]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < lanes.len() {
+        let start = lanes[i];
+        while i + 1 < lanes.len() && lanes[i + 1] == lanes[i] + 1 {
+            i += 1;
+        }
+        parts.push(if lanes[i] == start {
+            start.to_string()
+        } else {
+            format!("{start}-{}", lanes[i])
+        });
+        i += 1;
+    }
+    if parts.is_empty() {
+        "none".into()
+    } else {
+        parts.join(",")
+    }
+}
+
+/// An age for people: `850ms`, `42s`, `3m 12s`, `5h 02m`, `2d 03h`.
+fn ops_age(secs: f64) -> String {
+    let s = secs.max(0.0);
+    if s < 1.0 {
+        return format!("{:.0}ms", s * 1e3);
+    }
+    let s = s as u64;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m {:02}s", s / 60, s % 60),
+        3600..86_400 => format!("{}h {:02}m", s / 3600, (s % 3600) / 60),
+        _ => format!("{}d {:02}h", s / 86_400, (s % 86_400) / 3600),
+    }
+}
+
+/// A text table: the first column left-aligned, the others right-aligned,
+/// columns as wide as their widest cell.
+pub(crate) fn table<const N: usize>(header: &[&str; N], rows: &[[String; N]]) -> String {
+    let mut widths = header.map(str::len);
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: &[&str]| {
+        let mut out = String::new();
+        for (i, (cell, w)) in cells.iter().zip(widths).enumerate() {
+            if i == 0 {
+                out.push_str(&format!("{cell:<w$}"));
+            } else {
+                out.push_str(&format!("  {cell:>w$}"));
+            }
+        }
+        out.trim_end().to_owned() + "\n"
+    };
+    let mut out = line(header);
+    for row in rows {
+        let cells: Vec<&str> = row.iter().map(String::as_str).collect();
+        out.push_str(&line(&cells));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{lane_list, ops_age};
+
+    #[test]
+    fn lane_lists_collapse_runs() {
+        assert_eq!(lane_list(&[]), "none");
+        assert_eq!(lane_list(&[3]), "3");
+        assert_eq!(lane_list(&[0, 1, 2, 3, 4, 5]), "0-5");
+        assert_eq!(lane_list(&[0, 1, 2, 9, 12, 13]), "0-2,9,12-13");
+    }
+
+    #[test]
+    fn ages_read_well() {
+        assert_eq!(ops_age(0.25), "250ms");
+        assert_eq!(ops_age(42.0), "42s");
+        assert_eq!(ops_age(192.0), "3m 12s");
+        assert_eq!(ops_age(5.0 * 3600.0 + 120.0), "5h 02m");
+    }
+}
