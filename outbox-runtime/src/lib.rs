@@ -2,8 +2,9 @@
 //! to Kafka, the consumer side ([`inbox`]: deduplicating or inbox consumers
 //! with typed handlers, dead letters), the operations queries behind the
 //! `outbox` CLI ([`ops`]), replay ([`replay`]), retention ([`cleanup`]),
-//! Prometheus metrics ([`metrics`]), and the shared Kafka settings
-//! ([`kafka`]).
+//! Prometheus metrics ([`metrics`]), the shared Kafka settings
+//! ([`kafka`]), and which outbox of a database they all work on
+//! ([`scope`]).
 //!
 //! The relay's producer is private to it: nothing in this crate hands a
 //! Kafka producer to application code.
@@ -20,6 +21,7 @@ pub mod metrics;
 pub mod ops;
 pub mod relay;
 pub mod replay;
+pub mod scope;
 
 pub use error::{Error, Result};
 pub use inbox::{
@@ -27,4 +29,5 @@ pub use inbox::{
     DeadLetter, DeadLetterFilter, DeadLetterReason, Mode,
 };
 pub use relay::{Relay, RelayBuilder, RelayConfig, RelayCounts, RelayHandle};
+pub use scope::OutboxScope;
 pub use tokio_util::sync::CancellationToken;

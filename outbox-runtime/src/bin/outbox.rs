@@ -23,6 +23,10 @@ struct Cli {
     /// PostgreSQL URL of the service's database.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     database_url: Option<String>,
+    /// The schema holding this service's outbox tables, when services share
+    /// a database (one schema each); default: the connection's search_path.
+    #[arg(long, env = "OUTBOX_SCHEMA", global = true)]
+    schema: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -291,15 +295,45 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn connect(url: Option<&str>, max: u32) -> Result<PgPool, Error> {
-    let url = url.ok_or_else(|| {
+/// Where to connect: the database URL and the outbox's schema, if chosen.
+#[derive(Clone, Copy)]
+struct Target<'a> {
+    url: Option<&'a str>,
+    schema: Option<&'a str>,
+}
+
+/// A schema name as `--schema` takes it: a plain identifier (what
+/// `search_path` is set to, and what `outbox migrate` creates).
+fn check_schema(schema: &str) -> Result<(), Error> {
+    let mut chars = schema.chars();
+    let plain = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        && schema.len() <= 63;
+    if plain {
+        Ok(())
+    } else {
+        Err(Error::Config(format!(
+            "invalid --schema `{schema}`: use a plain identifier (a-z, 0-9, _, not starting \
+             with a digit, at most 63 characters)"
+        )))
+    }
+}
+
+async fn connect(target: Target<'_>, max: u32) -> Result<PgPool, Error> {
+    let url = target.url.ok_or_else(|| {
         Error::Config("no database: pass --database-url or set DATABASE_URL".into())
     })?;
     let invalid = || Error::Config("DATABASE_URL is not a valid PostgreSQL URL".into());
     if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
         return Err(invalid());
     }
-    let options: PgConnectOptions = url.parse().map_err(|_| invalid())?;
+    let mut options: PgConnectOptions = url.parse().map_err(|_| invalid())?;
+    if let Some(schema) = target.schema {
+        check_schema(schema)?;
+        options = options.options([("search_path", schema)]);
+    }
     tracing::debug!(host = options.get_host(), database = ?options.get_database(), "connecting");
     Ok(PgPoolOptions::new()
         .max_connections(max)
@@ -316,12 +350,23 @@ fn settings(kafka: &KafkaArgs) -> Result<Vec<(String, String)>, Error> {
 }
 
 async fn run(cli: Cli) -> Result<(), Error> {
-    let url = cli.database_url.as_deref();
+    let url = Target {
+        url: cli.database_url.as_deref(),
+        schema: cli.schema.as_deref(),
+    };
     match cli.command {
         Command::Migrate => {
             let pool = connect(url, 2).await?;
+            if let Some(schema) = url.schema {
+                sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
+                    .execute(&pool)
+                    .await?;
+            }
             outbox_core::migrate(&pool).await?;
-            println!("migrations applied");
+            match url.schema {
+                Some(schema) => println!("migrations applied (schema {schema})"),
+                None => println!("migrations applied"),
+            }
         }
         Command::Relay(args) => {
             let pool = connect(url, 4).await?;
@@ -438,13 +483,17 @@ async fn run(cli: Cli) -> Result<(), Error> {
                 _ => {}
             }
             let on = ops::notify_enabled(&pool).await?;
-            println!("notify: {}", if on { "on" } else { "off" });
+            let channel = outbox_runtime::OutboxScope::of(&pool).await?.channel();
+            println!(
+                "notify: {} (channel {channel})",
+                if on { "on" } else { "off" }
+            );
         }
     }
     Ok(())
 }
 
-async fn dead_letters(url: Option<&str>, command: DeadLettersCommand) -> Result<(), Error> {
+async fn dead_letters(url: Target<'_>, command: DeadLettersCommand) -> Result<(), Error> {
     use outbox_runtime::inbox::dead_letter;
     match command {
         DeadLettersCommand::List {
@@ -562,9 +611,14 @@ fn print_status(s: &ops::Status) {
         "PUBLISHED",
     ];
     print!("{}", table(&header, &rows));
-    println!("notify: {}", if s.notify_enabled { "on" } else { "off" });
+    println!("outbox: schema {}", s.schema);
+    println!(
+        "notify: {} (channel {})",
+        if s.notify_enabled { "on" } else { "off" },
+        s.channel
+    );
     if s.relays.is_empty() {
-        println!("relays with lanes: none running");
+        println!("relays: none running");
     } else {
         let rows: Vec<[String; 4]> = s
             .relays
@@ -574,7 +628,11 @@ fn print_status(s: &ops::Status) {
                     r.pid.to_string(),
                     r.client.clone().unwrap_or_else(|| "local".into()),
                     r.lane_count.map_or_else(|| "-".into(), |c| c.to_string()),
-                    lane_list(&r.lanes),
+                    if r.lane_count == Some(0) {
+                        "all (no lanes)".into()
+                    } else {
+                        lane_list(&r.lanes)
+                    },
                 ]
             })
             .collect();
@@ -654,7 +712,7 @@ fn table<const N: usize>(header: &[&str; N], rows: &[[String; N]]) -> String {
     out
 }
 
-async fn run_replay(url: Option<&str>, args: ReplayArgs) -> Result<(), Error> {
+async fn run_replay(url: Target<'_>, args: ReplayArgs) -> Result<(), Error> {
     let filter = replay::ReplayFilter {
         from_id: args.from_id,
         to_id: args.to_id,
@@ -713,7 +771,7 @@ fn parse_time(text: &str) -> Result<DateTime<Utc>, Error> {
     Ok(Utc::now() - age)
 }
 
-async fn run_cleanup(url: Option<&str>, args: CleanupArgs) -> Result<(), Error> {
+async fn run_cleanup(url: Target<'_>, args: CleanupArgs) -> Result<(), Error> {
     let retention = cleanup::Retention::new(ops::parse_duration(&args.older_than)?)
         .dedup_window(ops::parse_duration(&args.dedup_window)?)
         .batch_size(args.batch_size);
