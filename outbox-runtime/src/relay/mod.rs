@@ -435,6 +435,7 @@ impl Relay {
             probe_answered: false,
         };
         let metrics_stop = CancellationToken::new();
+        let _stop_metrics = metrics_stop.clone().drop_guard();
         let metrics = tokio::spawn(crate::metrics::relay_task(
             self.pool.clone(),
             self.stats.clone(),
@@ -595,22 +596,36 @@ impl Loop<'_> {
             let (mut keys, topics) = self.blocked.current();
             keys.extend(self.held.keys().cloned());
             let limit = self.config.batch_size as i64;
-            let pool = self.pool;
+            let pool = self.pool.clone();
             let claimable = self.lanes.claimable();
             if let Ok(mut held) = self.stats.lanes.lock() {
                 held.clone_from(&claimable.lanes);
             }
-            let begin = self.begin;
+            let begin = self.begin.to_owned();
             // The next claim runs while the batch in flight is delivered. As
             // soon as its deliveries are known the batch is marked and
             // committed, even while the claim still waits for a connection:
             // the claim never holds up the transaction that would free one
             // (with a small pool, waiting for both would deadlock).
+            //
+            // It runs on a task of its own, so that it is never dropped half
+            // way: a claim cut off inside its `BEGIN` round trip would give
+            // its connection back to the pool inside the open transaction,
+            // holding the lanes' "in use" locks (and, with the application's
+            // pool, handing the transaction to the application). A claim
+            // whose relay is gone finishes and drops its batch: rolled back.
             let step = Instant::now();
             let claim = async move {
                 let start = Instant::now();
                 let claimed = if claim_next {
-                    Some(claim::claim(pool, begin, limit, &keys, &topics, &claimable).await)
+                    let task = tokio::spawn(async move {
+                        claim::claim(&pool, &begin, limit, &keys, &topics, &claimable).await
+                    });
+                    Some(
+                        task.await
+                            .map_err(|e| Error::Task(e.to_string()))
+                            .and_then(|r| r),
+                    )
                 } else {
                     None
                 };
