@@ -256,9 +256,18 @@ async fn replay_cleanup_and_parked_drop(pool: PgPool) {
     assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
     assert!(text(&o).1.contains("invalid time"), "{:?}", text(&o));
     let to = format!("{}", first + 4);
+    // Two of them were published 40 days ago, beyond the dedup window:
+    // refused without --force, nothing sent.
+    let o = outbox(Some(&url), &["replay", "--topic", &topic, "--to-id", &to]).await;
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(
+        text(&o).1.contains("2 of the 5 events") && text(&o).1.contains("--force"),
+        "{:?}",
+        text(&o)
+    );
     let o = outbox(
         Some(&url),
-        &["replay", "--topic", &topic, "--to-id", &to, "--json"],
+        &["replay", "--topic", &topic, "--to-id", &to, "--force", "--json"],
     )
     .await;
     assert!(o.status.success(), "{:?}", text(&o));

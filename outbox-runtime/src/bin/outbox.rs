@@ -137,6 +137,16 @@ struct ReplayArgs {
     /// Only count the events that would be replayed.
     #[arg(long)]
     dry_run: bool,
+    /// How long consumers keep their dedup rows (as `cleanup
+    /// --dedup-window`): events published longer ago are refused without
+    /// --force, since consumers would apply them again.
+    #[arg(long, value_name = "DURATION", default_value = "7d")]
+    dedup_window: String,
+    /// Replay events published before the dedup window too (e.g. for a
+    /// consumer rebuilding from scratch); consumers that lost their dedup
+    /// rows apply them again.
+    #[arg(long)]
+    force: bool,
     /// Rows per page.
     #[arg(long, default_value_t = 1000)]
     batch_size: i64,
@@ -722,17 +732,27 @@ async fn run_replay(url: Target<'_>, args: ReplayArgs) -> Result<(), Error> {
         aggregate_type: args.aggregate_type,
         aggregate_id: args.aggregate_id,
     };
+    let dedup_window = ops::parse_duration(&args.dedup_window)?;
     let pool = connect(url, 2).await?;
     if args.dry_run {
-        let n = replay::count(&pool, &filter).await?;
+        let (old, n, _) = replay::beyond_window(&pool, &filter, dedup_window).await?;
         if args.json {
-            println!("{}", serde_json::json!({ "dry_run": true, "matched": n }));
+            println!(
+                "{}",
+                serde_json::json!({ "dry_run": true, "matched": n, "beyond_dedup_window": old })
+            );
         } else {
-            println!("dry run: {n} published events match; nothing sent");
+            println!(
+                "dry run: {n} published events match, {old} of them published more than {} ago \
+                 (beyond the dedup window: refused without --force); nothing sent",
+                ops::format_duration(dedup_window)
+            );
         }
         return Ok(());
     }
     let mut options = replay::ReplayOptions::new(args.kafka.brokers.clone(), filter);
+    options.dedup_window = dedup_window;
+    options.force = args.force;
     options.kafka_settings = settings(&args.kafka)?;
     options.to_topic = args.to_topic;
     options.batch_size = args.batch_size;
