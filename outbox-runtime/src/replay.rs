@@ -424,7 +424,14 @@ async fn send_in_key_order(publisher: &Publisher, rows: &[Row]) -> Round {
             Outcome::Delivered => {
                 round.delivered_rows[i] = true;
                 round.delivered += 1;
-                send_next(publisher, rows, q, &mut queues[q], &mut in_flight, &mut round);
+                send_next(
+                    publisher,
+                    rows,
+                    q,
+                    &mut queues[q],
+                    &mut in_flight,
+                    &mut round,
+                );
             }
             failed => round.failed(failed),
         }

@@ -183,7 +183,16 @@ async fn credentials_never_appear_in_logs(pool: PgPool) {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Running (it logged its settings at start): it holds its lanes.
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            outbox_runtime::ops::relays(&pool)
+                .await
+                .is_ok_and(|r| r.iter().any(|r| !r.lanes.is_empty()))
+        })
+        .await,
+        "the relay started"
+    );
     let pid = child.id().unwrap().to_string();
     std::process::Command::new("kill")
         .args(["-TERM", &pid])
@@ -267,7 +276,9 @@ async fn replay_cleanup_and_parked_drop(pool: PgPool) {
     );
     let o = outbox(
         Some(&url),
-        &["replay", "--topic", &topic, "--to-id", &to, "--force", "--json"],
+        &[
+            "replay", "--topic", &topic, "--to-id", &to, "--force", "--json",
+        ],
     )
     .await;
     assert!(o.status.success(), "{:?}", text(&o));

@@ -285,7 +285,10 @@ async fn a_replay_that_cannot_deliver_stops_and_names_where_to_resume(pool: PgPo
 /// the topic exists, a replay from the id it names delivers both.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_replay_holds_back_a_keys_later_events_after_a_failed_delivery(pool: PgPool) {
-    let (missing, present) = (unique_topic("replay-missing"), unique_topic("replay-present"));
+    let (missing, present) = (
+        unique_topic("replay-missing"),
+        unique_topic("replay-present"),
+    );
     create_topic(&brokers(), &present).await;
     let mut uow = UnitOfWork::begin(&pool).await.unwrap();
     let first = uow.record_message(message(&missing, "k", 0));
@@ -373,7 +376,10 @@ async fn a_replay_beyond_the_dedup_window_is_refused_without_force(pool: PgPool)
     match replay::replay(&pool, &options).await {
         Err(Error::Config(message)) => {
             assert!(message.contains("5 of the 10 events"), "{message}");
-            assert!(message.contains(&format!("outbox id {}", old.1)), "{message}");
+            assert!(
+                message.contains(&format!("outbox id {}", old.1)),
+                "{message}"
+            );
             assert!(message.contains("dedup window 7d"), "{message}");
             assert!(message.contains("--force"), "{message}");
         }

@@ -527,6 +527,8 @@ pub struct TestMessage {
     pub key: Option<String>,
     pub payload: Option<Vec<u8>>,
     pub headers: Vec<(String, String)>,
+    /// An explicit partition (else the key's).
+    pub partition: Option<i32>,
 }
 
 impl TestMessage {
@@ -545,7 +547,14 @@ impl TestMessage {
                 ("content-type".into(), "application/json".into()),
                 ("correlation_id".into(), Uuid::now_v7().to_string()),
             ],
+            partition: None,
         }
+    }
+
+    /// Sends the message to `partition` instead of its key's.
+    pub fn to_partition(mut self, partition: i32) -> Self {
+        self.partition = Some(partition);
+        self
     }
 
     /// Replaces (or adds) a header.
@@ -609,6 +618,9 @@ async fn produce_batched(brokers: &str, topic: &str, messages: &[TestMessage], p
         }
         if let Some(payload) = &m.payload {
             record = record.payload(payload.as_slice());
+        }
+        if let Some(partition) = m.partition {
+            record = record.partition(partition);
         }
         loop {
             match producer.send_result(record) {
