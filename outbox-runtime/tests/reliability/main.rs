@@ -16,6 +16,7 @@ mod common;
 mod checker;
 mod harness;
 mod pg;
+mod sharing;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
