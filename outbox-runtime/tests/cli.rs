@@ -359,3 +359,36 @@ async fn replay_cleanup_and_parked_drop(pool: PgPool) {
         text(&o)
     );
 }
+
+/// `--schema` (or `OUTBOX_SCHEMA`) chooses the outbox when services share a
+/// database: `migrate` creates the schema and its tables, the other
+/// commands work on that schema's outbox only; a name that is not a plain
+/// identifier is refused.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn the_schema_flag_chooses_the_outbox(pool: PgPool) {
+    let url = url_of(&pool);
+    let o = outbox(Some(&url), &["--schema", "billing", "migrate"]).await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(text(&o).0.contains("schema billing"), "{:?}", text(&o));
+    commit_messages(&pool, &unique_topic("cli-public"), 3, 1, 3).await;
+
+    let status = |args: &'static [&'static str]| {
+        let url = url.clone();
+        async move {
+            let o = outbox(Some(&url), args).await;
+            assert!(o.status.success(), "{:?}", text(&o));
+            serde_json::from_slice::<serde_json::Value>(&o.stdout).expect("JSON status")
+        }
+    };
+    let public = status(&["status", "--json"]).await;
+    let billing = status(&["--schema", "billing", "status", "--json"]).await;
+    assert_eq!(public["schema"], "public");
+    assert_eq!(public["unpublished"], 3);
+    assert_eq!(billing["schema"], "billing");
+    assert_eq!(billing["unpublished"], 0);
+    assert_ne!(public["channel"], billing["channel"]);
+
+    let o = outbox(Some(&url), &["--schema", "Billing-1", "status"]).await;
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(text(&o).1.contains("invalid --schema"), "{:?}", text(&o));
+}

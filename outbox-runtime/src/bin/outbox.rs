@@ -97,9 +97,14 @@ struct RelayArgs {
     #[arg(long, default_value_t = 30_000)]
     delivery_timeout_ms: u64,
     /// Lanes the partition keys are spread over, shared out among the relays
-    /// of the database (all must use the same count); 0 turns lanes off.
+    /// of the outbox (all must use the same count); 0 turns lanes off (then
+    /// relays with lanes refuse to run beside it, and it beside them).
     #[arg(long, env = "OUTBOX_LANES", default_value_t = 16, value_parser = clap::value_parser!(u16).range(0..=1024))]
     lanes: u16,
+    /// How long this relay keeps its lanes once it stops answering (host
+    /// frozen, connection half-open), in milliseconds.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1_000..))]
+    lane_timeout_ms: u64,
     /// Serve Prometheus metrics on this address (GET /metrics), e.g. 127.0.0.1:9464.
     #[arg(long, value_name = "ADDR")]
     metrics_addr: Option<std::net::SocketAddr>,
@@ -169,7 +174,7 @@ struct CleanupArgs {
     #[arg(long, default_value_t = 1000)]
     batch_size: i64,
     /// Run every DURATION until SIGINT/SIGTERM, as the single leader among
-    /// the cleanup jobs of this database (advisory lock); without it, one
+    /// the cleanup jobs of this outbox (advisory lock); without it, one
     /// pass.
     #[arg(long, value_name = "DURATION")]
     every: Option<String>,
@@ -391,7 +396,8 @@ async fn run(cli: Cli) -> Result<(), Error> {
                 .listen(!args.no_listen)
                 .max_attempts(args.max_attempts)
                 .delivery_timeout(Duration::from_millis(args.delivery_timeout_ms))
-                .lanes(args.lanes);
+                .lanes(args.lanes)
+                .lane_timeout(Duration::from_millis(args.lane_timeout_ms));
             let relay = settings(&args.kafka)?
                 .into_iter()
                 .fold(relay, |r, (k, v)| r.kafka_setting(k, v))
