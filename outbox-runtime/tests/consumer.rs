@@ -199,7 +199,7 @@ async fn markers(topic: &str) -> Vec<Uuid> {
                 &key,
                 serde_json::json!({ "key": key, "seq": 0 }),
             )
-            .to_partition(p),
+            .on_partition(p),
         );
         ids.push(id);
     }

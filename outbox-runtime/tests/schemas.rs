@@ -12,7 +12,6 @@ use outbox_runtime::cleanup::{Cleanup, Retention};
 use outbox_runtime::{Relay, RelayHandle, ops};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
-use uuid::Uuid;
 
 /// A pool of `n` connections to `pool`'s database whose `search_path` is
 /// `schema` (created and migrated here).

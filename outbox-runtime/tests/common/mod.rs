@@ -552,7 +552,7 @@ impl TestMessage {
     }
 
     /// Sends the message to `partition` instead of its key's.
-    pub fn to_partition(mut self, partition: i32) -> Self {
+    pub fn on_partition(mut self, partition: i32) -> Self {
         self.partition = Some(partition);
         self
     }
