@@ -658,3 +658,36 @@ async fn a_silent_relay_loses_its_lanes_and_rows_within_bounded_times(pool: PgPo
         committed.len()
     );
 }
+
+/// A relay of an earlier version held database-wide lane locks, which this
+/// version's relays cannot see (nor it theirs): side by side both would
+/// publish every key. A relay of this version refuses to start while one
+/// runs (here: its lane lock held by hand).
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_relay_refuses_to_run_beside_relays_of_an_earlier_version(pool: PgPool) {
+    let mut earlier = PgConnection::connect_with(&pool.connect_options())
+        .await
+        .unwrap();
+    // The earlier version's lane 3 (class 0x6F626C00, two-key form).
+    sqlx::query("SELECT pg_advisory_lock(1868721152, 3)")
+        .execute(&mut earlier)
+        .await
+        .unwrap();
+    let refused = tokio::time::timeout(
+        Duration::from_secs(10),
+        relay(&pool).build().unwrap().run(CancellationToken::new()),
+    )
+    .await
+    .expect("refused at once");
+    match refused {
+        Err(Error::Config(message)) => assert!(message.contains("earlier version"), "{message}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    earlier.close().await.unwrap();
+    let now = relay(&pool).spawn().unwrap();
+    assert!(
+        eventually(Duration::from_secs(5), || async { now.lanes().len() == 16 }).await,
+        "once it is gone, the relay starts"
+    );
+    now.shutdown().await.unwrap();
+}

@@ -183,6 +183,15 @@ static OTHER_COUNTS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     )
 });
 
+/// Relays of versions whose lane locks were per database (two-key locks of
+/// classes 0x6F626C00-03) and so invisible to this one's: running beside
+/// them would publish the same keys twice over.
+const EARLIER_VERSION: &str = "\
+SELECT EXISTS (SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory' AND granted AND objsubid = 2
+      AND classid IN (1868721152, 1868721154, 1868721155)
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))";
+
 /// Server-side timeouts of the lane session (only those the server knows:
 /// `idle_session_timeout` is PostgreSQL 14+).
 const SESSION_TIMEOUTS: &str = "\
@@ -315,6 +324,21 @@ impl LaneManager {
             .bind(self.count)
             .fetch_all(&mut conn)
             .await?;
+        let earlier: bool = sqlx::query_scalar(EARLIER_VERSION)
+            .fetch_one(&mut conn)
+            .await?;
+        if earlier {
+            let _ = sqlx::query("SELECT pg_advisory_unlock_all()")
+                .execute(&mut conn)
+                .await;
+            let _ = conn.close().await;
+            return Err(Error::Config(
+                "relays of an earlier version run on this database (their lanes are the whole \
+                 database's and cannot be shared with this version's): stop them before \
+                 starting relays of this version"
+                    .into(),
+            ));
+        }
         if let Some(other) = others.first() {
             let _ = sqlx::query("SELECT pg_advisory_unlock_all()")
                 .execute(&mut conn)
