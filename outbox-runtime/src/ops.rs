@@ -1,8 +1,10 @@
 //! Operations on the outbox table used by the `outbox` CLI and by
-//! applications: status, parked rows (list, requeue, drop), the NOTIFY
-//! switch, the topics the stored events name, and the duration syntax of
-//! the CLI (`30d`, `1h30m`). Replay and retention have their own modules
-//! ([`replay`](crate::replay), [`cleanup`](crate::cleanup)).
+//! applications: status (with the relays of this outbox, see
+//! [`OutboxScope`]), parked rows (list, requeue, drop), the NOTIFY switch,
+//! the topics the stored events name, and the duration syntax of the CLI
+//! (`30d`, `1h30m`). The outbox is the one the pool's `search_path` finds.
+//! Replay and retention have their own modules ([`replay`](crate::replay),
+//! [`cleanup`](crate::cleanup)).
 //!
 //! Dropping a parked row does not delete it: the row is marked discarded
 //! (`discarded_at`, `discard_reason`), stays out of the relay's queue and of
