@@ -20,8 +20,6 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 const LANES: i64 = 16;
-/// The relay's lane-ownership advisory lock class.
-const LANE_CLASS: i64 = 0x6F62_6C00;
 
 /// The benchmark's options (`cargo bench … -- --help`).
 #[derive(Parser)]
@@ -99,14 +97,15 @@ async fn stop(mut children: Vec<tokio::process::Child>) {
     }
 }
 
-/// Lane locks held, and by how many distinct sessions.
+/// Lane locks held, and by how many distinct sessions: the outbox's
+/// advisory locks (`classid` = the table's oid) of kind 1 (lanes).
 async fn lane_holders(pool: &PgPool) -> Result<(i64, i64), sqlx::Error> {
     sqlx::query_as(
         "SELECT count(DISTINCT objid)::int8, count(DISTINCT pid)::int8 FROM pg_locks
-         WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND classid = $1::int8::oid
+         WHERE locktype = 'advisory' AND granted AND objsubid = 1
+           AND classid = 'outbox_event'::regclass AND objid::int8 >> 24 = 1
            AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
     )
-    .bind(LANE_CLASS)
     .fetch_one(pool)
     .await
 }

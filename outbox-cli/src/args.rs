@@ -31,6 +31,10 @@ pub(crate) struct Cli {
     /// Connect timeout of the database in milliseconds (default 10000).
     #[arg(long, global = true, value_name = "MS")]
     pub connect_timeout_ms: Option<u64>,
+    /// The schema holding this service's outbox tables, when services share
+    /// a database (one schema each); default: the connection's search_path.
+    #[arg(long, global = true, value_name = "NAME")]
+    pub schema: Option<String>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -41,6 +45,7 @@ impl Cli {
         let mut settings = Settings::default();
         settings.database.url = self.database_url.clone();
         settings.database.connect_timeout_ms = self.connect_timeout_ms;
+        settings.database.schema = self.schema.clone();
         match &self.command {
             Command::Relay(relay) => {
                 settings.kafka = relay.kafka.settings()?;
@@ -161,10 +166,15 @@ pub(crate) struct RelayArgs {
     #[arg(long)]
     pub delivery_timeout_ms: Option<u64>,
     /// Lanes the partition keys are spread over, shared out among the relays
-    /// of the database (all must use the same count); 0 turns lanes off
+    /// of the outbox (all must use the same count); 0 turns lanes off (then
+    /// relays with lanes refuse to run beside it, and it beside them)
     /// (default 16).
     #[arg(long, value_parser = clap::value_parser!(u16).range(0..=1024))]
     pub lanes: Option<u16>,
+    /// How long this relay keeps its lanes once it stops answering (host
+    /// frozen, connection half-open), in milliseconds (default 10000).
+    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1_000..))]
+    pub lane_timeout_ms: Option<u64>,
     /// statement_timeout of the relay's SQL in milliseconds; 0: none
     /// (default 30000).
     #[arg(long, value_name = "MS")]
@@ -184,6 +194,7 @@ impl RelayArgs {
         relay.delivery_timeout_ms = self.delivery_timeout_ms;
         relay.lanes = self.lanes;
         relay.statement_timeout_ms = self.statement_timeout_ms;
+        relay.lane_timeout_ms = self.lane_timeout_ms;
         relay.metrics_addr = self.metrics_addr;
         relay
     }
@@ -221,6 +232,16 @@ pub(crate) struct ReplayArgs {
     /// Only count the events that would be replayed.
     #[arg(long)]
     pub dry_run: bool,
+    /// How long consumers keep their dedup rows (as `cleanup
+    /// --dedup-window`): events published longer ago are refused without
+    /// --force, since consumers would apply them again.
+    #[arg(long, value_name = "DURATION", default_value = "7d")]
+    pub dedup_window: String,
+    /// Replay events published before the dedup window too (e.g. for a
+    /// consumer rebuilding from scratch); consumers that lost their dedup
+    /// rows apply them again.
+    #[arg(long)]
+    pub force: bool,
     /// Rows per page.
     #[arg(long, default_value_t = 1000)]
     pub batch_size: i64,
@@ -243,7 +264,7 @@ pub(crate) struct CleanupArgs {
     #[arg(long, default_value_t = 1000)]
     pub batch_size: i64,
     /// Run every DURATION until SIGINT/SIGTERM, as the single leader among
-    /// the cleanup jobs of this database (advisory lock); without it, one
+    /// the cleanup jobs of this outbox (advisory lock); without it, one
     /// pass.
     #[arg(long, value_name = "DURATION")]
     pub every: Option<String>,

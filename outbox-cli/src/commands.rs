@@ -42,8 +42,18 @@ pub(crate) async fn run(ctx: Ctx, command: Command) -> Result<(), Error> {
     match command {
         Command::Migrate(_) => {
             let pool = ctx.pool(2).await?;
+            let schema = ctx.settings.database.schema.as_deref();
+            if let Some(schema) = schema {
+                // A plain identifier (checked with the connect options).
+                sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
+                    .execute(&pool)
+                    .await?;
+            }
             outbox_core::migrate_with(&pool, &ctx.settings.database.lock_policy()).await?;
-            println!("migrations applied");
+            match schema {
+                Some(schema) => println!("migrations applied (schema {schema})"),
+                None => println!("migrations applied"),
+            }
         }
         Command::Relay(_) => relay(&ctx).await?,
         Command::Status { json } => {
@@ -141,7 +151,11 @@ pub(crate) async fn run(ctx: Ctx, command: Command) -> Result<(), Error> {
                 _ => {}
             }
             let on = ops::notify_enabled(&pool).await?;
-            println!("notify: {}", if on { "on" } else { "off" });
+            let channel = outbox_runtime::OutboxScope::of(&pool).await?.channel();
+            println!(
+                "notify: {} (channel {channel})",
+                if on { "on" } else { "off" }
+            );
         }
         Command::Config { json } => show_config(&ctx, json),
     }
@@ -285,18 +299,28 @@ async fn replay_events(ctx: &Ctx, args: ReplayArgs) -> Result<(), Error> {
         aggregate_type: args.aggregate_type,
         aggregate_id: args.aggregate_id,
     };
+    let dedup_window = ops::parse_duration(&args.dedup_window)?;
     let pool = ctx.pool(2).await?;
     if args.dry_run {
-        let n = replay::count(&pool, &filter).await?;
+        let (old, n, _) = replay::beyond_window(&pool, &filter, dedup_window).await?;
         if args.json {
-            println!("{}", serde_json::json!({ "dry_run": true, "matched": n }));
+            println!(
+                "{}",
+                serde_json::json!({ "dry_run": true, "matched": n, "beyond_dedup_window": old })
+            );
         } else {
-            println!("dry run: {n} published events match; nothing sent");
+            println!(
+                "dry run: {n} published events match, {old} of them published more than {} ago \
+                 (beyond the dedup window: refused without --force); nothing sent",
+                ops::format_duration(dedup_window)
+            );
         }
         return Ok(());
     }
     let mut options =
         replay::ReplayOptions::new(ctx.settings.kafka.brokers(), filter).kafka(&ctx.settings.kafka);
+    options.dedup_window = dedup_window;
+    options.force = args.force;
     options.to_topic = args.to_topic;
     options.batch_size = args.batch_size;
     let report = replay::replay(&pool, &options).await?;

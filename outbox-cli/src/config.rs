@@ -103,6 +103,7 @@ fn defaults() -> Settings {
     s.relay.outage_backoff_ms = ms(relay.outage_backoff);
     s.relay.outage_backoff_max_ms = ms(relay.outage_backoff_max);
     s.relay.statement_timeout_ms = ms(relay.statement_timeout);
+    s.relay.lane_timeout_ms = ms(relay.lane_timeout);
     s
 }
 

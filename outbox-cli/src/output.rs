@@ -36,9 +36,14 @@ pub(crate) fn print_status(s: &ops::Status) {
         "PUBLISHED",
     ];
     print!("{}", table(&header, &rows));
-    println!("notify: {}", if s.notify_enabled { "on" } else { "off" });
+    println!("outbox: schema {}", s.schema);
+    println!(
+        "notify: {} (channel {})",
+        if s.notify_enabled { "on" } else { "off" },
+        s.channel
+    );
     if s.relays.is_empty() {
-        println!("relays with lanes: none running");
+        println!("relays: none running");
     } else {
         let rows: Vec<[String; 4]> = s
             .relays
@@ -48,7 +53,11 @@ pub(crate) fn print_status(s: &ops::Status) {
                     r.pid.to_string(),
                     r.client.clone().unwrap_or_else(|| "local".into()),
                     r.lane_count.map_or_else(|| "-".into(), |c| c.to_string()),
-                    lane_list(&r.lanes),
+                    if r.lane_count == Some(0) {
+                        "all (no lanes)".into()
+                    } else {
+                        lane_list(&r.lanes)
+                    },
                 ]
             })
             .collect();

@@ -184,7 +184,16 @@ async fn credentials_never_appear_in_logs(pool: PgPool) {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Running (it logged its settings at start): it holds its lanes.
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            outbox_runtime::ops::relays(&pool)
+                .await
+                .is_ok_and(|r| r.iter().any(|r| !r.lanes.is_empty()))
+        })
+        .await,
+        "the relay started"
+    );
     let pid = child.id().unwrap().to_string();
     std::process::Command::new("kill")
         .args(["-TERM", &pid])
@@ -257,9 +266,20 @@ async fn replay_cleanup_and_parked_drop(pool: PgPool) {
     assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
     assert!(text(&o).1.contains("invalid time"), "{:?}", text(&o));
     let to = format!("{}", first + 4);
+    // Two of them were published 40 days ago, beyond the dedup window:
+    // refused without --force, nothing sent.
+    let o = outbox(Some(&url), &["replay", "--topic", &topic, "--to-id", &to]).await;
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(
+        text(&o).1.contains("2 of the 5 events") && text(&o).1.contains("--force"),
+        "{:?}",
+        text(&o)
+    );
     let o = outbox(
         Some(&url),
-        &["replay", "--topic", &topic, "--to-id", &to, "--json"],
+        &[
+            "replay", "--topic", &topic, "--to-id", &to, "--force", "--json",
+        ],
     )
     .await;
     assert!(o.status.success(), "{:?}", text(&o));
@@ -339,4 +359,93 @@ async fn replay_cleanup_and_parked_drop(pool: PgPool) {
         "{:?}",
         text(&o)
     );
+}
+
+/// `--schema` (or `OUTBOX_SCHEMA`) chooses the outbox when services share a
+/// database: `migrate` creates the schema and its tables, the other
+/// commands work on that schema's outbox only; a name that is not a plain
+/// identifier is refused.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn the_schema_flag_chooses_the_outbox(pool: PgPool) {
+    let url = url_of(&pool);
+    let o = outbox(Some(&url), &["--schema", "billing", "migrate"]).await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(text(&o).0.contains("schema billing"), "{:?}", text(&o));
+    commit_messages(&pool, &unique_topic("cli-public"), 3, 1, 3).await;
+
+    let status = |args: &'static [&'static str]| {
+        let url = url.clone();
+        async move {
+            let o = outbox(Some(&url), args).await;
+            assert!(o.status.success(), "{:?}", text(&o));
+            serde_json::from_slice::<serde_json::Value>(&o.stdout).expect("JSON status")
+        }
+    };
+    let public = status(&["status", "--json"]).await;
+    let billing = status(&["--schema", "billing", "status", "--json"]).await;
+    assert_eq!(public["schema"], "public");
+    assert_eq!(public["unpublished"], 3);
+    assert_eq!(billing["schema"], "billing");
+    assert_eq!(billing["unpublished"], 0);
+    assert_ne!(public["channel"], billing["channel"]);
+
+    let o = outbox(Some(&url), &["--schema", "Billing-1", "status"]).await;
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(text(&o).1.contains("invalid schema"), "{:?}", text(&o));
+}
+
+/// `outbox relay --lanes 0` beside a relay with lanes is refused with exit
+/// code 2 and a message naming both (the library's refusal is tested in the
+/// runtime's `lanes` tests).
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_relay_without_lanes_is_refused_beside_relays_with_lanes(pool: PgPool) {
+    let with_lanes = outbox_runtime::Relay::builder(pool.clone())
+        .brokers(brokers())
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            with_lanes.lanes().len() == 16
+        })
+        .await
+    );
+    let o = outbox(Some(&url_of(&pool)), &["relay", "--lanes", "0"]).await;
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(text(&o).1.contains("without lanes"), "{:?}", text(&o));
+    assert_eq!(
+        with_lanes.lanes().len(),
+        16,
+        "the running relay keeps its lanes"
+    );
+    with_lanes.shutdown().await.unwrap();
+}
+
+/// `outbox replay` of events published before the dedup window: refused
+/// with exit code 2 and a hint at `--force`, nothing sent; `--dry-run`
+/// counts them; `--force` sends them.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_replay_beyond_the_dedup_window_is_refused_by_the_command(pool: PgPool) {
+    let topic = unique_topic("cli-replay-window");
+    create_topic(&brokers(), &topic).await;
+    commit_messages(&pool, &topic, 4, 2, 4).await;
+    sqlx::query("UPDATE outbox_event SET published_at = now() - interval '8 days'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let url = url_of(&pool);
+    let o = outbox(Some(&url), &["replay", "--topic", &topic]).await;
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(text(&o).1.contains("--force"), "{:?}", text(&o));
+    let o = outbox(Some(&url), &["replay", "--topic", &topic, "--dry-run"]).await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(text(&o).0.contains("4 of them"), "{:?}", text(&o));
+    assert!(
+        read_all(&brokers(), &topic, Duration::from_secs(5))
+            .await
+            .is_empty(),
+        "a refused replay sends nothing"
+    );
+    let o = outbox(Some(&url), &["replay", "--topic", &topic, "--force"]).await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(text(&o).0.contains("replayed 4 events"), "{:?}", text(&o));
 }

@@ -13,7 +13,9 @@
 //! the longest a consumer may lag). [`Retention::validate`] refuses it.
 //!
 //! A scheduled job ([`Cleanup`]) runs the pass periodically with a single
-//! leader across processes: the one holding a session-level advisory lock.
+//! leader across processes: the one holding a session-level advisory lock,
+//! the outbox's own ([`OutboxScope::cleanup_lock`]: the cleanup jobs of
+//! another schema's outbox in the same database have another leader).
 //!
 //! How the batches walk the tables: `outbox_event` in id order (a keyset
 //! cursor, `FOR UPDATE SKIP LOCKED`, bounded by the first row younger than
@@ -24,18 +26,15 @@
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use sqlx::PgPool;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::Postgres;
+use sqlx::{Connection, PgPool};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
 use crate::ops::format_duration;
-
-/// Advisory lock key of the cleanup leader (`"outbox_c"` as a big-endian
-/// 64-bit integer).
-pub const LEADER_LOCK: i64 = 0x6f75_7462_6f78_5f63;
+use crate::scope::OutboxScope;
 
 /// The default deduplication window (7 days).
 pub const DEFAULT_DEDUP_WINDOW: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -255,33 +254,55 @@ async fn pause(d: Duration) {
     }
 }
 
-/// A connection holding the cleanup leader lock; the lock is released when
-/// it is dropped (the connection is closed, not returned to the pool).
-struct Leadership(Option<PoolConnection<Postgres>>);
+/// A connection holding the cleanup leader lock. [`Leadership::release`]
+/// unlocks it and closes the connection; dropped, the connection is closed
+/// without the unlock, and the lock stays held until the server has noticed
+/// (a moment, or longer on a busy server).
+struct Leadership {
+    conn: Option<PoolConnection<Postgres>>,
+    lock: i64,
+}
 
 impl Leadership {
     async fn try_take(pool: &PgPool) -> Result<Option<Self>> {
         let mut conn = pool.acquire().await?;
+        let lock = OutboxScope::of(&mut *conn).await?.cleanup_lock();
         let taken: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-            .bind(LEADER_LOCK)
+            .bind(lock)
             .fetch_one(&mut *conn)
             .await?;
-        Ok(taken.then(|| Self(Some(conn))))
+        Ok(taken.then(|| Self {
+            conn: Some(conn),
+            lock,
+        }))
     }
 
     /// Whether the lock's connection is still alive (a lost connection
     /// loses the lock).
     async fn alive(&mut self) -> bool {
-        match self.0.as_mut() {
+        match self.conn.as_mut() {
             Some(conn) => sqlx::query("SELECT 1").execute(&mut **conn).await.is_ok(),
             None => false,
+        }
+    }
+
+    /// Unlocks, then closes the connection: the next job or one-off pass
+    /// can take the lock as soon as this returns.
+    async fn release(mut self) {
+        if let Some(conn) = self.conn.take() {
+            let mut conn = conn.detach();
+            let unlock = sqlx::query("SELECT pg_advisory_unlock($1)")
+                .bind(self.lock)
+                .execute(&mut conn);
+            let _ = tokio::time::timeout(Duration::from_secs(5), unlock).await;
+            let _ = tokio::time::timeout(Duration::from_secs(5), conn.close()).await;
         }
     }
 }
 
 impl Drop for Leadership {
     fn drop(&mut self) {
-        if let Some(conn) = self.0.take() {
+        if let Some(conn) = self.conn.take() {
             // Closing the session releases its advisory locks.
             drop(conn.detach());
         }
@@ -299,13 +320,13 @@ pub async fn cleanup_as_leader(
         return Ok(None);
     };
     let report = cleanup(pool, retention).await;
-    drop(leadership);
+    leadership.release().await;
     report.map(Some)
 }
 
 /// A scheduled cleanup: every `interval`, one pass — by the single leader
 /// among every `Cleanup` running against the database (the holder of the
-/// advisory lock [`LEADER_LOCK`]; the others check every interval whether
+/// advisory lock [`OutboxScope::cleanup_lock`]; the others check every interval whether
 /// they can take over).
 #[derive(Debug, Clone)]
 pub struct Cleanup {
@@ -431,7 +452,9 @@ impl Cleanup {
                 _ = shutdown.cancelled() => break,
             }
         }
-        drop(leadership);
+        if let Some(leadership) = leadership {
+            leadership.release().await;
+        }
         counts.send_modify(|c| c.leader = false);
     }
 }

@@ -3,8 +3,9 @@
 //! with typed handlers, dead letters), the operations queries behind the
 //! `outbox` CLI ([`ops`]), replay ([`replay`]), retention ([`cleanup`]),
 //! Prometheus metrics ([`metrics`]), the shared Kafka client configuration
-//! ([`kafka`]), and settings from the environment and configuration files
-//! ([`settings`]).
+//! ([`kafka`]), settings from the environment and configuration files
+//! ([`settings`]), and which outbox of a database they all work on
+//! ([`scope`]).
 //!
 //! The relay's producer is private to it: nothing in this crate hands a
 //! Kafka producer to application code.
@@ -21,6 +22,7 @@ pub mod metrics;
 pub mod ops;
 pub mod relay;
 pub mod replay;
+pub mod scope;
 pub mod settings;
 
 pub use error::{Error, Result};
@@ -29,4 +31,5 @@ pub use inbox::{
     ConsumerStats, DeadLetter, DeadLetterFilter, DeadLetterReason, Mode,
 };
 pub use relay::{Relay, RelayBuilder, RelayConfig, RelayCounts, RelayHandle};
+pub use scope::OutboxScope;
 pub use tokio_util::sync::CancellationToken;

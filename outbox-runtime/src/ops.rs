@@ -1,8 +1,10 @@
 //! Operations on the outbox table used by the `outbox` CLI and by
-//! applications: status, parked rows (list, requeue, drop), the NOTIFY
-//! switch, the topics the stored events name, and the duration syntax of
-//! the CLI (`30d`, `1h30m`). Replay and retention have their own modules
-//! ([`replay`](crate::replay), [`cleanup`](crate::cleanup)).
+//! applications: status (with the relays of this outbox, see
+//! [`OutboxScope`]), parked rows (list, requeue, drop), the NOTIFY switch,
+//! the topics the stored events name, and the duration syntax of the CLI
+//! (`30d`, `1h30m`). The outbox is the one the pool's `search_path` finds.
+//! Replay and retention have their own modules ([`replay`](crate::replay),
+//! [`cleanup`](crate::cleanup)).
 //!
 //! Dropping a parked row does not delete it: the row is marked discarded
 //! (`discarded_at`, `discard_reason`), stays out of the relay's queue and of
@@ -16,6 +18,8 @@ use serde::Serialize;
 use sqlx::PgPool;
 
 use crate::error::{Error, Result};
+use crate::relay::lanes::SCOPE_LOCKS;
+use crate::scope::{Lock, OutboxScope};
 
 /// Backlog of one topic.
 #[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
@@ -51,45 +55,54 @@ pub struct Status {
     pub notify_enabled: bool,
     /// Per topic.
     pub topics: Vec<TopicStatus>,
-    /// Relays running with lanes on this database, and their lanes.
+    /// Relays running on this outbox, and their lanes.
     pub relays: Vec<RelayLanes>,
+    /// The schema of this outbox's table (several services may keep their
+    /// outboxes in one database, one schema each).
+    pub schema: String,
+    /// The NOTIFY channel of this outbox's wake-up trigger.
+    pub channel: String,
 }
 
-/// A running relay (with lanes) and the lanes it owns, read from the
-/// advisory locks it holds.
+/// A running relay and the lanes it owns, read from the advisory locks it
+/// holds.
 #[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
 pub struct RelayLanes {
     /// Backend pid of the relay's lane connection.
     pub pid: i32,
     /// Client address of that connection (none over a Unix socket).
     pub client: Option<String>,
-    /// The relay's lane count.
+    /// The relay's lane count (0: a relay without lanes, claiming every row).
     pub lane_count: Option<i32>,
     /// The lanes it owns right now.
     pub lanes: Vec<i32>,
 }
 
-/// The relays running with lanes on this database (see the relay's lanes).
+/// The relays of this outbox (the `outbox_event` table `pool`'s
+/// `search_path` finds) and their lanes; relays of other schemas' outboxes
+/// in the same database are not listed.
 pub async fn relays(pool: &PgPool) -> Result<Vec<RelayLanes>> {
-    use crate::relay::lanes::{COUNT_CLASS, LANE_CLASS, MEMBER_CLASS};
-    let rows = sqlx::query_as(
+    let scope = OutboxScope::of(pool).await?;
+    let sql = format!(
         "WITH l AS (
-             SELECT pid, classid::int8 AS class, objid::int4 AS key FROM pg_locks
-             WHERE locktype = 'advisory' AND granted AND objsubid = 2
-               AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+             SELECT pid, (objid::int8 >> 24)::int4 AS kind, (objid::int8 & 16777215)::int4 AS value
+             FROM pg_locks WHERE {SCOPE_LOCKS})
          SELECT m.pid, host(a.client_addr) AS client,
-                (SELECT max(c.key) FROM l c WHERE c.pid = m.pid AND c.class = $3) AS lane_count,
-                COALESCE((SELECT array_agg(x.key ORDER BY x.key) FROM l x
-                          WHERE x.pid = m.pid AND x.class = $2), '{}') AS lanes
+                (SELECT max(c.value) FROM l c WHERE c.pid = m.pid AND c.kind = {count})
+                    AS lane_count,
+                COALESCE((SELECT array_agg(x.value ORDER BY x.value) FROM l x
+                          WHERE x.pid = m.pid AND x.kind = {lane}), '{{}}') AS lanes
          FROM l m LEFT JOIN pg_stat_activity a ON a.pid = m.pid
-         WHERE m.class = $1
+         WHERE m.kind = {member}
          ORDER BY m.pid",
-    )
-    .bind(i64::from(MEMBER_CLASS))
-    .bind(i64::from(LANE_CLASS))
-    .bind(i64::from(COUNT_CLASS))
-    .fetch_all(pool)
-    .await?;
+        count = Lock::Count as u8,
+        lane = Lock::Lane as u8,
+        member = Lock::Member as u8,
+    );
+    let rows = sqlx::query_as(&sql)
+        .bind(i64::from(scope.oid()))
+        .fetch_all(pool)
+        .await?;
     Ok(rows)
 }
 
@@ -119,7 +132,17 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
         .fold(None, |acc: Option<f64>, v| {
             Some(acc.map_or(v, |a| a.max(v)))
         });
+    let scope = OutboxScope::of(pool).await?;
+    let schema: String = sqlx::query_scalar(
+        "SELECT n.nspname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+         WHERE c.oid = $1::int8::oid",
+    )
+    .bind(i64::from(scope.oid()))
+    .fetch_one(pool)
+    .await?;
     Ok(Status {
+        schema,
+        channel: scope.channel(),
         unpublished,
         oldest_unpublished_secs,
         parked,

@@ -14,12 +14,21 @@
 //!   duplicate (count it, skip it); a consumer rebuilding from scratch
 //!   (new group, empty dedup table) applies it.
 //! - In outbox id order, through an idempotent producer (`acks=all`), page
-//!   by page: a page's failed deliveries are retried (with their key's later
-//!   events held back), and a page is finished before the next one starts,
-//!   so per-key order holds. At least once: a replay that stops (error,
-//!   crash) can be run again from the id it reports, and some events are
-//!   then sent twice.
+//!   by page, with one event per key in flight: a key's next event is handed
+//!   to the producer only once the previous one is acknowledged, so a failed
+//!   delivery holds back the later events of its key (other keys go on) until
+//!   a retry delivers it; a page is finished before the next one starts. So
+//!   per-key order holds. At least once: a replay that stops (error, crash)
+//!   can be run again from the id it reports, and some events are then sent
+//!   twice.
+//! - Not beyond the dedup window: consumers keep their dedup rows for a
+//!   window (the retention job's `--dedup-window`, 7 days by default), so an
+//!   event published longer ago than that may no longer be recognised as a
+//!   duplicate and would be applied again. A replay selecting any such event
+//!   is refused, nothing sent, unless it is forced (a consumer rebuilding
+//!   from scratch wants them) or declares a longer window.
 
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -27,8 +36,10 @@ use sqlx::PgPool;
 use sqlx::types::chrono::{DateTime, Utc};
 use uuid::Uuid;
 
+use crate::cleanup::DEFAULT_DEDUP_WINDOW;
 use crate::error::{Error, Result};
 use crate::kafka;
+use crate::ops::format_duration;
 use crate::relay::claim::Row;
 use crate::relay::publish::{self, FailureKind, Outcome, Publisher};
 
@@ -73,6 +84,13 @@ pub struct ReplayOptions {
     pub max_attempts: u32,
     /// librdkafka `message.timeout.ms`.
     pub delivery_timeout: Duration,
+    /// How long consumers keep their dedup rows (default 7 days, as the
+    /// retention job's): events published longer ago are refused unless
+    /// `force`.
+    pub dedup_window: Duration,
+    /// Replay events published before the dedup window too (consumers that
+    /// lost their dedup rows apply them again).
+    pub force: bool,
 }
 
 impl std::fmt::Debug for ReplayOptions {
@@ -86,6 +104,8 @@ impl std::fmt::Debug for ReplayOptions {
             batch_size,
             max_attempts,
             delivery_timeout,
+            dedup_window,
+            force,
         } = self;
         f.debug_struct("ReplayOptions")
             .field("brokers", brokers)
@@ -95,6 +115,8 @@ impl std::fmt::Debug for ReplayOptions {
             .field("batch_size", batch_size)
             .field("max_attempts", max_attempts)
             .field("delivery_timeout", delivery_timeout)
+            .field("dedup_window", dedup_window)
+            .field("force", force)
             .finish()
     }
 }
@@ -110,6 +132,8 @@ impl ReplayOptions {
             batch_size: 1000,
             max_attempts: 5,
             delivery_timeout: Duration::from_secs(30),
+            dedup_window: DEFAULT_DEDUP_WINDOW,
+            force: false,
         }
     }
 
@@ -188,6 +212,33 @@ fn page_sql() -> String {
     )
 }
 
+/// How many of the published events `filter` selects were published more
+/// than `window` ago, and the first of them (its outbox id).
+pub async fn beyond_window(
+    pool: &PgPool,
+    filter: &ReplayFilter,
+    window: Duration,
+) -> Result<(u64, u64, Option<i64>)> {
+    let sql = format!(
+        "SELECT count(*) FILTER (WHERE published_at < now() - make_interval(secs => $8)),
+                count(*),
+                min(id) FILTER (WHERE published_at < now() - make_interval(secs => $8))
+         FROM outbox_event WHERE {FILTER}"
+    );
+    let (old, all, first): (i64, i64, Option<i64>) = sqlx::query_as(&sql)
+        .bind(filter.from_id.unwrap_or(i64::MIN))
+        .bind(filter.to_id)
+        .bind(filter.since)
+        .bind(filter.until)
+        .bind(filter.topic.as_deref())
+        .bind(filter.aggregate_type.as_deref())
+        .bind(filter.aggregate_id.as_deref())
+        .bind(window.as_secs_f64())
+        .fetch_one(pool)
+        .await?;
+    Ok((old as u64, all as u64, first))
+}
+
 /// How many published events `filter` selects (a dry run).
 pub async fn count(pool: &PgPool, filter: &ReplayFilter) -> Result<u64> {
     let sql = format!("SELECT count(*) FROM outbox_event WHERE {FILTER}");
@@ -206,12 +257,31 @@ pub async fn count(pool: &PgPool, filter: &ReplayFilter) -> Result<u64> {
 
 /// Replays the published events `options.filter` selects, in id order.
 ///
-/// On a page that keeps failing it stops with [`Error::ReplayStopped`],
-/// which names the outbox id to resume from.
+/// Refuses ([`Error::Config`], nothing sent) a selection with events
+/// published before the dedup window unless `options.force`. On a page that
+/// keeps failing it stops with [`Error::ReplayStopped`], which names the
+/// outbox id to resume from.
 pub async fn replay(pool: &PgPool, options: &ReplayOptions) -> Result<ReplayReport> {
     options.validate()?;
+    if !options.force {
+        let (old, all, first) = beyond_window(pool, &options.filter, options.dedup_window).await?;
+        if old > 0 {
+            let window = format_duration(options.dedup_window);
+            return Err(Error::Config(format!(
+                "refusing to replay: {old} of the {all} events selected were published more than \
+                 {window} ago (the first: outbox id {}), beyond the consumers' dedup window \
+                 {window}; their dedup rows may be gone, so consumers would apply them again. \
+                 Narrow the selection (--since, --from-id), declare a longer --dedup-window if \
+                 every consumer keeps its dedup rows longer, or pass --force to replay them \
+                 anyway (e.g. for a consumer rebuilding from scratch)",
+                first.unwrap_or_default()
+            )));
+        }
+    }
     let mut settings: Vec<(String, String)> = vec![
-        ("linger.ms".into(), "5".into()),
+        // One event per key in flight: a key's next event waits for the
+        // acknowledgement of its previous one, and lingers again.
+        ("linger.ms".into(), "1".into()),
         ("reconnect.backoff.max.ms".into(), "1000".into()),
         (
             "message.timeout.ms".into(),
@@ -273,7 +343,9 @@ pub async fn replay(pool: &PgPool, options: &ReplayOptions) -> Result<ReplayRepo
 }
 
 /// Sends one page until every row is acknowledged, or fails after
-/// `max_attempts`.
+/// `max_attempts` rounds. Each round sends what is left in key order (see
+/// [`send_in_key_order`]); what a round did not deliver — failed rows and
+/// the later rows of their keys — goes again in the next, in id order.
 async fn send_page(
     publisher: &mut Publisher,
     mut rows: Vec<Row>,
@@ -291,33 +363,24 @@ async fn send_page(
                 reason: last_error,
             });
         }
-        let mut outcomes: Vec<Option<Outcome>> = (0..rows.len()).map(|_| None).collect();
-        let pending = publisher.send(&rows, 0..rows.len(), &mut outcomes);
-        publish::settle(pending, &rows, &mut outcomes).await;
-        let mut failed = Vec::new();
-        let mut fatal = false;
-        for (row, outcome) in rows.into_iter().zip(outcomes) {
-            match outcome {
-                Some(Outcome::Delivered) => report.replayed += 1,
-                Some(Outcome::Failed(kind, error)) => {
-                    fatal |= kind == FailureKind::Fatal;
-                    if last_error.is_empty() || failed.is_empty() {
-                        last_error = error;
-                    }
-                    failed.push(row);
-                }
-                _ => failed.push(row),
-            }
+        let round = send_in_key_order(publisher, &rows).await;
+        report.replayed += round.delivered;
+        if let Some(error) = round.error {
+            last_error = error;
         }
-        rows = failed;
+        rows = rows
+            .into_iter()
+            .zip(round.delivered_rows)
+            .filter_map(|(row, delivered)| (!delivered).then_some(row))
+            .collect();
         if !rows.is_empty() {
             tracing::warn!(
                 attempt,
                 remaining = rows.len(),
                 error = %last_error,
-                "replay: deliveries failed, retrying"
+                "replay: deliveries failed, retrying (their keys' later events held back)"
             );
-            if fatal {
+            if round.fatal {
                 publisher.recreate(&last_error);
             } else {
                 publisher.recover_if_fatal();
@@ -331,4 +394,102 @@ async fn send_page(
         }
     }
     Ok(())
+}
+
+/// What one round of [`send_in_key_order`] did.
+struct Round {
+    /// Per row: acknowledged.
+    delivered_rows: Vec<bool>,
+    delivered: u64,
+    /// The last delivery error.
+    error: Option<String>,
+    /// The producer reported itself unusable.
+    fatal: bool,
+}
+
+impl Round {
+    fn failed(&mut self, outcome: Outcome) {
+        if let Outcome::Failed(kind, error) = outcome {
+            self.fatal |= kind == FailureKind::Fatal;
+            self.error = Some(error);
+        }
+    }
+}
+
+/// Sends `rows` (in id order) with at most one event of each key in flight:
+/// a key's next event is handed to the producer once the previous one is
+/// acknowledged; after a failure (or a full producer queue) the key's later
+/// events stay unsent in this round. Different keys go in parallel.
+async fn send_in_key_order(publisher: &Publisher, rows: &[Row]) -> Round {
+    let mut queues: Vec<VecDeque<usize>> = Vec::new();
+    let mut queue_of: HashMap<&str, usize> = HashMap::new();
+    for (i, row) in rows.iter().enumerate() {
+        let q = *queue_of
+            .entry(row.partition_key.as_str())
+            .or_insert_with(|| {
+                queues.push(VecDeque::new());
+                queues.len() - 1
+            });
+        queues[q].push_back(i);
+    }
+    let mut round = Round {
+        delivered_rows: vec![false; rows.len()],
+        delivered: 0,
+        error: None,
+        fatal: false,
+    };
+    let mut in_flight = InFlight::new();
+    for (q, queue) in queues.iter_mut().enumerate() {
+        send_next(publisher, rows, q, queue, &mut in_flight, &mut round);
+    }
+    while let Some(joined) = in_flight.join_next().await {
+        let Ok((q, i, delivery)) = joined else {
+            // Awaiting a delivery neither panics nor is cancelled; a row
+            // lost here is only sent again.
+            continue;
+        };
+        match publish::outcome(delivery, &rows[i].topic) {
+            Outcome::Delivered => {
+                round.delivered_rows[i] = true;
+                round.delivered += 1;
+                send_next(
+                    publisher,
+                    rows,
+                    q,
+                    &mut queues[q],
+                    &mut in_flight,
+                    &mut round,
+                );
+            }
+            failed => round.failed(failed),
+        }
+    }
+    round
+}
+
+/// Deliveries in flight: each yields its key's queue, its row and its result.
+type InFlight = tokio::task::JoinSet<(
+    usize,
+    usize,
+    <rdkafka::producer::DeliveryFuture as std::future::Future>::Output,
+)>;
+
+/// Hands the next row of key queue `q` to the producer.
+fn send_next(
+    publisher: &Publisher,
+    rows: &[Row],
+    q: usize,
+    queue: &mut VecDeque<usize>,
+    in_flight: &mut InFlight,
+    round: &mut Round,
+) {
+    let Some(i) = queue.pop_front() else {
+        return;
+    };
+    match publisher.send_one(&rows[i]) {
+        Ok(delivery) => {
+            in_flight.spawn(async move { (q, i, delivery.await) });
+        }
+        Err(outcome) => round.failed(outcome),
+    }
 }

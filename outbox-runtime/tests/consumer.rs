@@ -182,6 +182,39 @@ fn events(n: usize, keys: usize) -> (Vec<TestMessage>, Vec<Uuid>) {
     (messages, ids)
 }
 
+/// One well-formed event on each partition of `topic`, produced now; returns
+/// their ids. Once a consumer has applied all of them it has read every
+/// partition from where it started to past them: whatever it would have read
+/// again it has received by then.
+async fn markers(topic: &str) -> Vec<Uuid> {
+    let mut messages = Vec::new();
+    let mut ids = Vec::new();
+    for p in 0..PARTITIONS {
+        let id = Uuid::now_v7();
+        let key = format!("marker-{p}");
+        messages.push(
+            TestMessage::event(
+                id,
+                "OrderPlaced",
+                &key,
+                serde_json::json!({ "key": key, "seq": 0 }),
+            )
+            .on_partition(p),
+        );
+        ids.push(id);
+    }
+    produce(&brokers(), topic, &messages).await;
+    ids
+}
+
+/// Waits until every id in `ids` has been applied once.
+async fn all_applied(pool: &PgPool, ids: &[Uuid]) -> bool {
+    eventually(Duration::from_secs(30), || async {
+        effects_of(pool, ids).await.iter().all(|n| *n == 1)
+    })
+    .await
+}
+
 test_event!(DupEvent, "consumer-test-duplicates");
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
@@ -334,15 +367,20 @@ async fn graceful_shutdown_commits_offsets_and_the_next_consumer_continues(pool:
     assert_eq!(counts.received, rest);
     assert!(effects_of(&pool, &ids).await.iter().all(|n| *n == 1));
 
-    // A third consumer of the group has nothing to read.
+    // A third consumer of the group reads nothing old: markers produced
+    // after it started are all it receives.
     let third = consumer(&pool, &group)
         .handler(Recorder::<ShutdownEvent>::new())
         .spawn()
         .unwrap();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    let marks = markers(topic).await;
+    assert!(all_applied(&pool, &marks).await, "{:?}", third.counts());
     let counts = third.counts();
     third.shutdown().await.unwrap();
-    assert_eq!(counts.received, 0, "{counts:?}");
+    assert_eq!(
+        counts.received, PARTITIONS as u64,
+        "only the markers: {counts:?}"
+    );
 }
 
 test_event!(FailEvent, "consumer-test-failing-handler");
@@ -437,11 +475,41 @@ async fn a_failing_handler_is_dead_lettered_after_max_attempts_and_retry_redrive
         .await
         .unwrap();
     assert_eq!(resolved.len(), 1);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(calls.load(Ordering::SeqCst), calls_before);
+    // Proof that a re-drive pass ran after that: another dead letter of the
+    // group, marked for retry, is re-driven; the pass that takes it would
+    // have taken the resolved one too had it been marked.
+    let other = Uuid::now_v7();
+    sqlx::query(
+        r#"INSERT INTO dead_letter (consumer, topic, "partition", "offset", key, event_id,
+               event_type, headers, payload, reason, error, handler, attempts, status,
+               retry_requested_at)
+           SELECT consumer, topic, "partition", "offset" + 1000000, key, $2, event_type,
+                  headers || jsonb_build_object('event_id', $2::text), payload, reason, error,
+                  handler, attempts, 'retry', now()
+           FROM dead_letter WHERE id = $1"#,
+    )
+    .bind(letter.id)
+    .bind(other)
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            handle.counts().redriven == 2
+        })
+        .await,
+        "the other dead letter is re-driven: {:?}",
+        handle.counts()
+    );
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        calls_before + 1,
+        "only the other one ran: the resolved one was not run again"
+    );
+    assert_eq!(effects_of(&pool, &[other]).await, vec![1]);
     handle.shutdown().await.unwrap();
     assert_eq!(effects_of(&pool, &[poison]).await, vec![1]);
-    assert_eq!(dead_letter::discard(&pool, None, None).await.unwrap(), 1);
+    assert_eq!(dead_letter::discard(&pool, None, None).await.unwrap(), 2);
 }
 
 test_event!(BadEvent, "consumer-test-malformed");
@@ -535,16 +603,21 @@ async fn malformed_messages_are_dead_lettered_with_their_reason_and_block_nothin
     assert_eq!(by_offset(4).key.as_deref(), Some("k"));
     assert_eq!(effect_count(&pool).await, 3);
 
-    // Offsets were committed past the malformed messages: nothing is read again.
+    // Offsets were committed past the malformed messages: nothing is read
+    // again, only markers produced after the next consumer started.
     let again = consumer(&pool, &group)
         .handler(Recorder::<BadEvent>::new())
         .ignore_event_type(topic, "OrderViewed")
         .spawn()
         .unwrap();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    let marks = markers(topic).await;
+    assert!(all_applied(&pool, &marks).await, "{:?}", again.counts());
     let counts = again.counts();
     again.shutdown().await.unwrap();
-    assert_eq!(counts.received, 0, "{counts:?}");
+    assert_eq!(
+        counts.received, PARTITIONS as u64,
+        "only the markers: {counts:?}"
+    );
 }
 
 // ---- Follow-up events --------------------------------------------------------

@@ -278,6 +278,143 @@ async fn a_replay_that_cannot_deliver_stops_and_names_where_to_resume(pool: PgPo
     ));
 }
 
+/// After a failed delivery, a replay holds back the later events of that
+/// key: they are sent only once the failed one is delivered. Key `k`'s first
+/// event goes to a topic the broker does not have; its second, to a topic
+/// that exists, must not be sent before it (the other key's event is). Once
+/// the topic exists, a replay from the id it names delivers both.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_replay_holds_back_a_keys_later_events_after_a_failed_delivery(pool: PgPool) {
+    let (missing, present) = (
+        unique_topic("replay-missing"),
+        unique_topic("replay-present"),
+    );
+    create_topic(&brokers(), &present).await;
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let first = uow.record_message(message(&missing, "k", 0));
+    let second = uow.record_message(message(&present, "k", 1));
+    let other = uow.record_message(message(&present, "other", 0));
+    uow.commit().await.unwrap();
+    sqlx::query("UPDATE outbox_event SET published_at = now()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let first_id: i64 = sqlx::query_scalar("SELECT id FROM outbox_event WHERE event_id = $1")
+        .bind(first)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+
+    let mut options = ReplayOptions::new(brokers(), ReplayFilter::default());
+    options.max_attempts = 2;
+    options.delivery_timeout = Duration::from_secs(2);
+    match replay::replay(&pool, &options).await {
+        Err(Error::ReplayStopped {
+            replayed,
+            resume_from,
+            ..
+        }) => {
+            assert_eq!(replayed, 1, "only the other key's event");
+            assert_eq!(resume_from, first_id);
+        }
+        other => panic!("expected the replay to stop, got {other:?}"),
+    }
+    let sent: Vec<Uuid> = read_all(&brokers(), &present, Duration::from_secs(30))
+        .await
+        .iter()
+        .map(|m| m.event_id())
+        .collect();
+    assert_eq!(
+        sent,
+        vec![other],
+        "k's second event was held back behind its failed first one"
+    );
+
+    create_topic(&brokers(), &missing).await;
+    options.filter.from_id = Some(first_id);
+    let report = replay::replay(&pool, &options).await.unwrap();
+    assert_eq!(report.replayed, 3);
+    let on_missing: Vec<Uuid> = read_all(&brokers(), &missing, Duration::from_secs(30))
+        .await
+        .iter()
+        .map(|m| m.event_id())
+        .collect();
+    assert_eq!(on_missing, vec![first]);
+    let on_present: Vec<Uuid> = read_all(&brokers(), &present, Duration::from_secs(30))
+        .await
+        .iter()
+        .map(|m| m.event_id())
+        .collect();
+    assert!(on_present.contains(&second), "{on_present:?}");
+}
+
+/// Events published longer ago than the consumers' dedup window may have
+/// lost their dedup rows: replayed, they would be applied again. A replay
+/// that selects any is refused (nothing sent) unless forced, or unless the
+/// dedup window is declared longer.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_replay_beyond_the_dedup_window_is_refused_without_force(pool: PgPool) {
+    let topic = unique_topic("replay-window");
+    create_topic(&brokers(), &topic).await;
+    let committed = commit_messages(&pool, &topic, 10, 2, 5).await;
+    sqlx::query(
+        "UPDATE outbox_event SET published_at = now() - CASE WHEN id % 2 = 0
+                 THEN interval '8 days' ELSE interval '1 hour' END",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let old: (i64, i64) = sqlx::query_as(
+        "SELECT count(*), min(id) FROM outbox_event WHERE published_at < now() - interval '7 days'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(old.0, 5);
+
+    let options = ReplayOptions::new(brokers(), ReplayFilter::default());
+    match replay::replay(&pool, &options).await {
+        Err(Error::Config(message)) => {
+            assert!(message.contains("5 of the 10 events"), "{message}");
+            assert!(
+                message.contains(&format!("outbox id {}", old.1)),
+                "{message}"
+            );
+            assert!(message.contains("dedup window 7d"), "{message}");
+            assert!(message.contains("--force"), "{message}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    // (The same through the command: the `outbox-cli` package's tests.)
+    assert!(
+        read_all(&brokers(), &topic, Duration::from_secs(30))
+            .await
+            .is_empty(),
+        "a refused replay sends nothing"
+    );
+
+    // Within the window: the recent half alone is replayed.
+    let recent = ReplayOptions::new(
+        brokers(),
+        ReplayFilter {
+            from_id: Some(old.1 + 1),
+            to_id: Some(old.1 + 1),
+            ..ReplayFilter::default()
+        },
+    );
+    assert_eq!(replay::replay(&pool, &recent).await.unwrap().replayed, 1);
+    // A longer declared window, or --force, lets the rest through.
+    let mut longer = ReplayOptions::new(brokers(), ReplayFilter::default());
+    longer.dedup_window = Duration::from_secs(30 * 86_400);
+    assert_eq!(replay::replay(&pool, &longer).await.unwrap().replayed, 10);
+    let mut forced = ReplayOptions::new(brokers(), ReplayFilter::default());
+    forced.force = true;
+    assert_eq!(replay::replay(&pool, &forced).await.unwrap().replayed, 10);
+    let received = read_all(&brokers(), &topic, Duration::from_secs(30)).await;
+    assert_eq!(received.len(), 21);
+    assert_eq!(committed.len(), 10);
+}
+
 /// Every id arrived (duplicates allowed), nothing else.
 fn verify_all_arrived(expected: &[Uuid], received: &[Received]) {
     let want: std::collections::HashSet<Uuid> = expected.iter().copied().collect();

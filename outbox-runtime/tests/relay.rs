@@ -446,27 +446,45 @@ async fn invalid_configuration_is_a_clear_error(pool: PgPool) {
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn writers_notify_only_while_a_relay_waits(pool: PgPool) {
     let topic = unique_topic("relay-wake");
+    let scope = outbox_runtime::OutboxScope::of(&pool).await.unwrap();
     let mut listener = sqlx::postgres::PgListener::connect_with(&pool)
         .await
         .unwrap();
-    listener.listen("outbox_event").await.unwrap();
+    listener.listen(&scope.channel()).await.unwrap();
     // No relay waits: committing sends no NOTIFY (no commit-time lock).
-    commit_messages(&pool, &topic, 3, 1, 3).await;
-    let quiet = tokio::time::timeout(Duration::from_millis(300), listener.recv()).await;
-    assert!(quiet.is_err(), "no NOTIFY while no relay waits: {quiet:?}");
+    let quiet = commit_messages(&pool, &topic, 3, 1, 3).await;
 
     // A waiting relay holds the wake lock: writers notify.
     let mut waiting = pool.acquire().await.unwrap();
-    let armed: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(8031453476610924407)")
+    let armed: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        .bind(scope.wake_lock())
         .fetch_one(&mut *waiting)
         .await
         .unwrap();
     assert!(armed);
-    commit_messages(&pool, &topic, 3, 1, 3).await;
-    let woke = tokio::time::timeout(Duration::from_secs(5), listener.recv()).await;
-    assert!(
-        matches!(woke, Ok(Ok(_))),
-        "NOTIFY while a relay waits: {woke:?}"
+    let loud = commit_messages(&pool, &topic, 3, 1, 3).await;
+
+    // Notifications arrive in commit order: a marker sent after both commits
+    // comes after whatever they sent.
+    sqlx::query("SELECT pg_notify($1, 'marker')")
+        .bind(scope.channel())
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut before_marker = 0;
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(10), listener.recv())
+            .await
+            .expect("the marker arrives")
+            .unwrap();
+        if n.payload() == "marker" {
+            break;
+        }
+        before_marker += 1;
+    }
+    assert_eq!(
+        before_marker, 1,
+        "one NOTIFY, for {loud:?} (a relay waited), none for {quiet:?} (none waited)"
     );
 }
 
@@ -489,9 +507,13 @@ async fn a_relay_waiting_on_another_database_does_not_delay_this_one(pool: PgPoo
         .connect_with(pool.connect_options().as_ref().clone().database(&other_db))
         .await
         .unwrap();
-    // "A relay waits on the other database": it holds that database's wake lock.
+    // "A relay waits on the other database": it holds that database's wake
+    // lock, with the key of this database's (its outbox table could have the
+    // same oid).
+    let scope = outbox_runtime::OutboxScope::of(&pool).await.unwrap();
     let mut waiting = other.acquire().await.unwrap();
-    let armed: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(8031453476610924407)")
+    let armed: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        .bind(scope.wake_lock())
         .fetch_one(&mut *waiting)
         .await
         .unwrap();

@@ -44,8 +44,15 @@ pub struct Load {
     /// Concurrent writer tasks; each owns its keys, so a key's transactions
     /// are serialized and its expected order is well defined.
     pub writers: usize,
-    /// Keys per writer.
+    /// Keys per writer (with `shared_keys`: keys in all).
     pub keys: usize,
+    /// Prepended to every key (distinct loads in one scenario).
+    pub prefix: &'static str,
+    /// All writers write the same keys, two of them the same key at the
+    /// same moment: a key's order is then the order in which its
+    /// transactions committed, known only from the database
+    /// ([`commit_order_table`]).
+    pub shared_keys: bool,
 }
 
 impl Default for Load {
@@ -54,6 +61,8 @@ impl Default for Load {
             rate: 300,
             writers: 4,
             keys: 8,
+            prefix: "",
+            shared_keys: false,
         }
     }
 }
@@ -106,9 +115,9 @@ impl Writers {
             .map(|w| {
                 let (pool, token, ledger) = (pool.clone(), token.clone(), ledger.clone());
                 let topic = topic.to_owned();
-                tokio::spawn(async move {
-                    write(w, &pool, &topic, load.keys, period, &token, &ledger).await
-                })
+                tokio::spawn(
+                    async move { write(w, &pool, &topic, load, period, &token, &ledger).await },
+                )
             })
             .collect();
         Self {
@@ -162,11 +171,12 @@ async fn write(
     writer: usize,
     pool: &PgPool,
     topic: &str,
-    keys: usize,
+    load: Load,
     period: Duration,
     token: &CancellationToken,
     ledger: &Mutex<Ledger>,
 ) {
+    let keys = load.keys;
     let mut seqs = vec![0_u64; keys];
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -175,8 +185,14 @@ async fn write(
             _ = token.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let k = tx as usize % keys;
-        let key = format!("w{writer}-k{k}");
+        let (k, key) = if load.shared_keys {
+            // Writers 0 and 1 on one key, 2 and 3 on the next, at each tick.
+            let k = (tx as usize + writer / 2) % keys;
+            (k, format!("{}shared-k{k}", load.prefix))
+        } else {
+            let k = tx as usize % keys;
+            (k, format!("{}w{writer}-k{k}", load.prefix))
+        };
         let mut uow = match UnitOfWork::begin(pool).await {
             Ok(uow) => uow,
             Err(_) => {
@@ -438,4 +454,59 @@ pub async fn collect(
         effects,
         ..Evidence::default()
     }
+}
+
+/// Records the commit order of every key's events: at `COMMIT` (a deferred
+/// constraint trigger, so after the Unit of Work's outbox insert), each row
+/// takes the next number of its key from a counter row, whose lock it holds
+/// until the commit is done. A later committer of the key waits for it, so
+/// the numbers follow the order in which the key's transactions committed,
+/// whatever the outbox's own key locks do; rolled-back transactions take
+/// none.
+pub async fn commit_order_table(pool: &PgPool) {
+    sqlx::raw_sql(
+        "CREATE TABLE key_counter (key text PRIMARY KEY, last bigint NOT NULL);
+         CREATE TABLE commit_order (event_id uuid PRIMARY KEY, key text NOT NULL, seq bigint NOT NULL);
+         CREATE FUNCTION record_commit_order() RETURNS trigger LANGUAGE plpgsql AS $$
+         DECLARE n bigint;
+         BEGIN
+             INSERT INTO key_counter AS c VALUES (NEW.partition_key, 0)
+                 ON CONFLICT (key) DO UPDATE SET last = c.last + 1
+                 RETURNING last INTO n;
+             INSERT INTO commit_order VALUES (NEW.event_id, NEW.partition_key, n);
+             RETURN NULL;
+         END $$;
+         CREATE CONSTRAINT TRIGGER record_commit_order AFTER INSERT ON outbox_event
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION record_commit_order();",
+    )
+    .execute(pool)
+    .await
+    .expect("commit order table");
+}
+
+/// Replaces every sequence number of `evidence` (the writers', Kafka's and
+/// the effects') by the key's commit order recorded by
+/// [`commit_order_table`]; returns how many committed events it numbered.
+pub async fn number_by_commit_order(pool: &PgPool, evidence: &mut Evidence) -> usize {
+    let order: std::collections::HashMap<Uuid, u64> =
+        sqlx::query_as::<_, (Uuid, i64)>("SELECT event_id, seq FROM commit_order")
+            .fetch_all(pool)
+            .await
+            .expect("commit order")
+            .into_iter()
+            .map(|(id, seq)| (id, seq as u64))
+            .collect();
+    let mut numbered = 0;
+    for w in &mut evidence.committed {
+        if let Some(seq) = order.get(&w.event_id) {
+            w.seq = *seq;
+            numbered += 1;
+        }
+    }
+    for s in evidence.kafka.iter_mut().chain(evidence.effects.iter_mut()) {
+        if let Some(seq) = order.get(&s.event_id) {
+            s.seq = *seq;
+        }
+    }
+    numbered
 }

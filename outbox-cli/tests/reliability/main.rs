@@ -16,6 +16,7 @@ mod common;
 mod checker;
 mod harness;
 mod misbehaving;
+mod sharing;
 
 use common::pg;
 

@@ -66,7 +66,7 @@ impl InboxHandler for Misbehaving {
     {
         Box::pin(async move {
             let id = ctx.incoming().event_id;
-            super::harness::apply(&mut **ctx, id, &event.key, event.seq).await?;
+            super::harness::apply(ctx, id, &event.key, event.seq).await?;
             match act(id) {
                 Act::Good => {}
                 Act::Swallow => {
@@ -79,7 +79,7 @@ impl InboxHandler for Misbehaving {
                 }
                 Act::Rollback => {
                     sqlx::query("ROLLBACK").execute(&mut **ctx).await?;
-                    let _ = super::harness::apply(&mut **ctx, id, &event.key, event.seq).await;
+                    let _ = super::harness::apply(ctx, id, &event.key, event.seq).await;
                 }
                 Act::Panic => panic!("the application has a bug"),
                 Act::Hang => tokio::time::sleep(Duration::from_secs(3600)).await,

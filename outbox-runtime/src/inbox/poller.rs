@@ -70,6 +70,9 @@ struct Assignment {
     owned: HashMap<Partition, u64>,
     /// Last offset committed (or queued for commit) per owned partition.
     committed: HashMap<Partition, i64>,
+    /// Owned partitions being revoked: still committable, but no new batch
+    /// may start applying their records.
+    revoking: std::collections::HashSet<Partition>,
     /// Interned topic names.
     topics: HashMap<String, Arc<str>>,
 }
@@ -148,7 +151,10 @@ impl Shared {
     pub fn begin_batch(&self, mut batch: Vec<Record>) -> Vec<Record> {
         *lock(&self.applying) = true;
         let a = lock(&self.assignment);
-        batch.retain(|r| a.owned.get(&(r.topic.clone(), r.partition)) == Some(&r.generation));
+        batch.retain(|r| {
+            let partition = (r.topic.clone(), r.partition);
+            a.owned.get(&partition) == Some(&r.generation) && !a.revoking.contains(&partition)
+        });
         batch
     }
 
@@ -280,15 +286,27 @@ impl ClientContext for Context {
 impl ConsumerContext for Context {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
-            // Hand over cleanly: let the batch being applied commit, then
-            // commit its offsets (and everything before it).
+            // Hand over cleanly: no batch may start on these partitions any
+            // more (one starting after the wait below would be applied after
+            // the new owner had read its records too); let the batch being
+            // applied commit, then commit its offsets (and everything before
+            // it).
+            {
+                let mut a = lock(&self.shared.assignment);
+                for e in tpl.elements() {
+                    if let Some(topic) = a.topics.get(e.topic()).cloned() {
+                        a.revoking.insert((topic, e.partition()));
+                    }
+                }
+            }
             self.shared.wait_for_batch(REVOKE_WAIT);
             self.shared.commit(consumer, CommitMode::Sync, false);
             let mut a = lock(&self.shared.assignment);
             for e in tpl.elements() {
                 if let Some(topic) = a.topics.get(e.topic()).cloned() {
                     a.owned.remove(&(topic.clone(), e.partition()));
-                    a.committed.remove(&(topic, e.partition()));
+                    a.committed.remove(&(topic.clone(), e.partition()));
+                    a.revoking.remove(&(topic, e.partition()));
                 }
             }
             tracing::info!(

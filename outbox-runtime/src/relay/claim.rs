@@ -6,6 +6,7 @@ use sqlx::{PgPool, Postgres, Transaction};
 
 use super::lanes::{self, Claimable};
 use crate::error::Result;
+use crate::scope::{Lock, OutboxScope};
 
 /// One claimed outbox row, ready to publish.
 #[derive(Debug, Clone, sqlx::FromRow)]
@@ -42,14 +43,24 @@ WHERE published_at IS NULL AND parked_at IS NULL
   AND partition_key <> ALL($2::text[])
   AND topic <> ALL($3::text[])";
 
-/// Without lanes: any row no other relay holds.
+/// Without lanes: any row no other relay holds, while the relay's lock
+/// session (pid `$6`) still holds its registration (lane count 0 of the
+/// outbox `$4`, `pg_locks` objid `$5`) at this statement's start: a relay
+/// whose session died claims nothing (a relay with lanes may have started
+/// since).
 fn claim_any() -> String {
-    format!("{CLAIM_COLUMNS}\nORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED")
+    format!(
+        "{CLAIM_COLUMNS}
+  AND EXISTS (SELECT 1 FROM pg_locks WHERE {locks} AND pid = $6 AND objid::int8 = $5)
+ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+        locks = lanes::SCOPE_LOCKS.replace("$1", "$4"),
+    )
 }
 
 /// With lanes: rows of the lanes this relay may claim from, i.e. none of
 /// the lanes in `$5` (the others), and none the lane connection (pid `$6`)
-/// does not own at this statement's start; lane count `$4`.
+/// does not own at this statement's start; lane count `$4`, the outbox's
+/// oid `$7`, the `pg_locks` objid of lane 0 `$8`.
 ///
 /// Both conditions are written as exclusions (`<> ALL`): the planner
 /// estimates those as barely selective and keeps walking the partial index
@@ -64,22 +75,21 @@ fn claim_lanes() -> String {
   AND {lane} <> ALL((
       SELECT coalesce(array_agg(l), '{{}}') FROM generate_series(0, $4 - 1) AS l
       WHERE NOT EXISTS (SELECT 1 FROM pg_locks
-        WHERE locktype = 'advisory' AND granted AND objsubid = 2
-          AND classid = {class} AND pid = $6 AND objid::int = l
-          AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+        WHERE {locks} AND pid = $6 AND objid::int8 = $8 + l)
       )::int4[])
 ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
-        class = lanes::LANE_CLASS,
+        locks = lanes::SCOPE_LOCKS.replace("$1", "$7"),
     )
 }
 
 /// Taken before the claim (in the `BEGIN` round trip): see the handover
-/// notes in [`lanes`]. Lane numbers are integers, written into the text.
-fn hold_in_use(owned: &[i32]) -> String {
+/// notes in [`lanes`]. Keys and lane numbers are integers, written into the
+/// text.
+fn hold_in_use(scope: OutboxScope, owned: &[i32]) -> String {
     let list: Vec<String> = owned.iter().map(i32::to_string).collect();
     format!(
-        "SELECT count(pg_advisory_xact_lock_shared({}, l)) FROM unnest('{{{}}}'::int4[]) AS l",
-        lanes::IN_USE_CLASS,
+        "SELECT count(pg_advisory_xact_lock_shared({}::int8 | l)) FROM unnest('{{{}}}'::int4[]) AS l",
+        scope.base(Lock::InUse),
         list.join(",")
     )
 }
@@ -109,55 +119,67 @@ WHERE o.id = f.id";
 /// costs rows × list length (measured: 80-170 ms per mark on a young table of
 /// 6,500 rows whose statistics said 10, against ~1 ms as a TID scan), and the
 /// claim must walk the partial index in id order.
-const BEGIN: &str = "BEGIN; SET LOCAL enable_seqscan = off";
+///
+/// The transaction ends itself if it stays idle longer than `idle` (a relay
+/// frozen mid-batch must not hold its rows and its lanes' "in use" locks for
+/// ever: see [`lanes`]); `idle` exceeds the longest a working relay keeps a
+/// batch open between statements. Every statement of it (the mark too) runs
+/// with `statement_timeout` (0: none).
+pub(crate) fn begin(idle: std::time::Duration, statement_timeout: std::time::Duration) -> String {
+    format!(
+        "BEGIN; SET LOCAL enable_seqscan = off; \
+         SET LOCAL idle_in_transaction_session_timeout = {}; \
+         SET LOCAL statement_timeout = {}",
+        idle.as_millis().max(1),
+        statement_timeout.as_millis()
+    )
+}
 
 /// Claims up to `limit` unpublished rows, skipping rows other relays hold and
-/// the keys and topics currently blocked by failures; with `lanes`, only rows
-/// of those lanes (none when the relay owns no lane). Every statement of the
-/// claim's transaction (the mark too) runs with `statement_timeout`.
+/// the keys and topics currently blocked by failures; only rows of the lanes
+/// in `lanes` (none when the relay owns no lane or has no lock session).
+/// `begin` opens the transaction ([`begin`]).
 pub(crate) async fn claim(
     pool: &PgPool,
+    begin: &str,
     limit: i64,
     blocked_keys: &[String],
     blocked_topics: &[String],
-    lanes: Option<&Claimable>,
-    statement_timeout: std::time::Duration,
+    lanes: &Claimable,
 ) -> Result<Batch> {
-    let timeout = format!(
-        "SET LOCAL statement_timeout = {}",
-        statement_timeout.as_millis()
-    );
-    let begin = match lanes {
-        Some(l) if !l.lanes.is_empty() => {
-            format!("{BEGIN}; {timeout}; {}", hold_in_use(&l.lanes))
-        }
-        _ => format!("{BEGIN}; {timeout}"),
+    let begin: std::borrow::Cow<'_, str> = if lanes.count > 0 && !lanes.lanes.is_empty() {
+        format!("{begin}; {}", hold_in_use(lanes.scope, &lanes.lanes)).into()
+    } else {
+        begin.into()
     };
-    let mut tx = pool.begin_with(begin).await?;
-    let rows = match lanes {
-        None => {
-            sqlx::query_as::<_, Row>(CLAIM_ANY.as_str())
-                .bind(limit)
-                .bind(blocked_keys)
-                .bind(blocked_topics)
-                .fetch_all(&mut *tx)
-                .await?
-        }
-        Some(lanes) if lanes.lanes.is_empty() => Vec::new(),
-        Some(lanes) => {
-            let others: Vec<i32> = (0..lanes.count)
-                .filter(|l| !lanes.lanes.contains(l))
-                .collect();
-            sqlx::query_as::<_, Row>(CLAIM_LANES.as_str())
-                .bind(limit)
-                .bind(blocked_keys)
-                .bind(blocked_topics)
-                .bind(lanes.count)
-                .bind(&others)
-                .bind(lanes.pid)
-                .fetch_all(&mut *tx)
-                .await?
-        }
+    let mut tx = pool.begin_with(begin.into_owned()).await?;
+    let rows = if !lanes.any() {
+        Vec::new()
+    } else if lanes.count == 0 {
+        sqlx::query_as::<_, Row>(CLAIM_ANY.as_str())
+            .bind(limit)
+            .bind(blocked_keys)
+            .bind(blocked_topics)
+            .bind(i64::from(lanes.scope.oid()))
+            .bind(OutboxScope::objid(Lock::Count))
+            .bind(lanes.pid)
+            .fetch_all(&mut *tx)
+            .await?
+    } else {
+        let others: Vec<i32> = (0..lanes.count)
+            .filter(|l| !lanes.lanes.contains(l))
+            .collect();
+        sqlx::query_as::<_, Row>(CLAIM_LANES.as_str())
+            .bind(limit)
+            .bind(blocked_keys)
+            .bind(blocked_topics)
+            .bind(lanes.count)
+            .bind(&others)
+            .bind(lanes.pid)
+            .bind(i64::from(lanes.scope.oid()))
+            .bind(OutboxScope::objid(Lock::Lane))
+            .fetch_all(&mut *tx)
+            .await?
     };
     Ok(Batch { tx, rows })
 }
@@ -215,8 +237,8 @@ mod tests {
     #[test]
     fn in_use_locks_name_every_owned_lane() {
         assert_eq!(
-            hold_in_use(&[0, 7, 15]),
-            "SELECT count(pg_advisory_xact_lock_shared(1868721153, l)) FROM unnest('{0,7,15}'::int4[]) AS l"
+            hold_in_use(OutboxScope::from_oid(16_384), &[0, 7, 15]),
+            "SELECT count(pg_advisory_xact_lock_shared(70368777732096::int8 | l)) FROM unnest('{0,7,15}'::int4[]) AS l"
         );
     }
 }

@@ -6,14 +6,17 @@
 //! advisory locks on a connection of its own (released by the server when the
 //! session ends, so a dead relay's lanes come free at once), and claims only
 //! rows of lanes it owns. One lane has one owner, so one relay publishes a
-//! key's events, in id order.
+//! key's events, in id order. The locks are those of one outbox table (see
+//! [`OutboxScope`]): relays of another schema's outbox never meet them.
 //!
 //! Membership and rebalancing use advisory locks too, no table: each relay
-//! holds a member lock keyed by its backend pid and shares a lock naming `L`
-//! (a relay configured with another `L` refuses to start). Every
-//! [`REBALANCE_INTERVAL`] a relay reads `pg_locks`, computes its fair share
-//! (`L / members`, the first `L % members` members by pid one more), lets go
-//! of lanes above it and takes free ones below it.
+//! holds a member lock keyed by its backend pid and shares a lock naming `L`.
+//! A relay configured with another `L` refuses to start, and so do a relay
+//! without lanes (`L` = 0, which claims every row) beside relays with lanes,
+//! and a relay with lanes beside one without. Every [`REBALANCE_INTERVAL`] a
+//! relay reads `pg_locks`, computes its fair share (`L / members`, the first
+//! `L % members` members by pid one more), lets go of lanes above it and
+//! takes free ones below it.
 //!
 //! Handover: a relay releasing a lane may still have claimed rows of it in
 //! flight. Each claim transaction holds a shared "in use" lock on the lanes
@@ -23,6 +26,16 @@
 //! of the previous owner that claimed from the lane has committed or rolled
 //! back. Without that barrier, `SKIP LOCKED` would let the new owner publish
 //! a key's later event while the old owner still held an earlier one.
+//!
+//! A relay that stops answering (its host frozen, its connection half-open)
+//! must not keep its lanes: the lane session sets `idle_session_timeout` to
+//! [`RelayConfig::lane_timeout`](super::RelayConfig::lane_timeout) (it speaks
+//! every 250 ms, so only a silent relay hits it) and server-side TCP
+//! keepalives and `tcp_user_timeout` within the same time; its claim
+//! transactions set `idle_in_transaction_session_timeout` (see
+//! [`claim`](super::claim)), so the barrier is passed at the latest then.
+//! The relay's own side gives up a round that takes longer than the lane
+//! timeout and claims nothing until it has a session again.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
@@ -35,15 +48,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
-
-/// Advisory lock class (first key of the two-key form) of lane ownership.
-pub(crate) const LANE_CLASS: i32 = 0x6F62_6C00;
-/// Class of the per-lane "in use" lock claim transactions hold shared.
-pub(crate) const IN_USE_CLASS: i32 = 0x6F62_6C01;
-/// Class of relay membership (second key: the backend pid).
-pub(crate) const MEMBER_CLASS: i32 = 0x6F62_6C02;
-/// Class of the lock naming the lane count (second key: `L`), held shared.
-pub(crate) const COUNT_CLASS: i32 = 0x6F62_6C03;
+use crate::scope::{Lock, OutboxScope};
 
 /// How often a relay rebalances its lanes.
 pub(crate) const REBALANCE_INTERVAL: Duration = Duration::from_millis(250);
@@ -53,19 +58,36 @@ pub(crate) fn lane_expr(count_param: usize) -> String {
     format!("((hashtext(partition_key) & 2147483647) % ${count_param})")
 }
 
-/// The lanes this relay may claim from right now.
-#[derive(Debug, Clone, Default)]
+/// `pg_locks` rows of this database's advisory locks of one outbox (`$1`:
+/// the table's oid), one-key form.
+pub(crate) const SCOPE_LOCKS: &str = "locktype = 'advisory' AND granted AND objsubid = 1
+  AND classid = $1::int8::oid
+  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())";
+
+/// What this relay may claim right now.
+#[derive(Debug, Clone)]
 pub(crate) struct Claimable {
-    /// Lanes owned and past the handover barrier.
-    pub lanes: Vec<i32>,
-    /// The lane count `L`.
+    /// The outbox.
+    pub scope: OutboxScope,
+    /// The lane count `L`; 0: no lanes (the relay claims every row).
     pub count: i32,
-    /// Backend pid of the connection holding the lane locks.
+    /// Lanes owned and past the handover barrier (none without lanes).
+    pub lanes: Vec<i32>,
+    /// Backend pid of the session holding this relay's locks; 0 while it
+    /// has none (then it claims nothing).
     pub pid: i32,
 }
 
+impl Claimable {
+    /// Whether the relay may claim at all: it has a lock session and, with
+    /// lanes, owns some.
+    pub fn any(&self) -> bool {
+        self.pid != 0 && (self.count == 0 || !self.lanes.is_empty())
+    }
+}
+
 /// State shared between the lane manager and the relay loop.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Shared {
     view: Mutex<Claimable>,
     /// Wakes an idle relay when it gains lanes.
@@ -73,19 +95,36 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// What the relay may claim from now (an empty set while it owns none).
-    pub fn claimable(&self) -> Claimable {
-        self.view.lock().map(|v| v.clone()).unwrap_or_default()
+    pub fn new(scope: OutboxScope, count: u16) -> Self {
+        Self {
+            view: Mutex::new(Claimable {
+                scope,
+                count: i32::from(count),
+                lanes: Vec::new(),
+                pid: 0,
+            }),
+            gained: Notify::new(),
+        }
     }
 
-    fn set(&self, view: Claimable) {
+    /// What the relay may claim from now (nothing while it has no session).
+    pub fn claimable(&self) -> Claimable {
+        match self.view.lock() {
+            Ok(v) => v.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    fn set(&self, lanes: Vec<i32>, pid: i32) {
         let grew = {
             let mut current = match self.view.lock() {
                 Ok(v) => v,
                 Err(poisoned) => poisoned.into_inner(),
             };
-            let grew = view.lanes.iter().any(|l| !current.lanes.contains(l));
-            *current = view;
+            let grew =
+                (pid != 0 && current.pid == 0) || lanes.iter().any(|l| !current.lanes.contains(l));
+            current.lanes = lanes;
+            current.pid = pid;
             grew
         };
         if grew {
@@ -94,10 +133,13 @@ impl Shared {
     }
 }
 
-/// Keeps this relay's share of the lanes; runs beside the relay loop.
+/// Keeps this relay's share of the lanes (or, without lanes, its
+/// registration); runs beside the relay loop.
 pub(crate) struct LaneManager {
     pool: PgPool,
+    scope: OutboxScope,
     count: i32,
+    timeout: Duration,
     shared: Arc<Shared>,
     conn: Option<Session>,
 }
@@ -112,46 +154,83 @@ struct Session {
     pending: BTreeSet<i32>,
 }
 
-/// One row of `pg_locks` about lanes and members.
+/// One row of `pg_locks` about lanes, members and lane counts.
 #[derive(sqlx::FromRow)]
 struct LockRow {
-    class: i64,
-    key: i64,
+    kind: i32,
+    value: i32,
     pid: i32,
 }
 
-const LOCKS: &str = "\
-SELECT classid::int8 AS class, objid::int8 AS key, pid
-FROM pg_locks
-WHERE locktype = 'advisory' AND granted AND objsubid = 2
-  AND classid IN (1868721152, 1868721154, 1868721155)
-  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())";
+/// Lanes, members and lane counts of one outbox (`$1`).
+static LOCKS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "SELECT (objid::int8 >> 24)::int4 AS kind, (objid::int8 & 16777215)::int4 AS value, pid
+         FROM pg_locks WHERE {SCOPE_LOCKS} AND (objid::int8 >> 24) IN ({}, {}, {})",
+        Lock::Lane as u8,
+        Lock::Member as u8,
+        Lock::Count as u8
+    )
+});
+
+/// Lane counts other relays of the outbox (`$1`) run with, other than `$2`.
+static OTHER_COUNTS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "SELECT DISTINCT (objid::int8 & 16777215)::int4 FROM pg_locks
+         WHERE {SCOPE_LOCKS} AND (objid::int8 >> 24) = {}
+           AND (objid::int8 & 16777215)::int4 <> $2",
+        Lock::Count as u8
+    )
+});
+
+/// Relays of versions whose lane locks were per database (two-key locks of
+/// classes 0x6F626C00-03) and so invisible to this one's: running beside
+/// them would publish the same keys twice over.
+const EARLIER_VERSION: &str = "\
+SELECT EXISTS (SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory' AND granted AND objsubid = 2
+      AND classid IN (1868721152, 1868721154, 1868721155)
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))";
+
+/// Server-side timeouts of the lane session (only those the server knows:
+/// `idle_session_timeout` is PostgreSQL 14+).
+const SESSION_TIMEOUTS: &str = "\
+SELECT count(set_config(s.name, s.value, false))
+FROM (VALUES ('idle_session_timeout', $1), ('tcp_user_timeout', $1),
+             ('tcp_keepalives_idle', $2), ('tcp_keepalives_interval', $3),
+             ('tcp_keepalives_count', '3')) AS s(name, value)
+WHERE s.name IN (SELECT name FROM pg_settings)";
 
 impl LaneManager {
     /// Connects, joins as a member and takes a first share of the lanes, so
     /// the relay's first claim already has lanes. A database that is down is
-    /// not an error here (the manager keeps trying); another relay running
-    /// with a different lane count is.
-    pub async fn start(pool: &PgPool, count: u16, shared: Arc<Shared>) -> Result<Self> {
+    /// not an error here (the manager keeps trying); another relay of the
+    /// outbox running with a different lane count is.
+    pub async fn start(
+        pool: &PgPool,
+        scope: OutboxScope,
+        count: u16,
+        timeout: Duration,
+        shared: Arc<Shared>,
+    ) -> Result<Self> {
         let mut manager = Self {
             pool: pool.clone(),
+            scope,
             count: i32::from(count),
+            timeout,
             shared,
             conn: None,
         };
-        match manager.connect().await {
-            Ok(()) => {
-                if let Err(error) = manager.rebalance().await {
-                    manager.lost(&error);
-                }
-            }
+        match manager.round().await {
+            Ok(()) => {}
             Err(Error::Config(message)) => return Err(Error::Config(message)),
             Err(error) => manager.lost(&error),
         }
         Ok(manager)
     }
 
-    /// Runs until `stop` is cancelled, then releases every lane.
+    /// Runs until `stop` is cancelled (or dropped: see the relay), then
+    /// releases every lane.
     pub fn spawn(mut self, stop: CancellationToken) -> JoinHandle<()> {
         tokio::spawn(async move {
             let mut failures = 0_u32;
@@ -169,14 +248,7 @@ impl LaneManager {
                     _ = tokio::time::sleep(wait) => {}
                     _ = stop.cancelled() => break,
                 }
-                let result = match self.conn {
-                    Some(_) => self.rebalance().await,
-                    None => match self.connect().await {
-                        Ok(()) => self.rebalance().await,
-                        Err(error) => Err(error),
-                    },
-                };
-                match result {
+                match self.round().await {
                     Ok(()) => {
                         if failures > 0 {
                             tracing::info!("lane manager reconnected");
@@ -186,58 +258,110 @@ impl LaneManager {
                     Err(error) => {
                         if failures == 0 {
                             self.lost(&error);
+                        } else {
+                            self.conn = None;
                         }
                         failures = failures.saturating_add(1);
                     }
                 }
             }
-            self.shared.set(Claimable::default());
-            if let Some(session) = self.conn.take() {
-                // Closing the session releases its locks.
-                let _ = session.conn.close().await;
+            self.shared.set(Vec::new(), 0);
+            if let Some(mut session) = self.conn.take() {
+                // Released explicitly: closing alone leaves them held until
+                // the server has noticed the session's end.
+                let unlock =
+                    sqlx::query("SELECT pg_advisory_unlock_all()").execute(&mut session.conn);
+                let _ = tokio::time::timeout(self.timeout, unlock).await;
+                let _ = tokio::time::timeout(self.timeout, session.conn.close()).await;
             }
         })
+    }
+
+    /// One round (connecting first if needed), bounded by the lane timeout:
+    /// a database that does not answer within it costs the session.
+    async fn round(&mut self) -> Result<()> {
+        let timeout = self.timeout;
+        let round = async {
+            if self.conn.is_none() {
+                self.connect().await?;
+            }
+            self.rebalance().await
+        };
+        match tokio::time::timeout(timeout, round).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::Task(format!(
+                "the database did not answer the lane manager within {timeout:?}"
+            ))),
+        }
     }
 
     fn lost(&mut self, error: &Error) {
         tracing::warn!(%error, "lane manager lost its connection; claiming nothing until it is back");
         self.conn = None;
-        self.shared.set(Claimable::default());
+        self.shared.set(Vec::new(), 0);
     }
 
     async fn connect(&mut self) -> Result<()> {
         // A server that does not answer fails the connect after the pool's
         // acquire timeout, as the pool's own connections do.
-        let timeout = self.pool.options().get_acquire_timeout();
+        let connect_timeout = self.pool.options().get_acquire_timeout();
         let mut conn = tokio::time::timeout(
-            timeout,
+            connect_timeout,
             PgConnection::connect_with(&self.pool.connect_options()),
         )
         .await
         .map_err(|_| sqlx::Error::PoolTimedOut)??;
+        let ms = self.timeout.as_millis().max(1).to_string();
+        let secs = |d: Duration| d.as_secs().max(1).to_string();
+        sqlx::query(SESSION_TIMEOUTS)
+            .bind(&ms)
+            .bind(secs(self.timeout / 2))
+            .bind(secs(self.timeout / 6))
+            .execute(&mut conn)
+            .await?;
         let pid: i32 = sqlx::query_scalar(
             "SELECT pg_backend_pid() FROM
-               (SELECT pg_advisory_lock_shared($1, $2), pg_advisory_lock($3, pg_backend_pid())) AS l",
+               (SELECT pg_advisory_lock_shared($1), pg_advisory_lock($2 | pg_backend_pid())) AS l",
         )
-        .bind(COUNT_CLASS)
-        .bind(self.count)
-        .bind(MEMBER_CLASS)
+        .bind(self.scope.key(Lock::Count, self.count))
+        .bind(self.scope.base(Lock::Member))
         .fetch_one(&mut conn)
         .await?;
-        let others: Vec<i32> = sqlx::query_scalar(
-            "SELECT DISTINCT objid::int FROM pg_locks
-             WHERE locktype = 'advisory' AND granted AND objsubid = 2
-               AND classid = 1868721155 AND objid::int <> $1
-               AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-        )
-        .bind(self.count)
-        .fetch_all(&mut conn)
-        .await?;
-        if let Some(other) = others.first() {
+        let others: Vec<i32> = sqlx::query_scalar(&OTHER_COUNTS)
+            .bind(i64::from(self.scope.oid()))
+            .bind(self.count)
+            .fetch_all(&mut conn)
+            .await?;
+        let earlier: bool = sqlx::query_scalar(EARLIER_VERSION)
+            .fetch_one(&mut conn)
+            .await?;
+        if earlier {
+            let _ = sqlx::query("SELECT pg_advisory_unlock_all()")
+                .execute(&mut conn)
+                .await;
             let _ = conn.close().await;
+            return Err(Error::Config(
+                "relays of an earlier version run on this database (their lanes are the whole \
+                 database's and cannot be shared with this version's): stop them before \
+                 starting relays of this version"
+                    .into(),
+            ));
+        }
+        if let Some(other) = others.first() {
+            let _ = sqlx::query("SELECT pg_advisory_unlock_all()")
+                .execute(&mut conn)
+                .await;
+            let _ = conn.close().await;
+            let describe = |n: i32| match n {
+                0 => "without lanes (--lanes 0)".to_owned(),
+                n => format!("with {n} lanes"),
+            };
             return Err(Error::Config(format!(
-                "other relays run with {other} lanes, this one with {}: all relays of a database must use the same lane count",
-                self.count
+                "other relays of this outbox run {}, this one {}: all relays of an outbox must use \
+                 the same lane count (a relay without lanes would publish the keys of every lane \
+                 beside their owners)",
+                describe(*other),
+                describe(self.count)
             )));
         }
         self.conn = Some(Session {
@@ -251,23 +375,33 @@ impl LaneManager {
 
     /// One round: read who holds what, let go of lanes above the fair share,
     /// take free lanes below it, pass the barrier of newly taken lanes.
+    /// Without lanes, only proves the session alive.
     async fn rebalance(&mut self) -> Result<()> {
         let count = self.count;
+        let scope = self.scope;
         let Some(session) = self.conn.as_mut() else {
             return Ok(());
         };
-        let locks: Vec<LockRow> = sqlx::query_as(LOCKS).fetch_all(&mut session.conn).await?;
+        if count == 0 {
+            sqlx::query("SELECT 1").execute(&mut session.conn).await?;
+            self.shared.set(Vec::new(), session.pid);
+            return Ok(());
+        }
+        let locks: Vec<LockRow> = sqlx::query_as(&LOCKS)
+            .bind(i64::from(scope.oid()))
+            .fetch_all(&mut session.conn)
+            .await?;
         let mut members: Vec<i32> = locks
             .iter()
-            .filter(|l| l.class == i64::from(MEMBER_CLASS))
+            .filter(|l| l.kind == Lock::Member as i32)
             .map(|l| l.pid)
             .collect();
         members.sort_unstable();
         members.dedup();
         let held_by_anyone: BTreeSet<i32> = locks
             .iter()
-            .filter(|l| l.class == i64::from(LANE_CLASS))
-            .filter_map(|l| i32::try_from(l.key).ok())
+            .filter(|l| l.kind == Lock::Lane as i32)
+            .map(|l| l.value)
             .collect();
         let target = fair_share(count, &members, session.pid);
 
@@ -287,13 +421,10 @@ impl LaneManager {
                 };
                 release.push(lane);
             }
-            self.shared.set(Claimable {
-                lanes: session.ready.iter().copied().collect(),
-                count,
-                pid: session.pid,
-            });
-            sqlx::query("SELECT pg_advisory_unlock($1, l) FROM unnest($2::int4[]) AS l")
-                .bind(LANE_CLASS)
+            self.shared
+                .set(session.ready.iter().copied().collect(), session.pid);
+            sqlx::query("SELECT pg_advisory_unlock($1 | l) FROM unnest($2::int4[]) AS l")
+                .bind(scope.base(Lock::Lane))
                 .bind(&release)
                 .execute(&mut session.conn)
                 .await?;
@@ -307,9 +438,9 @@ impl LaneManager {
                 let want = i64::try_from(target - owned).unwrap_or(i64::MAX);
                 let taken: Vec<i32> = sqlx::query_scalar(
                     "SELECT l FROM (SELECT l FROM unnest($2::int4[]) AS l LIMIT $3) AS f
-                     WHERE pg_try_advisory_lock($1, l)",
+                     WHERE pg_try_advisory_lock($1 | l)",
                 )
-                .bind(LANE_CLASS)
+                .bind(scope.base(Lock::Lane))
                 .bind(&free)
                 .bind(want)
                 .fetch_all(&mut session.conn)
@@ -324,9 +455,9 @@ impl LaneManager {
             // previous owner still holds the lane's "in use" lock shared.
             let passed: Vec<i32> = sqlx::query_scalar(
                 "SELECT l FROM unnest($2::int4[]) AS l
-                 WHERE pg_try_advisory_lock($1, l) AND pg_advisory_unlock($1, l)",
+                 WHERE pg_try_advisory_lock($1 | l) AND pg_advisory_unlock($1 | l)",
             )
-            .bind(IN_USE_CLASS)
+            .bind(scope.base(Lock::InUse))
             .bind(&pending)
             .fetch_all(&mut session.conn)
             .await?;
@@ -338,11 +469,8 @@ impl LaneManager {
                 tracing::debug!(taken = ?passed, target, "lanes taken");
             }
         }
-        self.shared.set(Claimable {
-            lanes: session.ready.iter().copied().collect(),
-            count,
-            pid: session.pid,
-        });
+        self.shared
+            .set(session.ready.iter().copied().collect(), session.pid);
         Ok(())
     }
 }
@@ -379,9 +507,8 @@ mod tests {
     }
 
     #[test]
-    fn lock_classes_match_the_sql_literals() {
-        assert_eq!(LANE_CLASS, 1_868_721_152);
-        assert_eq!(MEMBER_CLASS, 1_868_721_154);
-        assert_eq!(COUNT_CLASS, 1_868_721_155);
+    fn lock_kinds_match_the_sql_literals() {
+        assert!(LOCKS.contains("IN (1, 3, 4)"), "{}", *LOCKS);
+        assert!(OTHER_COUNTS.contains(">> 24) = 4"), "{}", *OTHER_COUNTS);
     }
 }

@@ -39,6 +39,7 @@ use self::wake::Waker;
 use crate::backoff::{self, Health};
 use crate::error::{Error, Result};
 use crate::kafka;
+use crate::scope::OutboxScope;
 
 /// Relay settings. Build with [`Relay::builder`]. `Debug` redacts secret
 /// Kafka settings.
@@ -70,12 +71,19 @@ pub struct RelayConfig {
     /// Number of lanes the partition keys are spread over (default 16); the
     /// relays of one database share them out. Every relay of a database must
     /// use the same count. `0` turns lanes off: relays then only skip each
-    /// other's rows, and per-key order holds only with a single relay.
+    /// other's rows, and per-key order holds only with a single relay; a
+    /// relay without lanes and relays with lanes refuse to run side by side.
     pub lanes: u16,
     /// `statement_timeout` of the relay's SQL (claims, marks, lane and
     /// metrics queries); zero: none. A statement that runs longer fails and
     /// is retried after the outage back-off.
     pub statement_timeout: Duration,
+    /// How long a relay that stops answering (host frozen, connection
+    /// half-open) keeps its lanes (default 10 s): its lane session's
+    /// `idle_session_timeout`, TCP keepalives and `tcp_user_timeout` on the
+    /// server side, and the longest the relay waits for an answer there.
+    /// Rows it had claimed come free after [`RelayConfig::claim_idle_timeout`].
+    pub lane_timeout: Duration,
 }
 
 impl std::fmt::Debug for RelayConfig {
@@ -95,6 +103,7 @@ impl std::fmt::Debug for RelayConfig {
             delivery_timeout,
             lanes,
             statement_timeout,
+            lane_timeout,
         } = self;
         f.debug_struct("RelayConfig")
             .field("brokers", brokers)
@@ -110,6 +119,7 @@ impl std::fmt::Debug for RelayConfig {
             .field("delivery_timeout", delivery_timeout)
             .field("lanes", lanes)
             .field("statement_timeout", statement_timeout)
+            .field("lane_timeout", lane_timeout)
             .finish()
     }
 }
@@ -130,6 +140,7 @@ impl Default for RelayConfig {
             delivery_timeout: Duration::from_secs(30),
             lanes: 16,
             statement_timeout: Duration::from_secs(30),
+            lane_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -162,7 +173,20 @@ impl RelayConfig {
         {
             return bad("statement timeout must be 0 (none) or >= 100 ms".into());
         }
+        if self.lane_timeout < Duration::from_secs(1) {
+            return bad("lane timeout must be >= 1 s".into());
+        }
         Ok(())
+    }
+
+    /// How long a claim transaction may stay idle before the server ends
+    /// it: longer than a working relay keeps a batch open between two
+    /// statements (its deliveries, then an outage back-off and a broker
+    /// probe), so that only a frozen relay hits it — delivery timeout +
+    /// outage back-off cap + 5 s (40 s by default). Its claimed rows, and
+    /// the handover of its lanes, wait at most that long.
+    pub fn claim_idle_timeout(&self) -> Duration {
+        self.delivery_timeout + self.outage_backoff_max + Duration::from_secs(5)
     }
 
     fn producer_config(&self) -> rdkafka::ClientConfig {
@@ -252,6 +276,12 @@ impl RelayBuilder {
     /// The configuration so far.
     pub(crate) fn current(&self) -> &RelayConfig {
         &self.config
+    }
+    /// How long a relay that stops answering keeps its lanes (default 10 s).
+    /// See [`RelayConfig::lane_timeout`].
+    pub fn lane_timeout(mut self, d: Duration) -> Self {
+        self.config.lane_timeout = d;
+        self
     }
     /// Replaces the whole configuration.
     pub fn config(mut self, config: RelayConfig) -> Self {
@@ -398,26 +428,44 @@ impl Relay {
     /// problems a retry cannot fix (e.g. an invalid producer configuration).
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
         let mut publisher = Publisher::new(self.config.producer_config())?;
-        let lanes = if self.config.lanes > 0 {
-            let shared = Arc::new(lanes::Shared::default());
-            let manager =
-                lanes::LaneManager::start(&self.pool, self.config.lanes, shared.clone()).await?;
-            let stop = CancellationToken::new();
-            Some((shared, manager.spawn(stop.clone()), stop))
-        } else {
-            None
+        let Some(scope) = self.outbox(&shutdown).await else {
+            return Ok(());
         };
+        let shared = Arc::new(lanes::Shared::new(scope, self.config.lanes));
+        let manager = lanes::LaneManager::start(
+            &self.pool,
+            scope,
+            self.config.lanes,
+            self.config.lane_timeout,
+            shared.clone(),
+        )
+        .await?;
+        // The lanes go with this future: a relay task that panics or is
+        // dropped (aborted, its runtime shut down) stops its lane manager,
+        // which releases them, instead of leaving it holding lanes nobody
+        // publishes.
+        let stop = CancellationToken::new();
+        let _release_lanes = stop.clone().drop_guard();
+        let manager = manager.spawn(stop.clone());
         tracing::info!(
             brokers = %self.config.brokers,
             settings = ?kafka::redacted(&self.config.kafka_settings),
             batch_size = self.config.batch_size,
             lanes = self.config.lanes,
+            outbox = scope.oid(),
             "relay started"
         );
-        let mut waker = Waker::new(&self.pool, self.config.listen, self.config.poll_interval);
-        if let Some((shared, _, _)) = &lanes {
-            waker.also_wake_on(shared.clone());
-        }
+        let mut waker = Waker::new(
+            &self.pool,
+            scope,
+            self.config.listen,
+            self.config.poll_interval,
+        );
+        waker.also_wake_on(shared.clone());
+        let begin = claim::begin(
+            self.config.claim_idle_timeout(),
+            self.config.statement_timeout,
+        );
         let mut relay = Loop {
             pool: &self.pool,
             config: &self.config,
@@ -425,7 +473,9 @@ impl Relay {
             latency: crate::metrics::relay_batch_latency(),
             blocked: Blocked::default(),
             waker,
-            lanes: lanes.as_ref().map(|(shared, _, _)| shared.clone()),
+            lanes: shared,
+            manager: &manager,
+            begin: &begin,
             broker: Health::new(
                 "broker",
                 self.config.outage_backoff,
@@ -445,23 +495,48 @@ impl Relay {
             probe_answered: false,
         };
         let metrics_stop = CancellationToken::new();
+        let _stop_metrics = metrics_stop.clone().drop_guard();
         let metrics = tokio::spawn(crate::metrics::relay_task(
             self.pool.clone(),
             self.stats.clone(),
             metrics_stop.clone(),
         ));
-        relay.run(&mut publisher, &shutdown).await;
+        let result = relay.run(&mut publisher, &shutdown).await;
         relay.waker.close().await;
         publisher.flush(Duration::from_secs(10));
-        if let Some((_, manager, stop)) = lanes {
-            // Every claim transaction has ended: the lanes can go.
-            stop.cancel();
-            let _ = manager.await;
-        }
+        // Every claim transaction has ended: the lanes can go.
+        stop.cancel();
+        let _ = manager.await;
         metrics_stop.cancel();
         let _ = metrics.await;
         tracing::info!(counts = ?self.stats.snapshot(), "relay stopped");
-        Ok(())
+        result
+    }
+
+    /// The outbox this relay publishes: the `outbox_event` table its pool's
+    /// `search_path` finds. Waits (backing off) while the database is down
+    /// or the table missing; `None` if shut down meanwhile.
+    async fn outbox(&self, shutdown: &CancellationToken) -> Option<OutboxScope> {
+        let mut health = Health::new(
+            "database",
+            self.config.outage_backoff,
+            self.config.outage_backoff_max,
+        );
+        loop {
+            match OutboxScope::of(&self.pool).await {
+                Ok(scope) => {
+                    health.up();
+                    return Some(scope);
+                }
+                Err(error) => {
+                    let wait = health.down(&error);
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = shutdown.cancelled() => return None,
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -521,7 +596,11 @@ struct Loop<'a> {
     latency: metrics::Histogram,
     blocked: Blocked,
     waker: Waker,
-    lanes: Option<Arc<lanes::Shared>>,
+    lanes: Arc<lanes::Shared>,
+    /// The lane manager's task: the relay stops if it ends by itself.
+    manager: &'a JoinHandle<()>,
+    /// The claim transactions' `BEGIN` (see [`claim::begin`]).
+    begin: &'a str,
     broker: Health,
     database: Health,
     in_flight: Option<InFlight>,
@@ -552,9 +631,16 @@ struct Loop<'a> {
 const STUCK_ROUNDS: u32 = 2;
 
 impl Loop<'_> {
-    async fn run(&mut self, publisher: &mut Publisher, shutdown: &CancellationToken) {
+    /// Publishes until `shutdown`; fails if the lane manager ended by
+    /// itself (it panicked), after settling the batch in flight.
+    async fn run(&mut self, publisher: &mut Publisher, shutdown: &CancellationToken) -> Result<()> {
+        let mut result = Ok(());
         loop {
-            let stopping = shutdown.is_cancelled();
+            if result.is_ok() && self.manager.is_finished() {
+                tracing::error!("the lane manager stopped: the relay stops");
+                result = Err(Error::Task("the relay's lane manager stopped".into()));
+            }
+            let stopping = shutdown.is_cancelled() || result.is_err();
             if stopping && self.in_flight.is_none() {
                 break;
             }
@@ -570,33 +656,35 @@ impl Loop<'_> {
             let (mut keys, topics) = self.blocked.current();
             keys.extend(self.held.keys().cloned());
             let limit = self.config.batch_size as i64;
-            let pool = self.pool;
-            let claimable = self.lanes.as_ref().map(|l| l.claimable());
-            let statement_timeout = self.config.statement_timeout;
-            if let Some(c) = &claimable {
-                if let Ok(mut held) = self.stats.lanes.lock() {
-                    held.clone_from(&c.lanes);
-                }
+            let pool = self.pool.clone();
+            let claimable = self.lanes.claimable();
+            if let Ok(mut held) = self.stats.lanes.lock() {
+                held.clone_from(&claimable.lanes);
             }
+            let begin = self.begin.to_owned();
             // The next claim runs while the batch in flight is delivered. As
             // soon as its deliveries are known the batch is marked and
             // committed, even while the claim still waits for a connection:
             // the claim never holds up the transaction that would free one
             // (with a small pool, waiting for both would deadlock).
+            //
+            // It runs on a task of its own, so that it is never dropped half
+            // way: a claim cut off inside its `BEGIN` round trip would give
+            // its connection back to the pool inside the open transaction,
+            // holding the lanes' "in use" locks (and, with the application's
+            // pool, handing the transaction to the application). A claim
+            // whose relay is gone finishes and drops its batch: rolled back.
             let step = Instant::now();
             let claim = async move {
                 let start = Instant::now();
                 let claimed = if claim_next {
+                    let task = tokio::spawn(async move {
+                        claim::claim(&pool, &begin, limit, &keys, &topics, &claimable).await
+                    });
                     Some(
-                        claim::claim(
-                            pool,
-                            limit,
-                            &keys,
-                            &topics,
-                            claimable.as_ref(),
-                            statement_timeout,
-                        )
-                        .await,
+                        task.await
+                            .map_err(|e| Error::Task(e.to_string()))
+                            .and_then(|r| r),
                     )
                 } else {
                     None
@@ -706,11 +794,15 @@ impl Loop<'_> {
                 // wait for it. If it releases held keys, their rows are
                 // claimable now; otherwise wait for work.
                 if !self.finish_marking().await {
-                    self.waker.wait(shutdown).await;
+                    tokio::select! {
+                        _ = self.waker.wait(shutdown) => {}
+                        _ = wait_finished(self.manager) => {}
+                    }
                 }
             }
         }
         self.finish_marking().await;
+        result
     }
 
     /// Hands a claimed batch to the producer, holding back rows of keys that
@@ -918,6 +1010,13 @@ impl Loop<'_> {
             _ = tokio::time::sleep(d) => {}
             _ = shutdown.cancelled() => {}
         }
+    }
+}
+
+/// Returns once `task` has ended (polling: the handle is borrowed).
+async fn wait_finished(task: &JoinHandle<()>) {
+    while !task.is_finished() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

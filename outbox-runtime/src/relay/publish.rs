@@ -168,25 +168,34 @@ impl Publisher {
                 outcomes[i] = Some(Outcome::Withheld);
                 continue;
             }
-            let record = FutureRecord::to(&row.topic)
-                .key(row.partition_key.as_bytes())
-                .payload(row.payload.as_bytes())
-                .headers(headers_of(row));
-            match self.producer.send_result(record) {
+            match self.send_one(row) {
                 Ok(delivery) => pending.push((i, delivery)),
-                Err((error, _)) => {
-                    let kind = classify(&error);
-                    if error.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull) {
-                        queue_full = true;
-                        outcomes[i] = Some(Outcome::Withheld);
-                        continue;
-                    }
+                Err(Outcome::Withheld) => {
+                    queue_full = true;
+                    outcomes[i] = Some(Outcome::Withheld);
+                }
+                Err(failed) => {
                     failed_keys.insert(row.partition_key.as_str());
-                    outcomes[i] = Some(Outcome::Failed(kind, describe(&error, &row.topic)));
+                    outcomes[i] = Some(failed);
                 }
             }
         }
         pending
+    }
+
+    /// Enqueues one row without waiting. An immediate failure is returned
+    /// as its outcome: `Withheld` when the producer's queue is full.
+    pub fn send_one(&self, row: &Row) -> Result<DeliveryFuture, Outcome> {
+        let record = FutureRecord::to(&row.topic)
+            .key(row.partition_key.as_bytes())
+            .payload(row.payload.as_bytes())
+            .headers(headers_of(row));
+        self.producer
+            .send_result(record)
+            .map_err(|(error, _)| match error.rdkafka_error_code() {
+                Some(RDKafkaErrorCode::QueueFull) => Outcome::Withheld,
+                _ => Outcome::Failed(classify(&error), describe(&error, &row.topic)),
+            })
     }
 }
 
@@ -197,13 +206,19 @@ pub(crate) async fn settle(
     outcomes: &mut [Option<Outcome>],
 ) {
     for (i, delivery) in pending {
-        outcomes[i] = Some(match delivery.await {
-            Ok(Ok(_)) => Outcome::Delivered,
-            Ok(Err((error, _))) => {
-                Outcome::Failed(classify(&error), describe(&error, &rows[i].topic))
-            }
-            Err(_) => Outcome::Failed(FailureKind::Transient, "producer was dropped".into()),
-        });
+        outcomes[i] = Some(outcome(delivery.await, &rows[i].topic));
+    }
+}
+
+/// The outcome of one delivery to `topic`.
+pub(crate) fn outcome(
+    delivery: <DeliveryFuture as std::future::Future>::Output,
+    topic: &str,
+) -> Outcome {
+    match delivery {
+        Ok(Ok(_)) => Outcome::Delivered,
+        Ok(Err((error, _))) => Outcome::Failed(classify(&error), describe(&error, topic)),
+        Err(_) => Outcome::Failed(FailureKind::Transient, "producer was dropped".into()),
     }
 }
 

@@ -1,10 +1,12 @@
 //! Waking an idle relay: LISTEN for the NOTIFY that `outbox_event`'s trigger
 //! sends at commit, with a poll interval as the fallback (and the only
-//! mechanism when LISTEN is off or its connection is down).
+//! mechanism when LISTEN is off or its connection is down). The channel and
+//! the lock below are the outbox's own ([`OutboxScope`]): another schema's
+//! outbox in the same database has others.
 //!
 //! NOTIFY is not free: PostgreSQL serializes committing transactions that
 //! notified. So writers notify only while a relay is *waiting*: a waiting
-//! relay holds the advisory lock [`WAKE_LOCK`] exclusively on its LISTEN
+//! relay holds the advisory lock [`OutboxScope::wake_lock`] exclusively on its LISTEN
 //! connection ("armed"); the trigger takes it shared, and notifies only when
 //! it cannot. A relay that finds work releases the lock ("disarmed"), and
 //! writers stop paying for NOTIFY while relays are busy.
@@ -20,12 +22,7 @@ use sqlx::PgPool;
 use sqlx::postgres::{PgListener, PgPoolOptions};
 use tokio_util::sync::CancellationToken;
 
-/// The channel the migration's trigger notifies.
-pub(crate) const CHANNEL: &str = "outbox_event";
-
-/// The advisory lock a waiting relay holds (see the module docs and the
-/// relay migration).
-pub(crate) const WAKE_LOCK: i64 = 8_031_453_476_610_924_407;
+use crate::scope::OutboxScope;
 
 /// How soon to look again when writers are mid-transaction.
 const WRITERS_IN_FLIGHT_RECHECK: Duration = Duration::from_millis(1);
@@ -34,6 +31,9 @@ pub(crate) struct Waker {
     /// A pool of one connection, for LISTEN alone: the listener never takes
     /// a connection from the relay's (or the application's) pool.
     pool: PgPool,
+    /// The outbox's channel and wake-up lock.
+    channel: String,
+    wake_lock: i64,
     listen: bool,
     poll: Duration,
     listener: Option<PgListener>,
@@ -42,9 +42,11 @@ pub(crate) struct Waker {
 }
 
 impl Waker {
-    pub fn new(pool: &PgPool, listen: bool, poll: Duration) -> Self {
+    pub fn new(pool: &PgPool, scope: OutboxScope, listen: bool, poll: Duration) -> Self {
         Self {
             pool: listen_pool(pool),
+            channel: scope.channel(),
+            wake_lock: scope.wake_lock(),
             listen,
             poll,
             listener: None,
@@ -64,7 +66,7 @@ impl Waker {
         }
         let result = async {
             let mut listener = PgListener::connect_with(&self.pool).await?;
-            listener.listen(CHANNEL).await?;
+            listener.listen(&self.channel).await?;
             Ok::<_, sqlx::Error>(listener)
         }
         .await;
@@ -82,6 +84,17 @@ impl Waker {
     /// Ends the LISTEN session cleanly (at most a moment's wait: an
     /// unreachable database does not hold the relay's shutdown up).
     pub async fn close(&mut self) {
+        if self.armed {
+            // Writers stop notifying now, not once the server has noticed
+            // the session's end.
+            if let Some(listener) = self.listener.as_mut() {
+                let unlock = sqlx::query("SELECT pg_advisory_unlock($1)")
+                    .bind(self.wake_lock)
+                    .execute(&mut *listener);
+                let _ = tokio::time::timeout(Duration::from_secs(2), unlock).await;
+            }
+            self.armed = false;
+        }
         self.listener = None;
         let _ = tokio::time::timeout(Duration::from_secs(2), self.pool.close()).await;
     }
@@ -104,7 +117,7 @@ impl Waker {
         self.armed = false;
         if let Some(listener) = self.listener.as_mut() {
             let released = sqlx::query_scalar::<_, bool>("SELECT pg_advisory_unlock($1)")
-                .bind(WAKE_LOCK)
+                .bind(self.wake_lock)
                 .fetch_one(&mut *listener)
                 .await;
             if let Err(error) = released {
@@ -134,7 +147,7 @@ impl Waker {
         };
         if !self.armed {
             let armed = sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_lock($1)")
-                .bind(WAKE_LOCK)
+                .bind(self.wake_lock)
                 .fetch_one(&mut *listener)
                 .await;
             match armed {
@@ -145,17 +158,17 @@ impl Waker {
                 Ok(false) => {
                     // Held shared by writers mid-transaction (their rows will
                     // be claimable in a moment), or exclusively by another
-                    // waiting relay of this database (then writers notify us
+                    // waiting relay of this outbox (then writers notify us
                     // both). Advisory locks are per database: a relay waiting
                     // on another database's outbox makes nobody notify us.
                     let other_relay_waits = sqlx::query_scalar::<_, bool>(
                         "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory'
-                           AND granted AND mode = 'ExclusiveLock'
+                           AND granted AND mode = 'ExclusiveLock' AND objsubid = 1
                            AND ((classid::bigint << 32) | objid::bigint) = $1
                            AND database = (SELECT oid FROM pg_database
                                            WHERE datname = current_database()))",
                     )
-                    .bind(WAKE_LOCK)
+                    .bind(self.wake_lock)
                     .fetch_one(&mut *listener)
                     .await
                     .unwrap_or(false);

@@ -69,6 +69,9 @@ impl RelayBuilder {
         if let Some(n) = s.statement_timeout_ms {
             self = self.statement_timeout(ms(n));
         }
+        if let Some(n) = s.lane_timeout_ms {
+            self = self.lane_timeout(ms(n));
+        }
         self
     }
 }

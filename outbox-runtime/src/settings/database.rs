@@ -31,6 +31,10 @@ pub struct DatabaseSettings {
     pub lock_timeout_ms: Option<u64>,
     /// Schema changes: how long to keep trying (default 5 min).
     pub lock_max_wait_ms: Option<u64>,
+    /// The schema holding this service's outbox tables, when services share
+    /// a database (one schema each): the connections' `search_path`. Unset:
+    /// the URL's or the role's `search_path`. A plain identifier.
+    pub schema: Option<String>,
 }
 
 impl fmt::Debug for DatabaseSettings {
@@ -40,6 +44,7 @@ impl fmt::Debug for DatabaseSettings {
             .field("connect_timeout_ms", &self.connect_timeout_ms)
             .field("lock_timeout_ms", &self.lock_timeout_ms)
             .field("lock_max_wait_ms", &self.lock_max_wait_ms)
+            .field("schema", &self.schema)
             .finish()
     }
 }
@@ -73,7 +78,7 @@ impl DatabaseSettings {
         if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
             return Err(invalid("it must start with postgres:// or postgresql://"));
         }
-        url.parse::<PgConnectOptions>().map_err(|error| {
+        let options = url.parse::<PgConnectOptions>().map_err(|error| {
             // sqlx's message names the bad part (an sslmode, a port), never
             // the password; the URL itself is not repeated.
             let text = error.to_string();
@@ -81,6 +86,13 @@ impl DatabaseSettings {
                 .password()
                 .map_or(text.clone(), |p| text.replace(&p, kafka::REDACTED));
             invalid(&text)
+        })?;
+        Ok(match &self.schema {
+            Some(schema) => {
+                check_schema(schema)?;
+                options.options([("search_path", schema.as_str())])
+            }
+            None => options,
         })
     }
 
@@ -126,7 +138,28 @@ impl DatabaseSettings {
             connect_timeout_ms: higher.connect_timeout_ms.or(self.connect_timeout_ms),
             lock_timeout_ms: higher.lock_timeout_ms.or(self.lock_timeout_ms),
             lock_max_wait_ms: higher.lock_max_wait_ms.or(self.lock_max_wait_ms),
+            schema: higher.schema.or(self.schema),
         }
+    }
+}
+
+/// A schema name as [`DatabaseSettings::schema`] takes it: a plain
+/// identifier (what `search_path` is set to, and what `outbox migrate`
+/// creates).
+pub fn check_schema(schema: &str) -> Result<()> {
+    let mut chars = schema.chars();
+    let plain = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        && schema.len() <= 63;
+    if plain {
+        Ok(())
+    } else {
+        Err(Error::Config(format!(
+            "invalid schema `{schema}`: use a plain identifier (a-z, 0-9, _, not starting \
+             with a digit, at most 63 characters)"
+        )))
     }
 }
 

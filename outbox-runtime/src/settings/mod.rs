@@ -117,6 +117,8 @@ impl Settings {
                 settings.kafka.brokers = Some(value);
             } else if key == "OUTBOX_LANES" {
                 relay.entry("lanes".to_owned()).or_insert((key, value));
+            } else if key == "OUTBOX_SCHEMA" {
+                database.entry("schema".to_owned()).or_insert((key, value));
             } else if let Some(name) = key.strip_prefix(KAFKA_ENV_PREFIX) {
                 settings.kafka.set(env_property(&key, name)?, value);
             } else if let Some(name) = key.strip_prefix(RELAY_ENV_PREFIX) {
@@ -130,7 +132,7 @@ impl Settings {
         settings.relay = from_fields(relay, &["metrics_addr"])?;
         settings.consumer = from_fields(consumer, &["group", "mode"])?;
         let url = settings.database.url.take();
-        settings.database = from_fields(database, &[])?;
+        settings.database = from_fields(database, &["schema"])?;
         settings.database.url = url;
         Ok(settings)
     }
@@ -151,6 +153,7 @@ impl Settings {
                 "lock_max_wait_ms",
                 d.lock_max_wait_ms.map(|n| n.to_string()),
             ),
+            ("schema", d.schema.clone()),
         ];
         for (name, value) in database {
             if let Some(value) = value {

@@ -33,6 +33,8 @@ pub struct RelaySettings {
     pub outage_backoff_max_ms: Option<u64>,
     /// `statement_timeout` of the relay's SQL (default 30 s).
     pub statement_timeout_ms: Option<u64>,
+    /// How long a relay that stops answering keeps its lanes (default 10 s).
+    pub lane_timeout_ms: Option<u64>,
     /// Where `outbox relay` serves Prometheus metrics (the builder does not
     /// use it: call [`crate::metrics::serve`]).
     pub metrics_addr: Option<SocketAddr>,
@@ -53,6 +55,7 @@ impl RelaySettings {
             outage_backoff_ms: higher.outage_backoff_ms.or(self.outage_backoff_ms),
             outage_backoff_max_ms: higher.outage_backoff_max_ms.or(self.outage_backoff_max_ms),
             statement_timeout_ms: higher.statement_timeout_ms.or(self.statement_timeout_ms),
+            lane_timeout_ms: higher.lane_timeout_ms.or(self.lane_timeout_ms),
             metrics_addr: higher.metrics_addr.or(self.metrics_addr),
         }
     }

@@ -302,11 +302,14 @@ pub async fn wait_until_published(pool: &PgPool, timeout: Duration) -> bool {
     false
 }
 
-/// A TCP proxy whose connections can be cut and restored, or delayed.
+/// A TCP proxy whose connections can be cut and restored, delayed, or
+/// frozen (kept open with nothing passing, as to a frozen host or over a
+/// half-open connection).
 pub struct Proxy {
     pub addr: SocketAddr,
     cut: Arc<AtomicBool>,
     delay_ms: Arc<AtomicU64>,
+    frozen: Arc<AtomicBool>,
     conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
     accept: JoinHandle<()>,
 }
@@ -323,8 +326,9 @@ impl Proxy {
         let addr = listener.local_addr().expect("addr");
         let cut = Arc::new(AtomicBool::new(false));
         let delay_ms = Arc::new(AtomicU64::new(0));
+        let frozen = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
-        let (c, d, k) = (cut.clone(), delay_ms.clone(), conns.clone());
+        let (c, d, f, k) = (cut.clone(), delay_ms.clone(), frozen.clone(), conns.clone());
         let accept = tokio::spawn(async move {
             loop {
                 let Ok((inbound, _)) = listener.accept().await else {
@@ -334,14 +338,14 @@ impl Proxy {
                     drop(inbound);
                     continue;
                 }
-                let delay = d.clone();
+                let (delay, frozen) = (d.clone(), f.clone());
                 let task = tokio::spawn(async move {
                     if let Ok(outbound) = TcpStream::connect(upstream).await {
                         let (in_read, in_write) = inbound.into_split();
                         let (out_read, out_write) = outbound.into_split();
                         let _ = tokio::try_join!(
-                            pump(in_read, out_write, delay.clone()),
-                            pump(out_read, in_write, delay)
+                            pump(in_read, out_write, delay.clone(), frozen.clone()),
+                            pump(out_read, in_write, delay, frozen)
                         );
                     }
                 });
@@ -352,9 +356,21 @@ impl Proxy {
             addr,
             cut,
             delay_ms,
+            frozen,
             conns,
             accept,
         }
+    }
+
+    /// Stops passing data, both ways, on every connection (new ones too)
+    /// without closing any: the peers see a silent, open connection.
+    pub fn freeze(&self) {
+        self.frozen.store(true, Ordering::SeqCst);
+    }
+
+    /// Lets data pass again after [`Proxy::freeze`].
+    pub fn thaw(&self) {
+        self.frozen.store(false, Ordering::SeqCst);
     }
 
     /// Drops every connection and refuses new ones.
@@ -378,15 +394,23 @@ impl Proxy {
 }
 
 /// Copies one direction of a proxied connection, chunk by chunk, each held
-/// for the current delay; closes the write side at end of stream.
+/// for the current delay and while the proxy is frozen; closes the write
+/// side at end of stream.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     delay_ms: Arc<AtomicU64>,
+    frozen: Arc<AtomicBool>,
 ) -> std::io::Result<()> {
     let mut buf = vec![0_u8; 64 * 1024];
     loop {
+        while frozen.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let n = from.read(&mut buf).await?;
+        while frozen.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         if n == 0 {
             to.shutdown().await?;
             return Ok(());
@@ -537,6 +561,8 @@ pub struct TestMessage {
     pub headers: Vec<(String, String)>,
     /// Headers added after `headers`, as bytes (names need not be UTF-8).
     pub raw_headers: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+    /// An explicit partition (else the key's).
+    pub partition: Option<i32>,
 }
 
 impl TestMessage {
@@ -556,7 +582,14 @@ impl TestMessage {
                 ("correlation_id".into(), Uuid::now_v7().to_string()),
             ],
             raw_headers: Vec::new(),
+            partition: None,
         }
+    }
+
+    /// Sends the message to `partition` instead of its key's.
+    pub fn on_partition(mut self, partition: i32) -> Self {
+        self.partition = Some(partition);
+        self
     }
 
     /// Replaces (or adds) a header.
@@ -631,6 +664,9 @@ async fn produce_batched(brokers: &str, topic: &str, messages: &[TestMessage], p
         }
         if let Some(payload) = &m.payload {
             record = record.payload(payload.as_slice());
+        }
+        if let Some(partition) = m.partition {
+            record = record.partition(partition);
         }
         loop {
             match producer.send_result(record) {
