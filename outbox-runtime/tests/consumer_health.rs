@@ -6,11 +6,10 @@
 
 mod common;
 
-use std::marker::PhantomData;
 use std::time::Duration;
 
 use common::*;
-use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler};
+use outbox_core::{DomainEvent, InboxHandler};
 use outbox_runtime::inbox::dead_letter::{self, DeadLetterFilter};
 use outbox_runtime::{Consumer, ConsumerHealth, Mode};
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
@@ -21,26 +20,6 @@ use uuid::Uuid;
 keyed_event!(RefusedDedup, "consumer-health-refused-dedup");
 keyed_event!(RefusedInbox, "consumer-health-refused-inbox");
 keyed_event!(BadSetting, "consumer-health-bad-setting");
-
-struct Apply<E>(PhantomData<fn() -> E>);
-
-impl<E: DomainEvent> InboxHandler for Apply<E> {
-    type Event = E;
-    const NAME: &'static str = "apply";
-
-    fn handle<'a, 'c>(&'a self, ctx: &'a mut HandlerContext<'c>, _event: E) -> HandlerFuture<'a>
-    where
-        'c: 'a,
-    {
-        Box::pin(async move {
-            sqlx::query("INSERT INTO effect (event_id) VALUES ($1)")
-                .bind(ctx.incoming().event_id)
-                .execute(&mut **ctx)
-                .await?;
-            Ok(())
-        })
-    }
-}
 
 /// The group's committed offset of each partition (-1: none).
 async fn committed(group: &str, topic: &str) -> Vec<i64> {
@@ -182,7 +161,7 @@ async fn dedup_a_refused_dead_letter_holds_the_consumer_at_its_message(pool: PgP
         &pool,
         RefusedDedup::TOPIC,
         Mode::Dedup,
-        Apply::<RefusedDedup>(PhantomData),
+        RecordEffect::<RefusedDedup>::new(),
     )
     .await;
 }
@@ -194,7 +173,7 @@ async fn inbox_a_refused_dead_letter_holds_the_consumer_at_its_message(pool: PgP
         &pool,
         RefusedInbox::TOPIC,
         Mode::Inbox,
-        Apply::<RefusedInbox>(PhantomData),
+        RecordEffect::<RefusedInbox>::new(),
     )
     .await;
 }
@@ -206,7 +185,7 @@ async fn a_consumer_that_cannot_run_reports_failed_with_its_error(pool: PgPool) 
         .group(unique_topic("bad-setting"))
         .brokers(brokers())
         .kafka_setting("no.such.setting", "1")
-        .handler(Apply::<BadSetting>(PhantomData))
+        .handler(RecordEffect::<BadSetting>::new())
         .spawn()
         .unwrap();
     let failed = eventually(Duration::from_secs(10), || async {

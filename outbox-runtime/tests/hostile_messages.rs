@@ -21,11 +21,10 @@
 mod common;
 
 use std::collections::HashMap;
-use std::marker::PhantomData;
 use std::time::Duration;
 
 use common::*;
-use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler};
+use outbox_core::{DomainEvent, InboxHandler};
 use outbox_runtime::inbox::dead_letter::{self, DeadLetterFilter};
 use outbox_runtime::{Consumer, Mode};
 use sqlx::PgPool;
@@ -33,26 +32,6 @@ use uuid::Uuid;
 
 keyed_event!(HostileDedup, "hostile-messages-dedup");
 keyed_event!(HostileInbox, "hostile-messages-inbox");
-
-struct Apply<E>(PhantomData<fn() -> E>);
-
-impl<E: DomainEvent> InboxHandler for Apply<E> {
-    type Event = E;
-    const NAME: &'static str = "apply";
-
-    fn handle<'a, 'c>(&'a self, ctx: &'a mut HandlerContext<'c>, _event: E) -> HandlerFuture<'a>
-    where
-        'c: 'a,
-    {
-        Box::pin(async move {
-            sqlx::query("INSERT INTO effect (event_id) VALUES ($1)")
-                .bind(ctx.incoming().event_id)
-                .execute(&mut **ctx)
-                .await?;
-            Ok(())
-        })
-    }
-}
 
 fn good(seq: usize) -> (Uuid, TestMessage) {
     let id = Uuid::now_v7();
@@ -287,7 +266,7 @@ async fn dedup_hostile_messages_are_dead_lettered_and_the_consumer_goes_on(pool:
         &pool,
         HostileDedup::TOPIC,
         Mode::Dedup,
-        Apply::<HostileDedup>(PhantomData),
+        RecordEffect::<HostileDedup>::new(),
     )
     .await;
 }
@@ -299,7 +278,7 @@ async fn inbox_hostile_messages_are_dead_lettered_and_the_consumer_goes_on(pool:
         &pool,
         HostileInbox::TOPIC,
         Mode::Inbox,
-        Apply::<HostileInbox>(PhantomData),
+        RecordEffect::<HostileInbox>::new(),
     )
     .await;
 }

@@ -842,3 +842,36 @@ macro_rules! keyed_event {
 }
 #[allow(unused_imports)]
 pub(crate) use keyed_event;
+
+/// A handler that records each handled event's id in the test's `effect`
+/// table (`CREATE TABLE effect (event_id uuid NOT NULL)`), in the
+/// consumer's transaction.
+pub struct RecordEffect<E>(std::marker::PhantomData<fn() -> E>);
+
+impl<E> RecordEffect<E> {
+    pub fn new() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+impl<E: outbox_core::DomainEvent> outbox_core::InboxHandler for RecordEffect<E> {
+    type Event = E;
+    const NAME: &'static str = "apply";
+
+    fn handle<'a, 'c>(
+        &'a self,
+        ctx: &'a mut outbox_core::HandlerContext<'c>,
+        _event: E,
+    ) -> outbox_core::HandlerFuture<'a>
+    where
+        'c: 'a,
+    {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO effect (event_id) VALUES ($1)")
+                .bind(ctx.incoming().event_id)
+                .execute(&mut **ctx)
+                .await?;
+            Ok(())
+        })
+    }
+}
