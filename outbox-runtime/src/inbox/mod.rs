@@ -29,8 +29,10 @@
 //! again (`redrive.rs`).
 //!
 //! Other files: `dispatch.rs` (handler registry and routing), `record.rs`
-//! (parsing a message), `apply.rs` (running handlers), `db.rs` (outage
-//! detection, state-change logging).
+//! (parsing a message), `raw_headers.rs` (header names as bytes),
+//! `apply.rs` (running handlers), `txn.rs` (the guarded transactions
+//! handlers run in, and how a handler that broke one is found), `db.rs`
+//! (which errors are outages).
 
 use crate::backoff;
 
