@@ -153,6 +153,10 @@ pub(crate) struct RelayArgs {
     /// Rows per batch (default 2000).
     #[arg(long)]
     pub batch_size: Option<usize>,
+    /// Bytes per batch: payloads, headers and keys; a batch ends with the
+    /// row that reaches it, a larger row goes alone (default 16777216).
+    #[arg(long, value_name = "BYTES")]
+    pub max_batch_bytes: Option<usize>,
     /// Poll interval in milliseconds when no NOTIFY arrives (default 500).
     #[arg(long)]
     pub poll_interval_ms: Option<u64>,
@@ -188,6 +192,7 @@ impl RelayArgs {
     fn settings(&self) -> RelaySettings {
         let mut relay = RelaySettings::default();
         relay.batch_size = self.batch_size;
+        relay.max_batch_bytes = self.max_batch_bytes;
         relay.poll_interval_ms = self.poll_interval_ms;
         relay.listen = self.no_listen.then_some(false);
         relay.max_attempts = self.max_attempts;
