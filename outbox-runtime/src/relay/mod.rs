@@ -6,7 +6,9 @@
 //!
 //! One loop per relay overlaps the database and the broker: while batch *n*
 //! is being delivered, batch *n+1* is claimed; while batch *n+1* is being
-//! delivered, batch *n* is marked published and committed. Batch *n+1* is
+//! delivered, batch *n* is marked published and committed. A batch is
+//! bounded by rows and by bytes; after one cut at its byte budget, the next
+//! claim waits until it has committed (`Loop::cut`). Batch *n+1* is
 //! handed to the producer only after every delivery of batch *n* is known, so
 //! a key that failed in batch *n* sends nothing of batch *n+1*; a key with a
 //! row left unpublished in a batch stays out of claims and sends until that
