@@ -146,7 +146,19 @@ pub async fn orders(
 
 /// Attempts of one order: the service answers `503` when it is over its
 /// limits (too many requests in progress, a request past its timeout).
-const ATTEMPTS: u32 = 5;
+const ATTEMPTS: u32 = 30;
+
+/// How long to wait before attempt `attempt + 1` of order `i`: what the
+/// service asked (`Retry-After`), else a doubling delay (capped at 2 s),
+/// plus up to half a second spread over the orders so that they do not all
+/// come back at once.
+fn pause(i: u64, attempt: u32, retry_after: Option<u64>) -> Duration {
+    let base = match retry_after {
+        Some(secs) => Duration::from_secs(secs.min(10)),
+        None => Duration::from_millis((100_u64 << attempt.min(5)).min(2_000)),
+    };
+    base + Duration::from_millis((i * 7919 + u64::from(attempt) * 104_729) % 500)
+}
 
 /// One order: a customer among a few dozen, an amount between 1.00 and
 /// 999.99. Sent with an `Idempotency-Key` (`demo-order-<i>`: the databases
@@ -158,38 +170,35 @@ pub async fn place(client: &reqwest::Client, url: &str, i: u64) -> Result<Order,
     let key = format!("demo-order-{i}");
     let mut attempt = 1;
     let (status, answer) = loop {
-        let retry = |why: String| async move {
-            if attempt >= ATTEMPTS {
-                return Err(format!("order {i}: {why} ({attempt} attempts)"));
-            }
-            tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
-            Ok(())
-        };
-        let response = match client
+        let (why, retry_after) = match client
             .post(url)
             .header("idempotency-key", &key)
             .json(&body)
             .send()
             .await
         {
-            Ok(response) => response,
-            Err(e) => {
-                retry(e.to_string()).await?;
-                attempt += 1;
-                continue;
+            Err(e) => (e.to_string(), None),
+            Ok(response) => {
+                let status = response.status();
+                let retry_after = response
+                    .headers()
+                    .get(reqwest::header::RETRY_AFTER)
+                    .and_then(|v| v.to_str().ok()?.parse().ok());
+                let answer: Value = response
+                    .json()
+                    .await
+                    .map_err(|e| format!("order {i}: {status}, unreadable answer: {e}"))?;
+                if status != reqwest::StatusCode::SERVICE_UNAVAILABLE {
+                    break (status, answer);
+                }
+                (format!("{status} {answer}"), retry_after)
             }
         };
-        let status = response.status();
-        let answer: Value = response
-            .json()
-            .await
-            .map_err(|e| format!("order {i}: {status}, unreadable answer: {e}"))?;
-        if status == reqwest::StatusCode::SERVICE_UNAVAILABLE {
-            retry(format!("{status} {answer}")).await?;
-            attempt += 1;
-            continue;
+        if attempt >= ATTEMPTS {
+            return Err(format!("order {i}: {why} ({attempt} attempts)"));
         }
-        break (status, answer);
+        tokio::time::sleep(pause(i, attempt, retry_after)).await;
+        attempt += 1;
     };
     if status != reqwest::StatusCode::CREATED {
         return Err(format!("order {i}: {status} {answer}"));
