@@ -72,9 +72,12 @@ WHERE published_at IS NULL AND parked_at IS NULL
 /// plus one row (a first row larger than the budget comes alone). No
 /// `ORDER BY` in the windows: a sort would read every row of the claim; the
 /// frames run over the locking scan's order, which is id order.
+///
+/// The statement starts with [`CLAIM_MARK`]: `pg_stat_activity` shows only
+/// its first kilobyte.
 fn bounded(locking: &str, budget: &str) -> String {
     format!(
-        "SELECT {RETURNED} FROM (
+        "{CLAIM_MARK} SELECT {RETURNED} FROM (
   SELECT b.*, count(*) FILTER (WHERE b.bytes_before >= {budget}::int8)
               OVER (ROWS UNBOUNDED PRECEDING) AS past_budget
   FROM (
@@ -86,6 +89,9 @@ fn bounded(locking: &str, budget: &str) -> String {
 ) w WHERE past_budget = 0"
     )
 }
+
+/// The comment that starts every claim, naming it in `pg_stat_activity`.
+pub(crate) const CLAIM_MARK: &str = "/* outbox relay: claim */";
 
 /// The columns of [`Row`], as the claim returns them.
 const RETURNED: &str = "id, event_id, aggregate_type, aggregate_id, event_type, event_version, topic, \
