@@ -277,7 +277,10 @@ mod tests {
             .into_iter()
             .find(|e| e.setting == "relay.max_batch_bytes")
             .unwrap();
-        assert_eq!((entry.value.as_str(), entry.source), ("16777216", "default"));
+        assert_eq!(
+            (entry.value.as_str(), entry.source),
+            ("16777216", "default")
+        );
     }
 
     #[test]

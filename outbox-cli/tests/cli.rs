@@ -364,7 +364,13 @@ async fn replay_cleanup_and_parked_drop(pool: PgPool) {
     assert_eq!(kept, ["marked for retry"]);
     let o = outbox(
         Some(&url),
-        &["cleanup", "--older-than", "30d", "--dead-letters-older-than", "soon"],
+        &[
+            "cleanup",
+            "--older-than",
+            "30d",
+            "--dead-letters-older-than",
+            "soon",
+        ],
     )
     .await;
     assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));

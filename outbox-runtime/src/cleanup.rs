@@ -513,10 +513,8 @@ impl Cleanup {
                 match pass {
                     Some(Ok(r)) => counts.send_modify(|c| {
                         c.passes += 1;
-                        c.deleted += r.outbox_events
-                            + r.processed_events
-                            + r.inbox_events
-                            + r.dead_letters;
+                        c.deleted +=
+                            r.outbox_events + r.processed_events + r.inbox_events + r.dead_letters;
                     }),
                     Some(Err(error)) => {
                         tracing::warn!(%error, "cleanup pass failed: retrying at the next interval");

@@ -19,8 +19,8 @@ async fn commit_padded(pool: &PgPool, topic: &str, events: &[(&str, usize)]) -> 
     let mut ids = Vec::with_capacity(events.len());
     for (seq, (key, pad)) in events.iter().enumerate() {
         let mut m = message(topic, key, seq);
-        m.payload = serde_json::json!({ "key": key, "seq": seq, "pad": "x".repeat(*pad) })
-            .to_string();
+        m.payload =
+            serde_json::json!({ "key": key, "seq": seq, "pad": "x".repeat(*pad) }).to_string();
         let mut uow = UnitOfWork::begin(pool).await.expect("begin");
         ids.push(uow.record_message(m));
         uow.commit().await.expect("commit");
@@ -59,7 +59,11 @@ async fn the_relay_claims_at_most_its_byte_budget_and_keeps_keys_in_order(pool: 
     assert_eq!(counts.order_violations, 0, "{counts:?}");
 
     let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(60)).await;
-    assert_eq!(verify(&committed, &received), 0, "no failure: no duplicates");
+    assert_eq!(
+        verify(&committed, &received),
+        0,
+        "no failure: no duplicates"
+    );
 }
 
 /// Without a byte budget in reach, the row count alone bounds a batch.

@@ -230,10 +230,11 @@ async fn cleanup_deletes_resolved_and_old_dead_letters_when_asked(pool: PgPool) 
         dead_letters_left(&pool).await,
         ["dead-10d", "resolved-1d", "retry-200d"]
     );
-    let young: i64 = sqlx::query_scalar("SELECT count(*) FROM dead_letter WHERE error LIKE 'young-%'")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let young: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM dead_letter WHERE error LIKE 'young-%'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
     assert_eq!(young, 200);
 
     // A scheduled job counts them too.
@@ -246,15 +247,21 @@ async fn cleanup_deletes_resolved_and_old_dead_letters_when_asked(pool: PgPool) 
     .unwrap()
     .spawn();
     assert!(
-        eventually(Duration::from_secs(10), || async { job.counts().passes >= 1 }).await
+        eventually(Duration::from_secs(10), || async {
+            job.counts().passes >= 1
+        })
+        .await
     );
     assert_eq!(job.counts().deleted, 1, "{:?}", job.counts());
     job.shutdown().await.unwrap();
 
     // A zero age is refused.
-    let error = cleanup::cleanup(&pool, &Retention::new(days(30)).dead_letters(Duration::ZERO))
-        .await
-        .unwrap_err();
+    let error = cleanup::cleanup(
+        &pool,
+        &Retention::new(days(30)).dead_letters(Duration::ZERO),
+    )
+    .await
+    .unwrap_err();
     assert!(error.to_string().contains("dead letters"), "{error}");
 }
 

@@ -179,7 +179,9 @@ impl ApiError {
         let busy = match &error {
             outbox::Error::Database(sqlx::Error::PoolTimedOut) => true,
             // query_canceled: the statement_timeout of the API's connections.
-            outbox::Error::Database(sqlx::Error::Database(e)) => e.code().as_deref() == Some("57014"),
+            outbox::Error::Database(sqlx::Error::Database(e)) => {
+                e.code().as_deref() == Some("57014")
+            }
             _ => false,
         };
         if busy {
@@ -275,8 +277,12 @@ async fn create_order(
         .map_err(ApiError::database)?;
     let created = |order: Order, replayed: bool| {
         let location = format!("/orders/{}", order.id);
-        let mut response =
-            (StatusCode::CREATED, [(header::LOCATION, location)], Json(order)).into_response();
+        let mut response = (
+            StatusCode::CREATED,
+            [(header::LOCATION, location)],
+            Json(order),
+        )
+            .into_response();
         if replayed {
             response
                 .headers_mut()

@@ -261,7 +261,10 @@ mod tests {
         assert_eq!(config.limits.max_concurrent_requests, 8);
         assert_eq!(config.http_db_connections, 3);
         let error = Config::from_vars(vars(&[("MAX_CONCURRENT_REQUESTS", "lots")])).unwrap_err();
-        assert!(error.to_string().contains("MAX_CONCURRENT_REQUESTS"), "{error}");
+        assert!(
+            error.to_string().contains("MAX_CONCURRENT_REQUESTS"),
+            "{error}"
+        );
         let error = Config::from_vars(vars(&[("HTTP_DB_CONNECTIONS", "0")])).unwrap_err();
         assert!(error.to_string().contains("HTTP_DB_CONNECTIONS"), "{error}");
     }

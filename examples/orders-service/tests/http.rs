@@ -574,7 +574,11 @@ async fn requests_beyond_the_concurrency_limit_are_refused_with_retry_after(pool
         assert_eq!(done.unwrap().0, StatusCode::NOT_FOUND);
     }
     // Capacity is back.
-    let (status, _, _) = send(&app, post_json(r#"{"customer": "ann", "amount_cents": 100}"#)).await;
+    let (status, _, _) = send(
+        &app,
+        post_json(r#"{"customer": "ann", "amount_cents": 100}"#),
+    )
+    .await;
     assert_eq!(status, StatusCode::CREATED);
 }
 

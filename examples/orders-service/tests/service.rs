@@ -69,7 +69,7 @@ async fn http_load_cannot_starve_the_relay_or_the_consumer(pool: PgPool) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let topic = format!("orders-pools-{}", Uuid::now_v7().simple());
-    outbox::runtime::kafka::create_topics(&brokers(), &[], &[topic.clone()], 1, 1)
+    outbox::runtime::kafka::create_topics(&brokers(), &[], std::slice::from_ref(&topic), 1, 1)
         .await
         .unwrap();
 
@@ -82,10 +82,7 @@ async fn http_load_cannot_starve_the_relay_or_the_consumer(pool: PgPool) {
         .unwrap();
     let mut requests = tokio::task::JoinSet::new();
     for _ in 0..20 {
-        let (client, url) = (
-            client.clone(),
-            format!("{base}/orders/{}", Uuid::now_v7()),
-        );
+        let (client, url) = (client.clone(), format!("{base}/orders/{}", Uuid::now_v7()));
         requests.spawn(async move { client.get(url).send().await.map(|r| r.status()) });
     }
     let waiting = until_count(
@@ -115,7 +112,10 @@ async fn http_load_cannot_starve_the_relay_or_the_consumer(pool: PgPool) {
         1,
     )
     .await;
-    assert_eq!(published, 1, "the relay published while HTTP requests held their pool");
+    assert_eq!(
+        published, 1,
+        "the relay published while HTTP requests held their pool"
+    );
 
     // … and the consumer's processor works through its inbox (a payment it
     // cannot decode goes to the dead letters without touching `orders`).
@@ -135,7 +135,10 @@ async fn http_load_cannot_starve_the_relay_or_the_consumer(pool: PgPool) {
         1,
     )
     .await;
-    assert_eq!(dead, 1, "the consumer applied its inbox while HTTP requests held their pool");
+    assert_eq!(
+        dead, 1,
+        "the consumer applied its inbox while HTTP requests held their pool"
+    );
 
     lock.rollback().await.unwrap();
     while let Some(done) = requests.join_next().await {
