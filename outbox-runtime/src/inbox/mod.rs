@@ -112,8 +112,8 @@ pub struct ConsumerConfig {
     /// Most messages per batch (one transaction each).
     pub batch_size: usize,
     /// Most bytes per batch (keys, headers and payloads), about: the message
-    /// that reaches it ends its batch. A consumer holds up to three batches
-    /// (applied, waiting, filling).
+    /// that reaches it ends its batch. A consumer holds up to four batches
+    /// (being applied, handed over, waiting, filling).
     pub max_batch_bytes: usize,
     /// How long a batch may wait to fill while the database is idle.
     pub batch_linger: Duration,

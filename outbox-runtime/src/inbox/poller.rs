@@ -6,8 +6,9 @@
 //! count, or its byte budget: the message that reaches the budget ends it),
 //! or when it has waited `linger` and the database task is idle; while the
 //! database task is busy the next batch keeps filling, so batches grow under
-//! load. At most the batch being applied, one waiting and one filling are
-//! held (besides librdkafka's own prefetch queue).
+//! load. At most four batches are held: the one being applied, one handed
+//! over (the channel holds one), one waiting to be handed over and one
+//! filling (besides librdkafka's own prefetch queue).
 //! When one batch waits and the next is full, the thread waits for the
 //! database task; after 30 s of that (a database outage) it pauses the
 //! assigned partitions and polls again, so that the group membership and

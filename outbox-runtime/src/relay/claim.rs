@@ -37,8 +37,8 @@ pub(crate) struct Row {
 }
 
 impl Row {
-    /// The bytes the byte budget counts: payload, headers and key (the
-    /// claim's `bytes` expression).
+    /// The bytes the byte budget counts: payload, headers and key, as the
+    /// claim's running sum adds them up (`octet_length` of each).
     pub fn bytes(&self) -> usize {
         self.payload.len() + self.headers.len() + self.partition_key.len()
     }
