@@ -102,17 +102,34 @@ async fn sql_only(pool: &PgPool, batch: i64) -> Result<f64, sqlx::Error> {
             i32,
             String,
         );
+        // The relay's claim: rows and bytes bounded (its default 16 MiB).
         let rows: Vec<Claimed> = sqlx::query_as(
             "SELECT id, event_id, aggregate_type, aggregate_id, event_type, topic, event_version,
-                    partition_key, payload::text, headers::text, attempts, ctid::text
-             FROM outbox_event
-             WHERE published_at IS NULL AND parked_at IS NULL
-               AND partition_key <> ALL($2::text[]) AND topic <> ALL($3::text[])
-             ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+                    partition_key, payload, headers, attempts, tid
+             FROM (
+               SELECT b.*, count(*) FILTER (WHERE b.bytes_before >= $4::int8)
+                           OVER (ROWS UNBOUNDED PRECEDING) AS past_budget
+               FROM (
+                 SELECT c.*, coalesce(sum(octet_length(c.payload) + octet_length(c.headers)
+                                          + octet_length(c.partition_key))
+                                      OVER (ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)
+                             AS bytes_before
+                 FROM (
+                   SELECT id, event_id, aggregate_type, aggregate_id, event_type, topic,
+                          event_version, partition_key, payload::text AS payload,
+                          headers::text AS headers, attempts, ctid::text AS tid
+                   FROM outbox_event
+                   WHERE published_at IS NULL AND parked_at IS NULL
+                     AND partition_key <> ALL($2::text[]) AND topic <> ALL($3::text[])
+                   ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED
+                 ) c
+               ) b
+             ) w WHERE past_budget = 0",
         )
         .bind(batch)
         .bind(Vec::<String>::new())
         .bind(Vec::<String>::new())
+        .bind(16_i64 << 20)
         .fetch_all(&mut *tx)
         .await?;
         if rows.is_empty() {

@@ -91,7 +91,8 @@ pub(crate) enum Command {
     /// to rebuild a projection); the outbox is only read.
     Replay(ReplayArgs),
     /// Delete old published outbox rows, dedup rows and processed inbox rows,
-    /// in small batches (never unpublished or parked rows).
+    /// and (when asked) old dead letters, in small batches (never unpublished
+    /// or parked rows).
     Cleanup(CleanupArgs),
     /// The commit-time NOTIFY that wakes idle relays: `on`, `off` or `status`.
     Notify {
@@ -153,6 +154,10 @@ pub(crate) struct RelayArgs {
     /// Rows per batch (default 2000).
     #[arg(long)]
     pub batch_size: Option<usize>,
+    /// Bytes per batch: payloads, headers and keys; a batch ends with the
+    /// row that reaches it, a larger row goes alone (default 16777216).
+    #[arg(long, value_name = "BYTES")]
+    pub max_batch_bytes: Option<usize>,
     /// Poll interval in milliseconds when no NOTIFY arrives (default 500).
     #[arg(long)]
     pub poll_interval_ms: Option<u64>,
@@ -188,6 +193,7 @@ impl RelayArgs {
     fn settings(&self) -> RelaySettings {
         let mut relay = RelaySettings::default();
         relay.batch_size = self.batch_size;
+        relay.max_batch_bytes = self.max_batch_bytes;
         relay.poll_interval_ms = self.poll_interval_ms;
         relay.listen = self.no_listen.then_some(false);
         relay.max_attempts = self.max_attempts;
@@ -263,6 +269,16 @@ pub(crate) struct CleanupArgs {
     /// Rows per statement.
     #[arg(long, default_value_t = 1000)]
     pub batch_size: i64,
+    /// Also delete dead letters resolved (re-driven successfully) longer ago
+    /// than this (e.g. 7d). Default: keep them.
+    #[arg(long, value_name = "DURATION")]
+    pub resolved_dead_letters_older_than: Option<String>,
+    /// Also delete dead letters, resolved or not, whose last failure (or
+    /// resolution) is older than this (e.g. 90d); never one marked for
+    /// retry. Their messages are then gone from the database. Default: keep
+    /// them.
+    #[arg(long, value_name = "DURATION")]
+    pub dead_letters_older_than: Option<String>,
     /// Run every DURATION until SIGINT/SIGTERM, as the single leader among
     /// the cleanup jobs of this outbox (advisory lock); without it, one
     /// pass.

@@ -359,9 +359,15 @@ fn parse_time(text: &str) -> Result<DateTime<Utc>, Error> {
 }
 
 async fn cleanup(ctx: &Ctx, args: CleanupArgs) -> Result<(), Error> {
-    let retention = cleanup::Retention::new(ops::parse_duration(&args.older_than)?)
+    let mut retention = cleanup::Retention::new(ops::parse_duration(&args.older_than)?)
         .dedup_window(ops::parse_duration(&args.dedup_window)?)
         .batch_size(args.batch_size);
+    if let Some(age) = &args.resolved_dead_letters_older_than {
+        retention = retention.resolved_dead_letters(ops::parse_duration(age)?);
+    }
+    if let Some(age) = &args.dead_letters_older_than {
+        retention = retention.dead_letters(ops::parse_duration(age)?);
+    }
     retention.validate()?;
     let every = args.every.as_deref().map(ops::parse_duration).transpose()?;
     let pool = ctx.pool(3).await?;
@@ -377,10 +383,11 @@ async fn cleanup(ctx: &Ctx, args: CleanupArgs) -> Result<(), Error> {
                 );
             } else {
                 println!(
-                    "deleted {} published outbox rows, {} processed_event rows, {} processed inbox rows (statements: {})",
+                    "deleted {} published outbox rows, {} processed_event rows, {} processed inbox rows, {} dead letters (statements: {})",
                     report.outbox_events,
                     report.processed_events,
                     report.inbox_events,
+                    report.dead_letters,
                     report.statements
                 );
             }

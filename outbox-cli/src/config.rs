@@ -93,6 +93,7 @@ fn defaults() -> Settings {
     s.database.lock_max_wait_ms = ms(lock.max_wait);
     s.kafka.brokers = Some(outbox_runtime::kafka::DEFAULT_BROKERS.into());
     s.relay.batch_size = Some(relay.batch_size);
+    s.relay.max_batch_bytes = Some(relay.max_batch_bytes);
     s.relay.poll_interval_ms = ms(relay.poll_interval);
     s.relay.listen = Some(relay.listen);
     s.relay.max_attempts = Some(relay.max_attempts);
@@ -241,6 +242,45 @@ mod tests {
         assert!(e.contains("unknown field `batchsize`"), "{e}");
         let e = parse("[kafak]\n").unwrap_err();
         assert!(e.contains("kafak"), "{e}");
+    }
+
+    #[test]
+    fn relay_flags_become_relay_settings() {
+        use clap::Parser;
+        let cli = crate::args::Cli::try_parse_from([
+            "outbox",
+            "relay",
+            "--max-batch-bytes",
+            "65536",
+            "--batch-size",
+            "10",
+        ])
+        .unwrap();
+        let flags = cli.flag_settings().unwrap();
+        assert_eq!(flags.relay.max_batch_bytes, Some(65536));
+        assert_eq!(flags.relay.batch_size, Some(10));
+        let layers = Layers {
+            path: None,
+            file: Settings::default(),
+            env: Settings::from_vars([("OUTBOX_RELAY_MAX_BATCH_BYTES", "1024")]).unwrap(),
+            flags,
+        };
+        assert_eq!(layers.merged().relay.max_batch_bytes, Some(65536));
+        let defaults = Layers {
+            path: None,
+            file: Settings::default(),
+            env: Settings::default(),
+            flags: Settings::default(),
+        };
+        let entry = defaults
+            .entries()
+            .into_iter()
+            .find(|e| e.setting == "relay.max_batch_bytes")
+            .unwrap();
+        assert_eq!(
+            (entry.value.as_str(), entry.source),
+            ("16777216", "default")
+        );
     }
 
     #[test]

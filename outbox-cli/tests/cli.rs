@@ -315,6 +315,65 @@ async fn replay_cleanup_and_parked_drop(pool: PgPool) {
         .await
         .unwrap();
     assert_eq!(left, 10);
+    assert_eq!(done["dead_letters"], 0);
+
+    // Dead letters: only when asked, each kind by its own age.
+    sqlx::query(
+        "INSERT INTO dead_letter (consumer, topic, \"partition\", \"offset\", reason, error, status,
+                                  last_failed_at, resolved_at)
+         VALUES ('g', 't', 0, 1, 'not_json', 'resolved long ago', 'resolved',
+                 now() - interval '60 days', now() - interval '30 days'),
+                ('g', 't', 0, 2, 'not_json', 'failed long ago', 'dead', now() - interval '60 days', NULL),
+                ('g', 't', 0, 3, 'not_json', 'marked for retry', 'retry', now() - interval '60 days', NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let o = outbox(
+        Some(&url),
+        &[
+            "cleanup",
+            "--older-than",
+            "30d",
+            "--resolved-dead-letters-older-than",
+            "7d",
+        ],
+    )
+    .await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(text(&o).0.contains(", 1 dead letters"), "{:?}", text(&o));
+    let o = outbox(
+        Some(&url),
+        &[
+            "cleanup",
+            "--older-than",
+            "30d",
+            "--dead-letters-older-than",
+            "45d",
+            "--json",
+        ],
+    )
+    .await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    let done: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(done["dead_letters"], 1);
+    let kept: Vec<String> = sqlx::query_scalar("SELECT error FROM dead_letter")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(kept, ["marked for retry"]);
+    let o = outbox(
+        Some(&url),
+        &[
+            "cleanup",
+            "--older-than",
+            "30d",
+            "--dead-letters-older-than",
+            "soon",
+        ],
+    )
+    .await;
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
 
     // Parked rows: drop needs a reason and a selection; dropped rows stay.
     let o = outbox(Some(&url), &["parked", "drop", "--all"]).await;

@@ -90,6 +90,7 @@ async fn outbox_config_shows_each_setting_from_its_highest_source() {
 
         [relay]
         batch_size = 100
+        max_batch_bytes = 1048576
         lanes = 4
         max_attempts = 7
         "#,
@@ -145,6 +146,10 @@ async fn outbox_config_shows_each_setting_from_its_highest_source() {
     );
     assert_eq!(setting(&config, "kafka.client.id"), ("from-file", "file"));
     assert_eq!(setting(&config, "relay.batch_size"), ("100", "file"));
+    assert_eq!(
+        setting(&config, "relay.max_batch_bytes"),
+        ("1048576", "file")
+    );
     assert_eq!(setting(&config, "relay.lanes"), ("8", "environment"));
     assert_eq!(setting(&config, "relay.max_attempts"), ("9", "environment"));
     assert_eq!(

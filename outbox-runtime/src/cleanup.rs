@@ -5,7 +5,9 @@
 //! consumers keep running.
 //!
 //! Never deleted: unpublished outbox rows, parked ones (dropped or not),
-//! inbox rows not yet processed or dead-lettered, and dead letters.
+//! inbox rows not yet processed or dead-lettered. Dead letters only when
+//! asked ([`Retention::resolved_dead_letters`], [`Retention::dead_letters`]),
+//! each by its own age, and never one marked for retry.
 //!
 //! The window may not be shorter than the deduplication window: a
 //! `processed_event` row is what makes a redelivered event a duplicate, so
@@ -19,9 +21,10 @@
 //!
 //! How the batches walk the tables: `outbox_event` in id order (a keyset
 //! cursor, `FOR UPDATE SKIP LOCKED`, bounded by the first row younger than
-//! the window); `processed_event` and `inbox_event`, which have no index on
-//! their timestamps (adding one would cost every consumed event), by ranges
-//! of heap pages (a TID range scan): one sequential pass per run.
+//! the window); `processed_event`, `inbox_event` and `dead_letter`, which
+//! have no index on their timestamps (adding one would cost every consumed
+//! event), by ranges of heap pages (a TID range scan): one sequential pass
+//! per run.
 
 use std::time::{Duration, Instant};
 
@@ -53,6 +56,14 @@ pub struct Retention {
     pub batch_size: i64,
     /// Pause between two statements (gives the I/O to the live traffic).
     pub pause: Duration,
+    /// Also delete dead letters resolved (re-driven successfully) longer
+    /// ago than this. `None` (the default): keep them.
+    pub resolved_dead_letters: Option<Duration>,
+    /// Also delete dead letters, resolved or not, whose last failure (or
+    /// resolution) is older than this; never one marked for retry. `None`
+    /// (the default): keep them. Whatever a deleted dead letter held is
+    /// gone: its message is no longer in the database.
+    pub dead_letters: Option<Duration>,
 }
 
 impl Retention {
@@ -64,7 +75,22 @@ impl Retention {
             dedup_window: DEFAULT_DEDUP_WINDOW,
             batch_size: 1000,
             pause: Duration::ZERO,
+            resolved_dead_letters: None,
+            dead_letters: None,
         }
+    }
+
+    /// Also deletes dead letters resolved longer ago than `older_than`.
+    pub fn resolved_dead_letters(mut self, older_than: Duration) -> Self {
+        self.resolved_dead_letters = Some(older_than);
+        self
+    }
+
+    /// Also deletes dead letters (dead or resolved, never marked for retry)
+    /// whose last failure or resolution is older than `older_than`.
+    pub fn dead_letters(mut self, older_than: Duration) -> Self {
+        self.dead_letters = Some(older_than);
+        self
     }
 
     /// Sets the dedup window.
@@ -94,6 +120,13 @@ impl Retention {
         if self.older_than.is_zero() {
             return Err(Error::Config("retention must be > 0".into()));
         }
+        if self.resolved_dead_letters.is_some_and(|d| d.is_zero())
+            || self.dead_letters.is_some_and(|d| d.is_zero())
+        {
+            return Err(Error::Config(
+                "the dead letters' retention must be > 0".into(),
+            ));
+        }
         if !(1..=100_000).contains(&self.batch_size) {
             return Err(Error::Config(format!(
                 "cleanup batch size must be 1..=100000, got {}",
@@ -114,6 +147,8 @@ pub struct CleanupReport {
     pub processed_events: u64,
     /// Processed `inbox_event` rows.
     pub inbox_events: u64,
+    /// `dead_letter` rows (only with a dead letters' retention).
+    pub dead_letters: u64,
     /// Statements run.
     pub statements: u64,
 }
@@ -150,15 +185,31 @@ const INBOX_BATCH: &str = "\
 DELETE FROM inbox_event
 WHERE ctid >= $1::tid AND ctid < $2::tid AND processed AND processed_at < $3";
 
+/// `$3`: resolved before (or NULL); `$4`: last failed or resolved before
+/// (or NULL).
+const DEAD_LETTER_BATCH: &str = "\
+DELETE FROM dead_letter
+WHERE ctid >= $1::tid AND ctid < $2::tid AND status <> 'retry'
+  AND ((status = 'resolved' AND resolved_at < $3)
+       OR coalesce(resolved_at, last_failed_at) < $4)";
+
+type Time = sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc>;
+
+/// The database's `now()` minus `age`.
+async fn cutoff(pool: &PgPool, age: Duration) -> Result<Time> {
+    Ok(
+        sqlx::query_scalar("SELECT now() - make_interval(secs => $1)")
+            .bind(age.as_secs_f64())
+            .fetch_one(pool)
+            .await?,
+    )
+}
+
 /// One cleanup pass, without the leader lock (see [`cleanup_as_leader`]).
 /// Validates `retention` first; deletes nothing if it is refused.
 pub async fn cleanup(pool: &PgPool, retention: &Retention) -> Result<CleanupReport> {
     retention.validate()?;
-    let cutoff: sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc> =
-        sqlx::query_scalar("SELECT now() - make_interval(secs => $1)")
-            .bind(retention.older_than.as_secs_f64())
-            .fetch_one(pool)
-            .await?;
+    let cutoff = cutoff(pool, retention.older_than).await?;
     let mut report = CleanupReport::default();
     let started = Instant::now();
 
@@ -189,7 +240,7 @@ pub async fn cleanup(pool: &PgPool, retention: &Retention) -> Result<CleanupRepo
         pool,
         "processed_event",
         PROCESSED_BATCH,
-        cutoff,
+        &[Some(cutoff)],
         retention,
         &mut report,
     )
@@ -198,15 +249,36 @@ pub async fn cleanup(pool: &PgPool, retention: &Retention) -> Result<CleanupRepo
         pool,
         "inbox_event",
         INBOX_BATCH,
-        cutoff,
+        &[Some(cutoff)],
         retention,
         &mut report,
     )
     .await?;
+    if retention.resolved_dead_letters.is_some() || retention.dead_letters.is_some() {
+        let mut cutoffs = [None, None];
+        for (at, age) in cutoffs
+            .iter_mut()
+            .zip([retention.resolved_dead_letters, retention.dead_letters])
+        {
+            if let Some(age) = age {
+                *at = Some(self::cutoff(pool, age).await?);
+            }
+        }
+        report.dead_letters = by_pages(
+            pool,
+            "dead_letter",
+            DEAD_LETTER_BATCH,
+            &cutoffs,
+            retention,
+            &mut report,
+        )
+        .await?;
+    }
     tracing::info!(
         outbox_events = report.outbox_events,
         processed_events = report.processed_events,
         inbox_events = report.inbox_events,
+        dead_letters = report.dead_letters,
         statements = report.statements,
         elapsed_ms = started.elapsed().as_millis() as u64,
         older_than = %format_duration(retention.older_than),
@@ -215,11 +287,13 @@ pub async fn cleanup(pool: &PgPool, retention: &Retention) -> Result<CleanupRepo
     Ok(report)
 }
 
+/// Runs `delete` over `table` by ranges of heap pages (`$1`, `$2`), with
+/// `cutoffs` as `$3`, `$4`, ….
 async fn by_pages(
     pool: &PgPool,
     table: &str,
     delete: &str,
-    cutoff: sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc>,
+    cutoffs: &[Option<Time>],
     retention: &Retention,
     report: &mut CleanupReport,
 ) -> Result<u64> {
@@ -232,12 +306,13 @@ async fn by_pages(
     let mut page = 0_i64;
     while page < pages {
         let next = page + step;
-        let result = sqlx::query(delete)
+        let mut query = sqlx::query(delete)
             .bind(format!("({page},0)"))
-            .bind(format!("({next},0)"))
-            .bind(cutoff)
-            .execute(pool)
-            .await?;
+            .bind(format!("({next},0)"));
+        for cutoff in cutoffs {
+            query = query.bind(*cutoff);
+        }
+        let result = query.execute(pool).await?;
         report.statements += 1;
         deleted += result.rows_affected();
         page = next;
@@ -438,7 +513,8 @@ impl Cleanup {
                 match pass {
                     Some(Ok(r)) => counts.send_modify(|c| {
                         c.passes += 1;
-                        c.deleted += r.outbox_events + r.processed_events + r.inbox_events;
+                        c.deleted +=
+                            r.outbox_events + r.processed_events + r.inbox_events + r.dead_letters;
                     }),
                     Some(Err(error)) => {
                         tracing::warn!(%error, "cleanup pass failed: retrying at the next interval");

@@ -1,8 +1,8 @@
 //! Metrics of the relay and the consumers, through the [`metrics`] facade
 //! (any recorder the application installs receives them), and — with the
 //! `prometheus` feature (default) — a Prometheus exporter: [`serve`]
-//! installs the recorder and answers `GET /metrics` on a small HTTP
-//! listener of its own.
+//! installs the recorder and answers scrapes on the exporter's own HTTP
+//! listener.
 //!
 //! No metric is touched per event: the relay and the consumers keep their
 //! atomic counters ([`RelayCounts`], [`ConsumerCounts`]); a task per relay
@@ -202,39 +202,23 @@ pub use self::exporter::{MetricsServer, serve};
 #[cfg(feature = "prometheus")]
 mod exporter {
     use std::net::SocketAddr;
-    use std::sync::OnceLock;
+    use std::sync::Mutex;
 
-    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::{TcpListener, TcpStream};
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
     use tokio::task::JoinHandle;
 
     use crate::error::{Error, Result};
 
-    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    /// Where this process serves its metrics, once [`serve`] succeeded.
+    static SERVED_AT: Mutex<Option<SocketAddr>> = Mutex::new(None);
 
     /// Latency buckets, in seconds (1 ms to 30 s).
     const BUCKETS: &[f64] = &[
         0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
     ];
 
-    /// The process's Prometheus recorder, installed as the global `metrics`
-    /// recorder on first use. Fails if another recorder is installed.
-    pub fn handle() -> Result<&'static PrometheusHandle> {
-        if let Some(h) = HANDLE.get() {
-            return Ok(h);
-        }
-        let recorder = PrometheusBuilder::new()
-            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), BUCKETS)
-            .map_err(|e| Error::Config(format!("metrics buckets: {e}")))?
-            .build_recorder();
-        let handle = recorder.handle();
-        metrics::set_global_recorder(recorder)
-            .map_err(|_| Error::Config("another metrics recorder is already installed".into()))?;
-        Ok(HANDLE.get_or_init(|| handle))
-    }
-
-    /// A running `/metrics` endpoint; stops when dropped.
+    /// A running metrics endpoint; stops listening when dropped (the
+    /// recorder stays installed).
     #[derive(Debug)]
     pub struct MetricsServer {
         addr: SocketAddr,
@@ -254,72 +238,51 @@ mod exporter {
         }
     }
 
-    /// Installs the Prometheus recorder (once per process) and serves the
-    /// text exposition format on `GET /metrics` at `addr` (e.g.
-    /// `127.0.0.1:9464`; port 0 picks a free port).
+    /// Installs the Prometheus recorder as the process's `metrics` recorder
+    /// and serves the text exposition format over HTTP at `addr` (e.g.
+    /// `127.0.0.1:9464`; port 0 picks a free port), on every path
+    /// (`/metrics` by convention; `/health` answers `OK`).
+    ///
+    /// The listener is the exporter's own (`metrics-exporter-prometheus`,
+    /// on hyper): each connection is served on a task of its own, so a
+    /// client that connects and sends nothing, or reads its answer slowly,
+    /// holds only its own connection. Once per process: a second call, or
+    /// another `metrics` recorder installed before, is an error.
     pub async fn serve(addr: SocketAddr) -> Result<MetricsServer> {
-        let handle = handle()?;
-        let listener = TcpListener::bind(addr)
-            .await
+        let mut served = SERVED_AT.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(at) = *served {
+            return Err(Error::Config(format!(
+                "metrics are already served by this process (at {at}): one endpoint per process"
+            )));
+        }
+        let addr = with_free_port(addr)?;
+        let (recorder, exporter) = PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), BUCKETS)
+            .map_err(|e| Error::Config(format!("metrics buckets: {e}")))?
+            .build()
             .map_err(|e| Error::Config(format!("cannot listen for metrics on {addr}: {e}")))?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| Error::Config(format!("metrics listener: {e}")))?;
-        tracing::info!(%addr, "metrics at http://{addr}/metrics");
+        metrics::set_global_recorder(recorder)
+            .map_err(|_| Error::Config("another metrics recorder is already installed".into()))?;
         let task = tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                tokio::spawn(answer(stream, handle));
+            if let Err(error) = exporter.await {
+                tracing::error!(?error, "the metrics endpoint stopped");
             }
         });
+        *served = Some(addr);
+        tracing::info!(%addr, "metrics at http://{addr}/metrics");
         Ok(MetricsServer { addr, task })
     }
 
-    /// Answers one HTTP/1 request and closes the connection.
-    async fn answer(mut stream: TcpStream, handle: &'static PrometheusHandle) {
-        let mut request = Vec::with_capacity(1024);
-        let mut buf = [0_u8; 1024];
-        let read = async {
-            while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 16 * 1024 {
-                match stream.read(&mut buf).await {
-                    Ok(0) | Err(_) => return false,
-                    Ok(n) => request.extend_from_slice(&buf[..n]),
-                }
-            }
-            true
-        };
-        let complete = tokio::time::timeout(std::time::Duration::from_secs(5), read)
-            .await
-            .unwrap_or(false);
-        if !complete {
-            return;
+    /// `addr`, or with port 0 the same address on a port free right now
+    /// (the exporter binds the address it is given and does not tell which
+    /// port it got).
+    fn with_free_port(addr: SocketAddr) -> Result<SocketAddr> {
+        if addr.port() != 0 {
+            return Ok(addr);
         }
-        let line = request
-            .split(|b| *b == b'\r')
-            .next()
-            .map(String::from_utf8_lossy)
-            .unwrap_or_default();
-        let mut parts = line.split(' ');
-        let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-        let path = path.split('?').next().unwrap_or("");
-        let (status, body) = match (method, path) {
-            ("GET", "/metrics") => {
-                handle.run_upkeep();
-                ("200 OK", handle.render())
-            }
-            ("GET", _) => (
-                "404 Not Found",
-                "not found: the metrics are at /metrics\n".into(),
-            ),
-            _ => ("405 Method Not Allowed", "only GET\n".into()),
-        };
-        let response = format!(
-            "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        let _ = stream.write_all(response.as_bytes()).await;
-        let _ = stream.shutdown().await;
+        std::net::TcpListener::bind(addr)
+            .and_then(|listener| listener.local_addr())
+            .map_err(|e| Error::Config(format!("cannot listen for metrics on {addr}: {e}")))
     }
 }

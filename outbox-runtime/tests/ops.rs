@@ -1,6 +1,7 @@
 //! Operations against a real PostgreSQL (fresh database per test): the
-//! retention cleanup (what it deletes, what it never touches, the refused
-//! window, one leader among concurrent jobs) and dropping parked rows.
+//! retention cleanup (what it deletes, what it never touches, dead letters
+//! when asked, the refused window, one leader among concurrent jobs) and
+//! dropping parked rows.
 
 mod common;
 
@@ -152,6 +153,116 @@ async fn cleanup_deletes_old_published_and_processed_rows_only(pool: PgPool) {
         ),
         (0, 0, 0)
     );
+}
+
+/// Inserts a dead letter named `name` (in its error) with the status and
+/// ages (days) of its last failure and its resolution.
+async fn dead_letter(pool: &PgPool, name: &str, status: &str, failed: i32, resolved: Option<i32>) {
+    sqlx::query(
+        "INSERT INTO dead_letter (consumer, topic, \"partition\", \"offset\", payload, reason, error,
+                                  status, created_at, last_failed_at, resolved_at)
+         VALUES ('billing', 'orders', 0, (SELECT coalesce(max(\"offset\"), 0) + 1 FROM dead_letter), $5, 'handler_failed', $1,
+                 $2, now() - make_interval(days => $3), now() - make_interval(days => $3),
+                 now() - make_interval(days => $4))",
+    )
+    .bind(name)
+    .bind(status)
+    .bind(failed)
+    .bind(resolved)
+    .bind(vec![b'x'; 600])
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+async fn dead_letters_left(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT error FROM dead_letter WHERE error NOT LIKE 'young-%' ORDER BY error",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn cleanup_deletes_resolved_and_old_dead_letters_when_asked(pool: PgPool) {
+    // Young ones first (several heap pages of them), then the cases.
+    for i in 0..200 {
+        dead_letter(&pool, &format!("young-{i}"), "dead", 1, None).await;
+    }
+    dead_letter(&pool, "dead-100d", "dead", 100, None).await;
+    dead_letter(&pool, "dead-10d", "dead", 10, None).await;
+    dead_letter(&pool, "resolved-20d", "resolved", 100, Some(20)).await;
+    dead_letter(&pool, "resolved-1d", "resolved", 100, Some(1)).await;
+    dead_letter(&pool, "resolved-100d", "resolved", 120, Some(100)).await;
+    dead_letter(&pool, "retry-200d", "retry", 200, None).await;
+    sqlx::query("ANALYZE dead_letter")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let all = dead_letters_left(&pool).await;
+    assert_eq!(all.len(), 6);
+
+    // Not asked: dead letters stay.
+    let report = cleanup::cleanup(&pool, &Retention::new(days(30)))
+        .await
+        .unwrap();
+    assert_eq!(report.dead_letters, 0);
+    assert_eq!(dead_letters_left(&pool).await, all);
+
+    // Resolved ones, by their resolution's age.
+    let retention = Retention::new(days(30))
+        .batch_size(20)
+        .resolved_dead_letters(days(7));
+    let report = cleanup::cleanup(&pool, &retention).await.unwrap();
+    assert_eq!(report.dead_letters, 2, "{report:?}");
+    assert!(report.statements > 3, "several page ranges: {report:?}");
+    assert_eq!(
+        dead_letters_left(&pool).await,
+        ["dead-100d", "dead-10d", "resolved-1d", "retry-200d"]
+    );
+
+    // Any status but retry, by the last failure or resolution.
+    let retention = Retention::new(days(30)).dead_letters(days(90));
+    let report = cleanup::cleanup(&pool, &retention).await.unwrap();
+    assert_eq!(report.dead_letters, 1, "{report:?}");
+    assert_eq!(
+        dead_letters_left(&pool).await,
+        ["dead-10d", "resolved-1d", "retry-200d"]
+    );
+    let young: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM dead_letter WHERE error LIKE 'young-%'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(young, 200);
+
+    // A scheduled job counts them too.
+    dead_letter(&pool, "resolved-50d", "resolved", 60, Some(50)).await;
+    let job = Cleanup::new(
+        pool.clone(),
+        Retention::new(days(30)).resolved_dead_letters(days(7)),
+        Duration::from_secs(3600),
+    )
+    .unwrap()
+    .spawn();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            job.counts().passes >= 1
+        })
+        .await
+    );
+    assert_eq!(job.counts().deleted, 1, "{:?}", job.counts());
+    job.shutdown().await.unwrap();
+
+    // A zero age is refused.
+    let error = cleanup::cleanup(
+        &pool,
+        &Retention::new(days(30)).dead_letters(Duration::ZERO),
+    )
+    .await
+    .unwrap_err();
+    assert!(error.to_string().contains("dead letters"), "{error}");
 }
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]

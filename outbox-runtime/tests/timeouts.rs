@@ -189,7 +189,7 @@ async fn a_relay_claim_stuck_behind_a_lock_is_cancelled_by_its_statement_timeout
         sqlx::query_as::<_, (i32, String)>(
             "SELECT pid, query_start::text FROM pg_stat_activity
              WHERE datname = current_database() AND wait_event_type = 'Lock'
-               AND query LIKE '%FOR UPDATE SKIP LOCKED%'",
+               AND query LIKE '/* outbox relay: claim */%'",
         )
         .fetch_all(&pool)
         .await

@@ -40,7 +40,7 @@ pub struct Refused {
 
 /// Sends requests the service must refuse, prints each answer.
 pub async fn bad_requests(client: &reqwest::Client, base: &str) -> Refused {
-    let cases: [(&str, &str); 5] = [
+    let cases: [(&str, &str); 6] = [
         ("malformed JSON", r#"{"customer": "ann", "amount_cents": "#),
         ("zero amount", r#"{"customer": "ann", "amount_cents": 0}"#),
         (
@@ -54,6 +54,10 @@ pub async fn bad_requests(client: &reqwest::Client, base: &str) -> Refused {
         (
             "wrong type",
             r#"{"customer": "ann", "amount_cents": "500"}"#,
+        ),
+        (
+            "NUL in the name",
+            r#"{"customer": "a\u0000b", "amount_cents": 500}"#,
         ),
     ];
     let mut problems = Vec::new();
@@ -140,22 +144,62 @@ pub async fn orders(
     sent
 }
 
+/// Attempts of one order: the service answers `503` when it is over its
+/// limits (too many requests in progress, a request past its timeout).
+const ATTEMPTS: u32 = 30;
+
+/// How long to wait before attempt `attempt + 1` of order `i`: what the
+/// service asked (`Retry-After`), else a doubling delay (capped at 2 s),
+/// plus up to half a second spread over the orders so that they do not all
+/// come back at once.
+fn pause(i: u64, attempt: u32, retry_after: Option<u64>) -> Duration {
+    let base = match retry_after {
+        Some(secs) => Duration::from_secs(secs.min(10)),
+        None => Duration::from_millis((100_u64 << attempt.min(5)).min(2_000)),
+    };
+    base + Duration::from_millis((i * 7919 + u64::from(attempt) * 104_729) % 500)
+}
+
 /// One order: a customer among a few dozen, an amount between 1.00 and
-/// 999.99.
+/// 999.99. Sent with an `Idempotency-Key` (`demo-order-<i>`: the databases
+/// are new each run), so that a retry after a `503` or a lost answer cannot
+/// place it twice; retried up to [`ATTEMPTS`] times.
 pub async fn place(client: &reqwest::Client, url: &str, i: u64) -> Result<Order, String> {
     let amount_cents = 100 + (i as i64 * 7919) % 99_900;
     let body = json!({ "customer": format!("customer-{}", i % 37), "amount_cents": amount_cents });
-    let response = client
-        .post(url)
-        .json(&body)
-        .send()
-        .await
-        .map_err(|e| format!("order {i}: {e}"))?;
-    let status = response.status();
-    let answer: Value = response
-        .json()
-        .await
-        .map_err(|e| format!("order {i}: {status}, unreadable answer: {e}"))?;
+    let key = format!("demo-order-{i}");
+    let mut attempt = 1;
+    let (status, answer) = loop {
+        let (why, retry_after) = match client
+            .post(url)
+            .header("idempotency-key", &key)
+            .json(&body)
+            .send()
+            .await
+        {
+            Err(e) => (e.to_string(), None),
+            Ok(response) => {
+                let status = response.status();
+                let retry_after = response
+                    .headers()
+                    .get(reqwest::header::RETRY_AFTER)
+                    .and_then(|v| v.to_str().ok()?.parse().ok());
+                let answer: Value = response
+                    .json()
+                    .await
+                    .map_err(|e| format!("order {i}: {status}, unreadable answer: {e}"))?;
+                if status != reqwest::StatusCode::SERVICE_UNAVAILABLE {
+                    break (status, answer);
+                }
+                (format!("{status} {answer}"), retry_after)
+            }
+        };
+        if attempt >= ATTEMPTS {
+            return Err(format!("order {i}: {why} ({attempt} attempts)"));
+        }
+        tokio::time::sleep(pause(i, attempt, retry_after)).await;
+        attempt += 1;
+    };
     if status != reqwest::StatusCode::CREATED {
         return Err(format!("order {i}: {status} {answer}"));
     }

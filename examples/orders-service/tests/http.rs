@@ -4,13 +4,15 @@
 //! Requests go through the router itself (`tower::ServiceExt::oneshot`), as
 //! a client's would, without a socket. Bad input must answer 4xx with a JSON
 //! `{"error": ...}` naming the problem, and leave no order row and no outbox
-//! row behind.
+//! row behind. An `Idempotency-Key` places one order however often (and
+//! however concurrently) it is sent; the limits refuse what is beyond them
+//! with `503` (the database held up by a table lock the test takes).
 
 use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode, header};
 use demo_events::{OrderCreated, PaymentCaptured};
-use orders_service::api::{OrderView, router};
+use orders_service::api::{Limits, OrderView, router};
 use orders_service::payments::{PaymentError, mark_paid};
 use outbox::prelude::*;
 use outbox::{DomainEvent, IncomingEvent};
@@ -19,8 +21,12 @@ use sqlx::PgPool;
 use tower::ServiceExt;
 
 async fn app(pool: &PgPool) -> Router {
+    app_with(pool, Limits::default()).await
+}
+
+async fn app_with(pool: &PgPool, limits: Limits) -> Router {
     orders_service::migrate(pool).await.expect("migrations");
-    router(pool.clone())
+    router(pool.clone(), limits)
 }
 
 /// Sends one request; returns the status, the content type and the body as
@@ -116,6 +122,22 @@ async fn bad_input_answers_4xx_with_a_json_error_and_writes_nothing(pool: PgPool
             r#"{"customer": "   ", "amount_cents": 100}"#,
             StatusCode::UNPROCESSABLE_ENTITY,
             "customer must not be empty",
+        ),
+        // A NUL byte, escaped (PostgreSQL's text cannot store it) or raw.
+        (
+            r#"{"customer": "a\u0000b", "amount_cents": 100}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "customer must not contain control characters, found '\\0'",
+        ),
+        (
+            "{\"customer\": \"a\0b\", \"amount_cents\": 100}",
+            StatusCode::BAD_REQUEST,
+            "control character (\\u0000-\\u001F) found",
+        ),
+        (
+            "{\"customer\": \"ann\", \"amount_cents\": 100}\0",
+            StatusCode::BAD_REQUEST,
+            "malformed JSON",
         ),
     ];
     for (body, status, fragment) in cases {
@@ -235,6 +257,8 @@ async fn an_order_is_created_then_shown_and_its_event_is_in_the_outbox(pool: PgP
 #[sqlx::test(migrations = false)]
 async fn unknown_ids_paths_and_methods_answer_a_json_error(pool: PgPool) {
     let app = app(&pool).await;
+    let (status, _, answer) = send(&app, get("/orders/%00")).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
     let (status, _, answer) = send(&app, get("/orders/not-a-uuid")).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
     assert!(
@@ -348,4 +372,252 @@ async fn a_payment_marks_its_order_paid_and_a_wrong_one_is_refused(pool: PgPool)
         Some(payment.payment_id),
         "the first payment stays the order's"
     );
+}
+
+fn post_keyed(key: &str, body: &str) -> Request<Body> {
+    Request::post("/orders")
+        .header(header::CONTENT_TYPE, "application/json")
+        .header("idempotency-key", key)
+        .body(Body::from(body.to_owned()))
+        .unwrap()
+}
+
+/// Sends one request; returns the status, the `Idempotent-Replayed` header
+/// and the body as JSON.
+async fn send_keyed(app: &Router, request: Request<Body>) -> (StatusCode, Option<String>, Value) {
+    let response = app.clone().oneshot(request).await.expect("response");
+    let status = response.status();
+    let replayed = response
+        .headers()
+        .get("idempotent-replayed")
+        .map(|v| v.to_str().unwrap_or_default().to_owned());
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .expect("body");
+    (
+        status,
+        replayed,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+#[sqlx::test(migrations = false)]
+async fn an_idempotency_key_places_one_order_however_often_it_is_sent(pool: PgPool) {
+    let app = app(&pool).await;
+    let body = r#"{"customer": "ann", "amount_cents": 1250}"#;
+    let (status, replayed, first) = send_keyed(&app, post_keyed("checkout-41", body)).await;
+    assert_eq!(status, StatusCode::CREATED, "{first}");
+    assert_eq!(replayed, None);
+    let id = first["id"].as_str().expect("id").to_owned();
+
+    // Sent again (a client retrying after a timeout): the same order.
+    let (status, replayed, again) = send_keyed(&app, post_keyed("checkout-41", body)).await;
+    assert_eq!(status, StatusCode::CREATED, "{again}");
+    assert_eq!(replayed.as_deref(), Some("true"));
+    assert_eq!(again, first);
+
+    // The same key for another order is refused and writes nothing.
+    let (status, _, refused) = send_keyed(
+        &app,
+        post_keyed("checkout-41", r#"{"customer": "ann", "amount_cents": 999}"#),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{refused}");
+    let message = refused["error"].as_str().unwrap();
+    assert!(
+        message.contains("checkout-41") && message.contains(&id),
+        "{message}"
+    );
+
+    // Ten at once with a new key: one order, and every answer names it.
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..10 {
+        let app = app.clone();
+        tasks.spawn(async move {
+            send_keyed(
+                &app,
+                post_keyed("checkout-42", r#"{"customer": "bob", "amount_cents": 700}"#),
+            )
+            .await
+        });
+    }
+    let mut ids = std::collections::HashSet::new();
+    let mut fresh = 0;
+    while let Some(done) = tasks.join_next().await {
+        let (status, replayed, order) = done.unwrap();
+        assert_eq!(status, StatusCode::CREATED, "{order}");
+        ids.insert(order["id"].as_str().unwrap().to_owned());
+        fresh += usize::from(replayed.is_none());
+    }
+    assert_eq!(ids.len(), 1, "one order for the key: {ids:?}");
+    assert_eq!(fresh, 1, "one answer placed it, nine replayed it");
+
+    // Without a key, the same body places a new order each time.
+    for _ in 0..2 {
+        let (status, _, _) = send_keyed(&app, post_json(body)).await;
+        assert_eq!(status, StatusCode::CREATED);
+    }
+    assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 4);
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_event").await, 4);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_malformed_idempotency_key_is_refused_and_writes_nothing(pool: PgPool) {
+    let app = app(&pool).await;
+    let body = r#"{"customer": "ann", "amount_cents": 1250}"#;
+    let long = "k".repeat(256);
+    for (key, fragment) in [
+        ("", "1 to 255 characters, got 0"),
+        (long.as_str(), "1 to 255 characters, got 256"),
+        ("two words", "visible ASCII"),
+        ("caf\u{e9}", "visible ASCII"),
+    ] {
+        let request = Request::post("/orders")
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(
+                "idempotency-key",
+                axum::http::HeaderValue::from_bytes(key.as_bytes()).unwrap(),
+            )
+            .body(Body::from(body))
+            .unwrap();
+        let (status, _, answer) = send_keyed(&app, request).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{key:?}: {answer}");
+        let message = answer["error"].as_str().unwrap();
+        assert!(message.contains(fragment), "{key:?}: {message}");
+    }
+    let twice = Request::post("/orders")
+        .header(header::CONTENT_TYPE, "application/json")
+        .header("idempotency-key", "a")
+        .header("idempotency-key", "b")
+        .body(Body::from(body))
+        .unwrap();
+    let (status, _, answer) = send_keyed(&app, twice).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
+    assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 0);
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_event").await, 0);
+}
+
+/// Holds an `ACCESS EXCLUSIVE` lock on `orders` (every request that reads
+/// or writes it waits) until dropped or committed.
+async fn lock_orders(pool: &PgPool) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE orders IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx
+}
+
+/// Waits until `n` sessions of this database wait for a lock.
+async fn waiting_for_locks(pool: &PgPool, n: i64) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let waiting = count(
+            pool,
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .await;
+        if waiting >= n {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{waiting} of {n} requests wait"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn requests_beyond_the_concurrency_limit_are_refused_with_retry_after(pool: PgPool) {
+    let app = app_with(
+        &pool,
+        Limits {
+            max_concurrent_requests: 2,
+            ..Limits::default()
+        },
+    )
+    .await;
+    let lock = lock_orders(&pool).await;
+    // Two requests in progress (waiting on the database).
+    let mut slow = tokio::task::JoinSet::new();
+    for _ in 0..2 {
+        let app = app.clone();
+        slow.spawn(async move { send(&app, get(&format!("/orders/{}", Uuid::now_v7()))).await });
+    }
+    waiting_for_locks(&pool, 2).await;
+
+    // A third is refused at once; health is outside the limit.
+    let response = app
+        .clone()
+        .oneshot(post_json(r#"{"customer": "ann", "amount_cents": 100}"#))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(response.headers()[header::RETRY_AFTER], "1");
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    let answer: Value = serde_json::from_slice(&bytes).unwrap();
+    assert!(
+        answer["error"]
+            .as_str()
+            .is_some_and(|m| m.contains("too many requests")),
+        "{answer}"
+    );
+    let (status, _, _) = send(&app, get("/health")).await;
+    assert_eq!(status, StatusCode::OK);
+
+    lock.rollback().await.unwrap();
+    while let Some(done) = slow.join_next().await {
+        assert_eq!(done.unwrap().0, StatusCode::NOT_FOUND);
+    }
+    // Capacity is back.
+    let (status, _, _) = send(
+        &app,
+        post_json(r#"{"customer": "ann", "amount_cents": 100}"#),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_request_past_its_timeout_answers_503_and_commits_nothing(pool: PgPool) {
+    let app = app_with(
+        &pool,
+        Limits {
+            request_timeout: std::time::Duration::from_millis(300),
+            ..Limits::default()
+        },
+    )
+    .await;
+    let lock = lock_orders(&pool).await;
+    let (status, _, answer) = send(
+        &app,
+        post_keyed("slow-1", r#"{"customer": "ann", "amount_cents": 100}"#),
+    )
+    .await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{answer}");
+    assert!(
+        answer["error"]
+            .as_str()
+            .is_some_and(|m| m.contains("took longer than 300 ms") && m.contains("Idempotency-Key")),
+        "{answer}"
+    );
+    lock.rollback().await.unwrap();
+
+    // The abandoned request never committed; sent again (to a router with
+    // the default timeout: the abandoned transaction's rollback may still
+    // be on its way), it places the order.
+    assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 0);
+    let app = router(pool.clone(), Limits::default());
+    let (status, _, order) = send(
+        &app,
+        post_keyed("slow-1", r#"{"customer": "ann", "amount_cents": 100}"#),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{order}");
+    assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 1);
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_event").await, 1);
 }

@@ -87,6 +87,9 @@ impl std::fmt::Display for Mode {
     }
 }
 
+/// The default byte budget of a consumer's batch (16 MiB).
+pub const DEFAULT_MAX_BATCH_BYTES: usize = 16 << 20;
+
 /// Settings the consumer always applies to its Kafka client: offsets are
 /// committed by the consumer, after the database commit.
 const ENFORCED: &[(&str, &str)] = &[
@@ -110,6 +113,10 @@ pub struct ConsumerConfig {
     pub mode: Mode,
     /// Most messages per batch (one transaction each).
     pub batch_size: usize,
+    /// Most bytes per batch (keys, headers and payloads), about: the message
+    /// that reaches it ends its batch. A consumer holds up to four batches
+    /// (being applied, handed over, waiting, filling).
+    pub max_batch_bytes: usize,
     /// How long a batch may wait to fill while the database is idle.
     pub batch_linger: Duration,
     /// Handler attempts before an event is dead-lettered.
@@ -152,6 +159,7 @@ impl std::fmt::Debug for ConsumerConfig {
             kafka_settings,
             mode,
             batch_size,
+            max_batch_bytes,
             batch_linger,
             max_attempts,
             retry_backoff,
@@ -173,6 +181,7 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("kafka_settings", &kafka::Redacted(kafka_settings))
             .field("mode", mode)
             .field("batch_size", batch_size)
+            .field("max_batch_bytes", max_batch_bytes)
             .field("batch_linger", batch_linger)
             .field("max_attempts", max_attempts)
             .field("handler_timeout", handler_timeout)
@@ -199,6 +208,7 @@ impl ConsumerConfig {
             kafka_settings: Vec::new(),
             mode: Mode::Dedup,
             batch_size: 1000,
+            max_batch_bytes: DEFAULT_MAX_BATCH_BYTES,
             batch_linger: Duration::from_millis(5),
             max_attempts: 5,
             retry_backoff: Duration::from_millis(100),
@@ -228,6 +238,12 @@ impl ConsumerConfig {
             return bad(format!(
                 "batch size must be 1..=100000, got {}",
                 self.batch_size
+            ));
+        }
+        if self.max_batch_bytes == 0 || self.max_batch_bytes > 1 << 30 {
+            return bad(format!(
+                "max batch bytes must be 1..=1 GiB, got {}",
+                self.max_batch_bytes
             ));
         }
         if self.processor_batch_size == 0 || self.processor_batch_size > 100_000 {
@@ -361,6 +377,12 @@ impl ConsumerBuilder {
     /// Most messages per batch (default 1000).
     pub fn batch_size(mut self, n: usize) -> Self {
         self.config.batch_size = n;
+        self
+    }
+    /// Most bytes per batch (default 16 MiB): keys, headers and payloads;
+    /// the message that reaches it ends its batch.
+    pub fn max_batch_bytes(mut self, n: usize) -> Self {
+        self.config.max_batch_bytes = n;
         self
     }
     /// How long a batch may wait to fill while the database is idle
@@ -703,6 +725,7 @@ impl Consumer {
                 client: config.client_config(),
                 topics: topics.clone(),
                 max_batch: config.batch_size,
+                max_batch_bytes: config.max_batch_bytes,
                 linger: config.batch_linger,
                 max_bytes: config.max_payload_bytes,
                 check,

@@ -2,9 +2,13 @@
 //! [`Record`]s (parsing and, in dedup mode, decoding off the database task),
 //! hands them over in batches, and commits offsets.
 //!
-//! Batching is adaptive: a batch is handed over when it is full, or when it
-//! has waited `linger` and the database task is idle; while the database
-//! task is busy the next batch keeps filling, so batches grow under load.
+//! Batching is adaptive: a batch is handed over when it is full (its row
+//! count, or its byte budget: the message that reaches the budget ends it),
+//! or when it has waited `linger` and the database task is idle; while the
+//! database task is busy the next batch keeps filling, so batches grow under
+//! load. At most four batches are held: the one being applied, one handed
+//! over (the channel holds one), one waiting to be handed over and one
+//! filling (besides librdkafka's own prefetch queue).
 //! When one batch waits and the next is full, the thread waits for the
 //! database task; after 30 s of that (a database outage) it pauses the
 //! assigned partitions and polls again, so that the group membership and
@@ -53,6 +57,8 @@ pub(crate) struct PollerSettings {
     pub client: ClientConfig,
     pub topics: Vec<String>,
     pub max_batch: usize,
+    /// A batch is full once its messages (key, headers, payload) reach this.
+    pub max_batch_bytes: usize,
     pub linger: Duration,
     pub max_bytes: usize,
     pub check: Check,
@@ -457,6 +463,12 @@ impl Poller {
         let consumer = &self.consumer;
         let s = &self.settings;
         let mut batch: Vec<Record> = Vec::with_capacity(s.max_batch);
+        // The bytes of `batch`'s messages (an overestimate after records of
+        // revoked partitions were dropped from it).
+        let mut batch_bytes = 0_usize;
+        let full = |batch: &Vec<Record>, bytes: usize| {
+            batch.len() >= s.max_batch || bytes >= s.max_batch_bytes
+        };
         let mut first_at: Option<Instant> = None;
         let mut ready: Option<Vec<Record>> = None;
         let mut paused_at: Option<u64> = None;
@@ -471,13 +483,14 @@ impl Poller {
 
             if ready.is_none() && !batch.is_empty() {
                 let lingered = first_at.is_some_and(|t| t.elapsed() >= s.linger);
-                if batch.len() >= s.max_batch
+                if full(&batch, batch_bytes)
                     || (lingered && self.shared.idle.load(Ordering::Acquire))
                 {
                     ready = Some(std::mem::replace(
                         &mut batch,
                         Vec::with_capacity(s.max_batch),
                     ));
+                    batch_bytes = 0;
                     first_at = None;
                 }
             }
@@ -489,12 +502,18 @@ impl Poller {
                 }
             }
 
+            if ready.is_none() && full(&batch, batch_bytes) {
+                // The waiting batch just went: hand this full one over
+                // before polling more into it.
+                continue;
+            }
+
             // Backpressure: a batch waits and the next is full. Wait for the
             // database task without polling (librdkafka's own queue bounds
             // what it prefetches); if that lasts, pause the partitions and
             // poll again, so that the group membership and rebalances are
             // served (max.poll.interval.ms).
-            if ready.is_some() && batch.len() >= s.max_batch {
+            if ready.is_some() && full(&batch, batch_bytes) {
                 let since = *full_since.get_or_insert_with(Instant::now);
                 if since.elapsed() < PAUSE_AFTER {
                     std::thread::sleep(Duration::from_millis(1));
@@ -530,6 +549,7 @@ impl Poller {
                 }
                 if batch.is_empty() {
                     first_at = None;
+                    batch_bytes = 0;
                 }
             }
 
@@ -553,6 +573,7 @@ impl Poller {
                     }
                     .with_byte_headers(raw_headers::of(&m));
                     let (topic, generation) = self.shared.locate(raw.topic, raw.partition);
+                    batch_bytes += raw.size();
                     let body = record::parse(&raw, registry, s.max_bytes, s.check);
                     batch.push(Record {
                         topic,

@@ -46,9 +46,9 @@ impl<'a> Raw<'a> {
         self
     }
 
-    /// Size of the message as the limit counts it: key, payload, header
-    /// names and values.
-    fn size(&self) -> usize {
+    /// Size of the message as the limits count it (the size limit and the
+    /// batch's byte budget): key, payload, header names and values.
+    pub(crate) fn size(&self) -> usize {
         self.key.map_or(0, <[u8]>::len)
             + self.payload.map_or(0, <[u8]>::len)
             + self

@@ -6,7 +6,9 @@
 //!
 //! One loop per relay overlaps the database and the broker: while batch *n*
 //! is being delivered, batch *n+1* is claimed; while batch *n+1* is being
-//! delivered, batch *n* is marked published and committed. Batch *n+1* is
+//! delivered, batch *n* is marked published and committed. A batch is
+//! bounded by rows and by bytes; after one cut at its byte budget, the next
+//! claim waits until it has committed (`Loop::cut`). Batch *n+1* is
 //! handed to the producer only after every delivery of batch *n* is known, so
 //! a key that failed in batch *n* sends nothing of batch *n+1*; a key with a
 //! row left unpublished in a batch stays out of claims and sends until that
@@ -41,6 +43,12 @@ use crate::error::{Error, Result};
 use crate::kafka;
 use crate::scope::OutboxScope;
 
+/// The default byte budget of a relay's batch (16 MiB).
+pub const DEFAULT_MAX_BATCH_BYTES: usize = 16 << 20;
+
+/// The largest byte budget of a batch (1 GiB).
+const MAX_BATCH_BYTES_LIMIT: usize = 1 << 30;
+
 /// Relay settings. Build with [`Relay::builder`]. `Debug` redacts secret
 /// Kafka settings.
 #[derive(Clone)]
@@ -52,6 +60,11 @@ pub struct RelayConfig {
     pub kafka_settings: Vec<(String, String)>,
     /// Rows claimed per batch.
     pub batch_size: usize,
+    /// Bytes claimed per batch (payloads, headers and keys), about: a claim
+    /// stops after the row that reaches it, and a single row larger than it
+    /// is claimed alone. Bounds what a relay holds: this batch, the one in
+    /// flight and the one being marked.
+    pub max_batch_bytes: usize,
     /// Fallback poll interval when no NOTIFY arrives.
     pub poll_interval: Duration,
     /// LISTEN for the commit-time NOTIFY of new rows.
@@ -93,6 +106,7 @@ impl std::fmt::Debug for RelayConfig {
             brokers,
             kafka_settings,
             batch_size,
+            max_batch_bytes,
             poll_interval,
             listen,
             max_attempts,
@@ -109,6 +123,7 @@ impl std::fmt::Debug for RelayConfig {
             .field("brokers", brokers)
             .field("kafka_settings", &kafka::Redacted(kafka_settings))
             .field("batch_size", batch_size)
+            .field("max_batch_bytes", max_batch_bytes)
             .field("poll_interval", poll_interval)
             .field("listen", listen)
             .field("max_attempts", max_attempts)
@@ -130,6 +145,7 @@ impl Default for RelayConfig {
             brokers: kafka::DEFAULT_BROKERS.to_owned(),
             kafka_settings: Vec::new(),
             batch_size: 2000,
+            max_batch_bytes: DEFAULT_MAX_BATCH_BYTES,
             poll_interval: Duration::from_millis(500),
             listen: true,
             max_attempts: 5,
@@ -155,6 +171,12 @@ impl RelayConfig {
             return bad(format!(
                 "batch size must be 1..=100000, got {}",
                 self.batch_size
+            ));
+        }
+        if self.max_batch_bytes == 0 || self.max_batch_bytes > MAX_BATCH_BYTES_LIMIT {
+            return bad(format!(
+                "max batch bytes must be 1..=1 GiB, got {}",
+                self.max_batch_bytes
             ));
         }
         if self.max_attempts == 0 {
@@ -229,6 +251,13 @@ impl RelayBuilder {
     /// Rows per batch (default 2000).
     pub fn batch_size(mut self, n: usize) -> Self {
         self.config.batch_size = n;
+        self
+    }
+    /// Bytes per batch (default 16 MiB): payloads, headers and keys. A
+    /// claim stops after the row that reaches it; a row larger than it is
+    /// claimed alone. See [`RelayConfig::max_batch_bytes`].
+    pub fn max_batch_bytes(mut self, n: usize) -> Self {
+        self.config.max_batch_bytes = n;
         self
     }
     /// Poll interval when idle (default 500 ms).
@@ -489,6 +518,7 @@ impl Relay {
             in_flight: None,
             marking: None,
             held: HashMap::new(),
+            cut: None,
             batches: 0,
             producer_unusable: false,
             answered_yet_failing: 0,
@@ -612,6 +642,9 @@ struct Loop<'a> {
     /// it and could take later rows of its key: until then these keys are
     /// left out of claims and held back in sends.
     held: HashMap<String, u64>,
+    /// The number of a batch cut at the byte budget whose transaction has
+    /// not ended (see [`Batch::cut`]): no claim runs until it ends.
+    cut: Option<u64>,
     /// Batches handed to the producer so far.
     batches: u64,
     producer_unusable: bool,
@@ -652,10 +685,20 @@ impl Loop<'_> {
                 // Ended already: release its keys before the claim.
                 self.finish_marking().await;
             }
-            let claim_next = !stopping && !self.broker.is_down();
+            let mut claim_next = !stopping && !self.broker.is_down();
+            if let Some(cut) = self.cut {
+                // A batch cut at the byte budget may lock rows it did not
+                // return: no claim until its transaction has ended.
+                if self.in_flight.as_ref().is_some_and(|f| f.seq == cut) {
+                    claim_next = false;
+                } else {
+                    self.finish_marking().await;
+                }
+            }
             let (mut keys, topics) = self.blocked.current();
             keys.extend(self.held.keys().cloned());
             let limit = self.config.batch_size as i64;
+            let max_bytes = i64::try_from(self.config.max_batch_bytes).unwrap_or(i64::MAX);
             let pool = self.pool.clone();
             let claimable = self.lanes.claimable();
             if let Ok(mut held) = self.stats.lanes.lock() {
@@ -679,7 +722,8 @@ impl Loop<'_> {
                 let start = Instant::now();
                 let claimed = if claim_next {
                     let task = tokio::spawn(async move {
-                        claim::claim(&pool, &begin, limit, &keys, &topics, &claimable).await
+                        claim::claim(&pool, &begin, limit, max_bytes, &keys, &topics, &claimable)
+                            .await
                     });
                     Some(
                         task.await
@@ -810,6 +854,9 @@ impl Loop<'_> {
     fn send(&mut self, publisher: &Publisher, batch: Batch) -> InFlight {
         self.batches += 1;
         let seq = self.batches;
+        if batch.cut {
+            self.cut = Some(seq);
+        }
         let mut outcomes: Vec<Option<Outcome>> = Vec::with_capacity(batch.rows.len());
         let mut go = Vec::with_capacity(batch.rows.len());
         for (i, row) in batch.rows.iter().enumerate() {
@@ -970,6 +1017,9 @@ impl Loop<'_> {
                 .await
                 .map_err(|e| Error::Task(e.to_string()))
                 .and_then(|r| r);
+            if self.cut.is_some_and(|cut| cut <= seq) {
+                self.cut = None;
+            }
             let before = self.held.len();
             self.held.retain(|_, last| *last > seq);
             released = self.held.len() < before;

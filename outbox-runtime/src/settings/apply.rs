@@ -31,6 +31,9 @@ impl RelayBuilder {
         if let Some(n) = s.batch_size {
             self = self.batch_size(n);
         }
+        if let Some(n) = s.max_batch_bytes {
+            self = self.max_batch_bytes(n);
+        }
         if let Some(n) = s.poll_interval_ms {
             self = self.poll_interval(ms(n));
         }
@@ -107,6 +110,9 @@ impl ConsumerBuilder {
         }
         if let Some(n) = s.batch_size {
             self = self.batch_size(n);
+        }
+        if let Some(n) = s.max_batch_bytes {
+            self = self.max_batch_bytes(n);
         }
         if let Some(n) = s.batch_linger_ms {
             self = self.batch_linger(ms(n));
@@ -186,6 +192,8 @@ mod tests {
             ("OUTBOX_RELAY_BATCH_SIZE", "10"),
             ("OUTBOX_RELAY_RETRY_BACKOFF_MAX_MS", "7000"),
             ("OUTBOX_RELAY_STATEMENT_TIMEOUT_MS", "1500"),
+            ("OUTBOX_RELAY_MAX_BATCH_BYTES", "65536"),
+            ("OUTBOX_CONSUMER_MAX_BATCH_BYTES", "4096"),
             ("OUTBOX_CONSUMER_GROUP", "g"),
             ("OUTBOX_CONSUMER_MODE", "inbox"),
             ("OUTBOX_CONSUMER_OUTAGE_BACKOFF_MS", "300"),
@@ -201,6 +209,7 @@ mod tests {
         // Only the maximum was set: the first delay stays as it was.
         assert_eq!((r.retry_backoff, r.retry_backoff_max), (ms(40), ms(7000)));
         assert_eq!(r.statement_timeout, ms(1500));
+        assert_eq!(r.max_batch_bytes, 65536);
         assert_eq!(r.lanes, 16, "unset: the default");
         let consumer = crate::Consumer::builder(pool)
             .kafka(&s.kafka)
@@ -208,6 +217,7 @@ mod tests {
             .unwrap();
         let c = consumer.current();
         assert_eq!((c.group.as_str(), c.mode), ("g", Mode::Inbox));
+        assert_eq!(c.max_batch_bytes, 4096);
         assert_eq!(
             (c.outage_backoff, c.outage_backoff_max),
             (ms(300), Duration::from_secs(5))

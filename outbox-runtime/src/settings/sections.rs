@@ -13,6 +13,8 @@ use serde::{Deserialize, Serialize};
 pub struct RelaySettings {
     /// Rows per batch (default 2000).
     pub batch_size: Option<usize>,
+    /// Bytes per batch: payloads, headers and keys (default 16 MiB).
+    pub max_batch_bytes: Option<usize>,
     /// Poll interval when no NOTIFY arrives (default 500 ms).
     pub poll_interval_ms: Option<u64>,
     /// LISTEN for the commit-time NOTIFY (default true).
@@ -45,6 +47,7 @@ impl RelaySettings {
     pub fn overlay(self, higher: RelaySettings) -> RelaySettings {
         RelaySettings {
             batch_size: higher.batch_size.or(self.batch_size),
+            max_batch_bytes: higher.max_batch_bytes.or(self.max_batch_bytes),
             poll_interval_ms: higher.poll_interval_ms.or(self.poll_interval_ms),
             listen: higher.listen.or(self.listen),
             max_attempts: higher.max_attempts.or(self.max_attempts),
@@ -73,6 +76,8 @@ pub struct ConsumerSettings {
     pub mode: Option<String>,
     /// Most messages per batch (default 1000).
     pub batch_size: Option<usize>,
+    /// Most bytes per batch: keys, headers and payloads (default 16 MiB).
+    pub max_batch_bytes: Option<usize>,
     /// How long a batch may wait to fill (default 5 ms).
     pub batch_linger_ms: Option<u64>,
     /// Handler attempts before a dead letter (default 5).
@@ -110,6 +115,7 @@ impl ConsumerSettings {
             group: higher.group.or(self.group),
             mode: higher.mode.or(self.mode),
             batch_size: higher.batch_size.or(self.batch_size),
+            max_batch_bytes: higher.max_batch_bytes.or(self.max_batch_bytes),
             batch_linger_ms: higher.batch_linger_ms.or(self.batch_linger_ms),
             max_attempts: higher.max_attempts.or(self.max_attempts),
             retry_backoff_ms: higher.retry_backoff_ms.or(self.retry_backoff_ms),
