@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::*;
 use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler, UnitOfWork};
-use outbox_runtime::{Consumer, Relay};
+use outbox_runtime::{Consumer, Mode, Relay};
 use sqlx::PgPool;
 use uuid::Uuid;
 
@@ -178,4 +178,112 @@ async fn a_consumer_batch_stops_at_its_byte_budget(pool: PgPool) {
         "at most 3 messages of ~50 KB per batch with a budget of 120 KB, got {largest}"
     );
     assert!(counts.batches >= 14, "{counts:?}");
+}
+
+keyed_event!(PaddedInbox, "batch-bytes-inbox");
+
+/// [`ByBatch`] for the inbox processor's transactions.
+struct ByProcessorBatch;
+
+impl InboxHandler for ByProcessorBatch {
+    type Event = PaddedInbox;
+    const NAME: &'static str = "by_processor_batch";
+
+    fn handle<'a, 'c>(
+        &'a self,
+        ctx: &'a mut HandlerContext<'c>,
+        event: PaddedInbox,
+    ) -> HandlerFuture<'a>
+    where
+        'c: 'a,
+    {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO handled (seq, tx) VALUES ($1, txid_current())")
+                .bind(event.seq as i64)
+                .execute(&mut **ctx)
+                .await?;
+            Ok(())
+        })
+    }
+}
+
+/// Inbox mode: 40 messages of ~50 KB are stored first (no processor), then
+/// a processor claims them from the table, where all 40 fit one claim by
+/// rows (500): a budget of 120 KB cuts its transactions to at most 3 events,
+/// and every event is applied once, in per-key order.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn an_inbox_processor_batch_stops_at_its_byte_budget(pool: PgPool) {
+    sqlx::query("CREATE TABLE handled (seq bigint PRIMARY KEY, tx bigint NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let topic = PaddedInbox::TOPIC;
+    reset_topic(&brokers(), topic).await;
+    let messages: Vec<TestMessage> = (0..40)
+        .map(|seq| {
+            TestMessage::event(
+                Uuid::now_v7(),
+                "OrderPlaced",
+                &format!("k{}", seq % 4),
+                serde_json::json!({ "key": format!("k{}", seq % 4), "seq": seq, "pad": "x".repeat(50_000) }),
+            )
+        })
+        .collect();
+    produce(&brokers(), topic, &messages).await;
+    let group = unique_topic("batch-bytes-inbox");
+    let consumer = |processors| {
+        Consumer::builder(pool.clone())
+            .group(&group)
+            .brokers(brokers())
+            .mode(Mode::Inbox)
+            .processors(processors)
+            .processor_poll_interval(Duration::from_millis(50))
+            .max_batch_bytes(120_000)
+            .handler(ByProcessorBatch)
+            .spawn()
+            .unwrap()
+    };
+    let store = consumer(0);
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            store.counts().stored == 40
+        })
+        .await,
+        "{:?}",
+        store.counts()
+    );
+    store.shutdown().await.unwrap();
+
+    let process = consumer(1);
+    let done = eventually(Duration::from_secs(60), || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM handled")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+            == 40
+    })
+    .await;
+    let counts = process.counts();
+    process.shutdown().await.unwrap();
+    assert!(done, "all 40 handled: {counts:?}");
+    let largest: i64 =
+        sqlx::query_scalar("SELECT max(n) FROM (SELECT count(*) AS n FROM handled GROUP BY tx) t")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(
+        (1..=3).contains(&largest),
+        "at most 3 events of ~50 KB per processor transaction with a budget of 120 KB, got {largest}"
+    );
+    // Per key, in order: a key's events are handled in increasing seq order.
+    let out_of_order: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (
+             SELECT seq, lag(seq) OVER (PARTITION BY seq % 4 ORDER BY tx, seq) AS prev
+             FROM handled) t
+         WHERE prev > seq",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(out_of_order, 0);
 }

@@ -79,20 +79,37 @@ WHERE pg_try_advisory_xact_lock(hashtextextended($1 || '/' || p, 0))";
 const WAIT_FOR_PARTITION: &str =
     "SELECT pg_advisory_xact_lock(hashtextextended($1 || '/' || $2 || '/' || $3::text, 0))";
 
-/// The locked partitions' claimable rows, in received order.
+/// The locked partitions' claimable rows, in received order: at most `$3`
+/// rows and, past the first, at most `$4` bytes (payload, headers and key;
+/// the row that reaches the budget ends the batch). Rows locked past the
+/// budget are released at commit and claimed next time: the partitions are
+/// this processor's meanwhile, so their order is kept.
 fn claim_sql() -> String {
     format!(
         r#"
-SELECT e.event_id, e.topic, e."partition" AS partition, COALESCE(e."offset", -1) AS offset,
-       COALESCE(e.partition_key, '') AS partition_key, COALESCE(e.event_type, '') AS event_type,
-       e.event_version, e.payload::text AS payload, e.headers::text AS headers, e.attempts
-FROM inbox_event e
-WHERE NOT e.processed AND e.dead_lettered_at IS NULL AND e.consumer = $1
-  AND e.topic || '/' || e."partition" = ANY($2)
-  AND {CLAIMABLE}
-ORDER BY e.seq
-LIMIT $3
-FOR UPDATE SKIP LOCKED"#
+SELECT c.event_id, c.topic, c.partition, c.offset, c.partition_key, c.event_type,
+       c.event_version, c.payload, c.headers, c.attempts
+FROM (
+    SELECT l.*, sum(l.bytes) OVER (ORDER BY l.seq ROWS UNBOUNDED PRECEDING) - l.bytes AS before
+    FROM (
+        SELECT e.seq, e.event_id, e.topic, e."partition" AS partition,
+               COALESCE(e."offset", -1) AS offset,
+               COALESCE(e.partition_key, '') AS partition_key,
+               COALESCE(e.event_type, '') AS event_type,
+               e.event_version, e.payload::text AS payload, e.headers::text AS headers,
+               e.attempts,
+               octet_length(e.payload::text) + octet_length(e.headers::text)
+                 + octet_length(COALESCE(e.partition_key, '')) AS bytes
+        FROM inbox_event e
+        WHERE NOT e.processed AND e.dead_lettered_at IS NULL AND e.consumer = $1
+          AND e.topic || '/' || e."partition" = ANY($2)
+          AND {CLAIMABLE}
+        ORDER BY e.seq
+        LIMIT $3
+        FOR UPDATE SKIP LOCKED) l
+) c
+WHERE c.before < $4
+ORDER BY c.seq"#
     )
 }
 
@@ -259,6 +276,7 @@ impl Processor {
             .bind(group)
             .bind(&locked)
             .bind(limit)
+            .bind(i64::try_from(self.config.max_batch_bytes).unwrap_or(i64::MAX))
             .fetch_all(&mut *tx)
             .await
             .map_err(|e| e.to_string())?;
