@@ -207,7 +207,7 @@ fn page_sql() -> String {
         "SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version,
                 COALESCE($8, topic) AS topic, partition_key, payload::text AS payload,
                 (headers || jsonb_build_object('{REPLAY_HEADER}', $9::text))::text AS headers,
-                attempts, ctid::text AS tid
+                attempts, NULL::float8 AS behind_held_secs, ctid::text AS tid
          FROM outbox_event WHERE {FILTER} ORDER BY id LIMIT $10"
     )
 }

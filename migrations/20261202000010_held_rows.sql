@@ -1,0 +1,33 @@
+-- Held rows: work the relay cannot publish for a while (rows of a topic
+-- missing on the broker, of a key whose event keeps failing, and the later
+-- rows of such keys) leave the claim's index instead of being walked by
+-- every claim. A relay sets `held_until` when it holds a row back; once that
+-- time has passed, any relay releases the row (sets it back to NULL) and the
+-- owner of its lane claims it again, in id order. A key's later rows on a
+-- topic are held behind its earliest held row there, so per-key order holds.
+ALTER TABLE outbox_event ADD COLUMN IF NOT EXISTS held_until timestamptz;
+
+-- The claim's index: unpublished, not parked, not held.
+DROP INDEX IF EXISTS ix_outbox_event_unpublished;
+CREATE INDEX ix_outbox_event_unpublished
+    ON outbox_event (id)
+    WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL;
+
+-- Held rows by the time they may go again (the release), and by topic and
+-- key (the claim's check that no earlier row of a key is held on the row's
+-- topic: Kafka orders a key's messages per topic). Only held rows are
+-- in them: a row inserted unheld adds no entry.
+CREATE INDEX IF NOT EXISTS ix_outbox_event_held
+    ON outbox_event (held_until, id)
+    WHERE held_until IS NOT NULL AND published_at IS NULL;
+CREATE INDEX IF NOT EXISTS ix_outbox_event_held_key
+    ON outbox_event (topic, partition_key, id)
+    WHERE held_until IS NOT NULL AND published_at IS NULL;
+
+-- Replay and retention select by creation time. A BRIN index (one summary
+-- per 128 pages: a few kilobytes for millions of rows) finds the pages of a
+-- time range, since rows are appended in about creation order; an insert
+-- into a range not yet summarized costs nothing, so the write path keeps
+-- its rate (a btree on created_at would add an entry per insert).
+CREATE INDEX IF NOT EXISTS ix_outbox_event_created_brin
+    ON outbox_event USING brin (created_at);
