@@ -24,10 +24,14 @@ CREATE INDEX IF NOT EXISTS ix_outbox_event_held_key
     ON outbox_event (topic, partition_key, id)
     WHERE held_until IS NOT NULL AND published_at IS NULL;
 
--- Replay and retention select by creation time. A BRIN index (one summary
--- per 128 pages: a few kilobytes for millions of rows) finds the pages of a
+-- Replay and retention select by creation time. A BRIN index (a summary
+-- per 128 pages: about 100 kB for millions of rows) finds the pages of a
 -- time range, since rows are appended in about creation order; an insert
 -- into a range not yet summarized costs nothing, so the write path keeps
--- its rate (a btree on created_at would add an entry per insert).
+-- its rate (a btree on created_at would add an entry per insert). The
+-- multi-minmax summaries keep a few intervals per range: the row versions
+-- that publishing, holding and requeueing move to other pages widen no
+-- range to the whole table (measured with plain minmax: 12,869 of 45,000
+-- pages read for a 10-minute window, against 256).
 CREATE INDEX IF NOT EXISTS ix_outbox_event_created_brin
-    ON outbox_event USING brin (created_at);
+    ON outbox_event USING brin (created_at timestamptz_minmax_multi_ops);
