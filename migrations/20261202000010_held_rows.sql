@@ -5,6 +5,9 @@
 -- time has passed, any relay releases the row (sets it back to NULL) and the
 -- owner of its lane claims it again, in id order. A key's later rows on a
 -- topic are held behind its earliest held row there, so per-key order holds.
+-- Relays of earlier versions know nothing of held rows (they would claim
+-- them, and their claim's index is replaced below): stop them before
+-- applying this migration.
 ALTER TABLE outbox_event ADD COLUMN IF NOT EXISTS held_until timestamptz;
 
 -- The claim's index: unpublished, not parked, not held.

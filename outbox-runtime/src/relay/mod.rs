@@ -921,6 +921,8 @@ impl Loop<'_> {
         let (mut withheld, mut parked) = (0_u64, 0_u64);
         let now = Instant::now();
         let mut withheld_rows = Vec::new();
+        // The row of each failure, in the order of `failures`.
+        let mut failed_rows = Vec::new();
         for (row, outcome) in batch.rows.iter().zip(outcomes) {
             let key_failed = failed_keys.contains(&row.partition_key);
             match outcome {
@@ -980,6 +982,7 @@ impl Loop<'_> {
                                 park,
                                 hold: None,
                             });
+                            failed_rows.push(row);
                         }
                         FailureKind::Topic => {
                             let entry = self
@@ -1004,6 +1007,7 @@ impl Loop<'_> {
                                 park: false,
                                 hold: None,
                             });
+                            failed_rows.push(row);
                         }
                     }
                 }
@@ -1014,11 +1018,9 @@ impl Loop<'_> {
         // because an earlier batch of this relay is still open are not:
         // they are claimed again once it ends).
         let secs = |until: Instant| until.saturating_duration_since(now).as_secs_f64();
-        for failure in &mut failures {
+        for (failure, row) in failures.iter_mut().zip(failed_rows) {
             if !failure.park {
-                if let Some(row) = batch.rows.iter().find(|r| r.id == failure.id) {
-                    failure.hold = self.blocked.deadline(row).map(secs);
-                }
+                failure.hold = self.blocked.deadline(row).map(secs);
             }
         }
         let mut holds = Vec::new();
