@@ -55,7 +55,7 @@ pub const BACKLOG_INTERVAL: Duration = Duration::from_secs(5);
 /// oldest row of the queue is its index's first entry (the lowest id: rows
 /// are numbered as they are written, so that is the oldest but for
 /// transactions that stayed open around it).
-const BACKLOG: &str = "\
+pub(crate) const BACKLOG: &str = "\
 WITH q AS (SELECT count(*) AS n FROM outbox_event
            WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL),
      h AS (SELECT count(*) AS n, min(id) AS first FROM outbox_event
