@@ -46,7 +46,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
-use sqlx::types::chrono::{Duration as ChronoDuration, Utc};
+use sqlx::types::chrono::{DateTime, Utc};
 use tracing::field::{Field, Visit};
 use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::util::SubscriberInitExt;
@@ -289,10 +289,7 @@ async fn backlog(pool: &PgPool, n: i64, topic: &str) -> Result<(), sqlx::Error> 
 }
 
 async fn relay_pool(url: &str) -> Result<PgPool, sqlx::Error> {
-    PgPoolOptions::new()
-        .max_connections(8)
-        .connect(url)
-        .await
+    PgPoolOptions::new().max_connections(8).connect(url).await
 }
 
 fn relay(pool: &PgPool, brokers: &str) -> Result<RelayHandle, outbox_runtime::Error> {
@@ -357,8 +354,9 @@ async fn commit(pool: &PgPool, topic: &str, i: u64) -> Result<(), outbox_core::E
         event_version: 1,
         topic: topic.to_owned(),
         partition_key: key,
-        payload: json!({ "order_id": order_id, "seq": i, "amount_cents": 1999, "note": "x".repeat(120) })
-            .to_string(),
+        payload:
+            json!({ "order_id": order_id, "seq": i, "amount_cents": 1999, "note": "x".repeat(120) })
+                .to_string(),
         headers: Default::default(),
     });
     uow.commit().await?;
@@ -386,8 +384,12 @@ async fn writers(
     });
     let mut tasks = Vec::new();
     for _ in 0..WRITERS {
-        let (pool, topic, done, stopped) =
-            (pool.clone(), topic.to_owned(), done.clone(), stopped.clone());
+        let (pool, topic, done, stopped) = (
+            pool.clone(),
+            topic.to_owned(),
+            done.clone(),
+            stopped.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             let mut latencies = Vec::new();
             while Instant::now() < deadline && !stopped.load(Ordering::Relaxed) {
@@ -445,14 +447,9 @@ async fn reset_topic(brokers: &str) -> Result<(), Box<dyn std::error::Error>> {
     let _ = admin.delete_topics(&[CONSUME_TOPIC], &options).await;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let created = outbox_runtime::kafka::create_topics(
-            brokers,
-            &[],
-            &[CONSUME_TOPIC.to_owned()],
-            4,
-            1,
-        )
-        .await?;
+        let created =
+            outbox_runtime::kafka::create_topics(brokers, &[], &[CONSUME_TOPIC.to_owned()], 4, 1)
+                .await?;
         if created.iter().all(|(_, new)| *new) {
             return Ok(());
         }
@@ -625,8 +622,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let run = Uuid::new_v4().simple().to_string();
     let topic = format!("growth-drain-{run}");
     let missing = format!("growth-missing-{run}");
-    outbox_runtime::kafka::create_topics(&brokers, &[], std::slice::from_ref(&topic), 4, 1)
-        .await?;
+    outbox_runtime::kafka::create_topics(&brokers, &[], std::slice::from_ref(&topic), 4, 1).await?;
 
     let timeout = Duration::from_secs(a.timeout);
     let seconds = Duration::from_secs_f64(a.seconds);
@@ -651,10 +647,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
         // Operations.
         let status_ms = timed(|| ops::status(&pool)).await?;
-        let now = Utc::now();
+        let (since, until): (DateTime<Utc>, DateTime<Utc>) =
+            sqlx::query_as("SELECT now() - interval '30 days', now() - interval '29 days'")
+                .fetch_one(&pool)
+                .await?;
         let filter = ReplayFilter {
-            since: Some(now - ChronoDuration::days(30)),
-            until: Some(now - ChronoDuration::days(29)),
+            since: Some(since),
+            until: Some(until),
             ..ReplayFilter::default()
         };
         let window = cleanup::DEFAULT_DEDUP_WINDOW;
@@ -673,7 +672,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             drain(&db.url, &brokers, a.backlog as u64, &claims, timeout).await?;
         println!(
             "relay drain {drain_rate:.0} events/s, claim p99 {claim_p99:.1} ms{}",
-            if drained { "" } else { " (not drained in time)" }
+            if drained {
+                ""
+            } else {
+                " (not drained in time)"
+            }
         );
         reset(&pool, last).await?;
 
@@ -693,7 +696,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
         reset(&pool, last).await?;
 
-        // Unit of Work commits/s.
+        // Unit of Work commits/s, after a warm-up (connections, statements).
+        writers(&writers_pool, &topic, Duration::from_millis(500), None).await?;
+        reset(&pool, last).await?;
         let (uow_rate, uow_lat) = writers(&writers_pool, &topic, seconds, None).await?;
         println!(
             "Unit of Work (1 event, {WRITERS} clients) {uow_rate:.0} commits/s, p99 {:.1} ms",
@@ -801,7 +806,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The growth table: each rate beside its ratio to the first size's.
     let base = &results[0];
     let ratio = |r: &Value, k: &str| {
-        let (x, b) = (r[k].as_f64().unwrap_or(f64::NAN), base[k].as_f64().unwrap_or(f64::NAN));
+        let (x, b) = (
+            r[k].as_f64().unwrap_or(f64::NAN),
+            base[k].as_f64().unwrap_or(f64::NAN),
+        );
         format!("{x:.0} ({:.2})", x / b)
     };
     println!();
