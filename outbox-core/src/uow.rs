@@ -58,8 +58,11 @@ const CHECK_TX: &str = "SELECT current_setting('outbox.tx', true) IS NOT DISTINC
 /// The one statement that writes a whole batch of events. `WITH ORDINALITY`
 /// and `ORDER BY` keep the identity (`id`) in record order. Headers and the
 /// partition key are sent per row only where they differ from the shared
-/// default (`$10`) and the aggregate id: most events carry neither, and the
-/// shared headers are parsed once per statement instead of once per row.
+/// default (`$10`) and the aggregate id (a `NULL` array when no row has
+/// its own): most events carry neither. The shared headers are parsed once
+/// per statement (a sub-select, evaluated once), not once per row: a cached
+/// statement runs with a generic plan, in which `$10::jsonb` alone would be
+/// parsed again for every row.
 ///
 /// Same-key order = commit order: before any `id` is drawn (the one-time
 /// filter runs before the first row), the statement takes a transaction-level
@@ -73,7 +76,7 @@ const CHECK_TX: &str = "SELECT current_setting('outbox.tx', true) IS NOT DISTINC
 /// keys of one bucket wait for each other the same way, from their outbox
 /// insert to their commit only.
 const INSERT_BATCH: &str = insert_outbox!(
-    "SELECT e, at, ai, et, ev, t, COALESCE(pk, ai), p::jsonb, COALESCE(h::jsonb, $10::jsonb)
+    "SELECT e, at, ai, et, ev, t, COALESCE(pk, ai), p::jsonb, COALESCE(h::jsonb, (SELECT $10::jsonb))
 FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int4[],
             $6::text[], $7::text[], $8::text[], $9::text[])
      WITH ORDINALITY AS u(e, at, ai, et, ev, t, pk, p, h, n)"
@@ -81,7 +84,7 @@ FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int4[],
 
 /// [`INSERT_BATCH`], guarded (the Unit of Work's).
 const INSERT_BATCH_GUARDED: &str = insert_outbox!(
-    "SELECT e, at, ai, et, ev, t, COALESCE(pk, ai), p::jsonb, COALESCE(h::jsonb, $10::jsonb)
+    "SELECT e, at, ai, et, ev, t, COALESCE(pk, ai), p::jsonb, COALESCE(h::jsonb, (SELECT $10::jsonb))
 FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int4[],
             $6::text[], $7::text[], $8::text[], $9::text[])
      WITH ORDINALITY AS u(e, at, ai, et, ev, t, pk, p, h, n)",
@@ -94,7 +97,7 @@ FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int4[],
 /// hand-written insert at 100 events per commit).
 const INSERT_UNIFORM: &str = insert_outbox!(
     "SELECT e, $2::text, ai, $4::text, $5::int4, $6::text, COALESCE(pk, ai), p::jsonb,
-       COALESCE(h::jsonb, $10::jsonb)
+       COALESCE(h::jsonb, (SELECT $10::jsonb))
 FROM UNNEST($1::uuid[], $3::text[], $7::text[], $8::text[], $9::text[])
      WITH ORDINALITY AS u(e, ai, pk, p, h, n)"
 );
@@ -102,7 +105,7 @@ FROM UNNEST($1::uuid[], $3::text[], $7::text[], $8::text[], $9::text[])
 /// [`INSERT_UNIFORM`], guarded (the Unit of Work's).
 const INSERT_UNIFORM_GUARDED: &str = insert_outbox!(
     "SELECT e, $2::text, ai, $4::text, $5::int4, $6::text, COALESCE(pk, ai), p::jsonb,
-       COALESCE(h::jsonb, $10::jsonb)
+       COALESCE(h::jsonb, (SELECT $10::jsonb))
 FROM UNNEST($1::uuid[], $3::text[], $7::text[], $8::text[], $9::text[])
      WITH ORDINALITY AS u(e, ai, pk, p, h, n)",
     guarded
@@ -432,6 +435,9 @@ async fn insert(
         .bind(&versions)
         .bind(&topics)
     };
+    // Arrays of nothing but NULLs go as one NULL (`UNNEST` pads with NULLs).
+    let keys = keys.iter().any(Option::is_some).then_some(keys);
+    let headers = headers.iter().any(Option::is_some).then_some(headers);
     let result = query
         .bind(&keys)
         .bind(&payloads)
