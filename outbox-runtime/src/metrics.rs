@@ -94,8 +94,14 @@ pub(crate) async fn relay_task(pool: PgPool, stats: Arc<RelayStats>, shutdown: C
         if sampled.is_none_or(|t| t.elapsed() >= BACKLOG_INTERVAL) {
             sampled = Some(Instant::now());
             // Never holds the relay's shutdown up (e.g. during an outage).
+            // The sample runs as a task of its own: a sample given up on
+            // here still ends its transaction (by its statement timeout at
+            // the latest) before its connection goes back to the pool;
+            // dropped in the middle of its `BEGIN`, it would hand the pool a
+            // connection inside a read-only transaction.
+            let sample = tokio::spawn(sample_backlog(pool.clone()));
             tokio::select! {
-                _ = tokio::time::timeout(BACKLOG_INTERVAL, sample_backlog(&pool)) => {}
+                _ = tokio::time::timeout(BACKLOG_INTERVAL, sample) => {}
                 _ = shutdown.cancelled() => break,
             }
         }
@@ -109,7 +115,7 @@ pub(crate) async fn relay_task(pool: PgPool, stats: Arc<RelayStats>, shutdown: C
 
 /// Samples the backlog gauges; the query gives up (`statement_timeout`)
 /// when the next sample is due.
-async fn sample_backlog(pool: &PgPool) {
+async fn sample_backlog(pool: PgPool) {
     let row: Result<(i64, Option<f64>, i64, i64), sqlx::Error> = async {
         let mut tx = pool
             .begin_with(format!(
