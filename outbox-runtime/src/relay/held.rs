@@ -50,11 +50,26 @@ WHERE id IN (SELECT id FROM outbox_event
 /// release finds a full batch).
 pub(crate) const RELEASE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// Releases up to `limit` rows whose hold has ended; returns how many.
-pub(crate) async fn release(pool: &sqlx::PgPool, limit: i64) -> crate::error::Result<u64> {
-    Ok(sqlx::query(RELEASE)
+/// Releases up to `limit` rows whose hold has ended; returns how many. The
+/// statement runs under the relay's `statement_timeout` (0: none), like its
+/// claims: behind a lock held on the table it gives up instead of holding
+/// the relay's loop.
+pub(crate) async fn release(
+    pool: &sqlx::PgPool,
+    limit: i64,
+    statement_timeout: std::time::Duration,
+) -> crate::error::Result<u64> {
+    let mut tx = pool
+        .begin_with(format!(
+            "BEGIN; SET LOCAL statement_timeout = {}",
+            statement_timeout.as_millis()
+        ))
+        .await?;
+    let released = sqlx::query(RELEASE)
         .bind(limit)
-        .execute(pool)
+        .execute(&mut *tx)
         .await?
-        .rows_affected())
+        .rows_affected();
+    tx.commit().await?;
+    Ok(released)
 }

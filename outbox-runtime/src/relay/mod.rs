@@ -707,13 +707,14 @@ impl Loop<'_> {
                     .is_none_or(|(at, full)| full || at.elapsed() >= held::RELEASE_INTERVAL)
             {
                 // Rows whose hold has ended go back into the claim's index.
-                let full = match held::release(self.pool, limit).await {
-                    Ok(n) => n >= limit as u64,
-                    Err(error) => {
-                        tracing::debug!(%error, "releasing held rows failed");
-                        false
-                    }
-                };
+                let full =
+                    match held::release(self.pool, limit, self.config.statement_timeout).await {
+                        Ok(n) => n >= limit as u64,
+                        Err(error) => {
+                            tracing::debug!(%error, "releasing held rows failed");
+                            false
+                        }
+                    };
                 self.released = Some((Instant::now(), full));
             }
             self.blocked.expire();
