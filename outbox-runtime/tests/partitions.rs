@@ -89,6 +89,15 @@ async fn enabling_on_an_installation_with_rows_keeps_rows_ids_dedup_and_publishi
     .await
     .unwrap();
     let inbox_seq_before = scalar(&pool, "SELECT max(seq) FROM inbox_event").await;
+    // Privileges, table-wide and per column, carry over.
+    sqlx::query("GRANT SELECT, INSERT ON outbox_event TO PUBLIC")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("GRANT UPDATE (published_at) ON outbox_event TO PUBLIC")
+        .execute(&pool)
+        .await
+        .unwrap();
 
     assert!(
         !partition::is_partitioned(&pool, "outbox_event")
@@ -143,6 +152,42 @@ async fn enabling_on_an_installation_with_rows_keeps_rows_ids_dedup_and_publishi
         "outbox_event_default"
     );
     assert_eq!(scalar(&pool, "SELECT count(*) FROM outbox_event").await, 31);
+
+    let public = |sql: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, Vec<String>>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(
+        public(
+            "SELECT array_agg(a.privilege_type ORDER BY a.privilege_type) FROM pg_class c, aclexplode(c.relacl) a
+             WHERE c.oid = 'outbox_event'::regclass AND a.grantee = 0"
+        )
+        .await,
+        ["INSERT", "SELECT"]
+    );
+    assert_eq!(
+        public(
+            "SELECT array_agg(t.attname::text || ':' || a.privilege_type)
+             FROM pg_attribute t, aclexplode(t.attacl) a
+             WHERE t.attrelid = 'outbox_event'::regclass AND a.grantee = 0"
+        )
+        .await,
+        ["published_at:UPDATE"]
+    );
+    assert_eq!(
+        public(
+            "SELECT array_agg(a.privilege_type) FROM pg_class c, aclexplode(c.relacl) a
+             WHERE c.oid = 'outbox_event_id_seq'::regclass AND a.grantee = 0"
+        )
+        .await,
+        ["USAGE"],
+        "who may insert may draw ids"
+    );
 
     // Ids go on past the old ones; the inbox's sequence too.
     let after = commit_messages(&pool, &topic, 10, 5, 5).await;
