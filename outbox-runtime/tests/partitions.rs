@@ -258,7 +258,15 @@ async fn enabling_on_an_installation_with_rows_keeps_rows_ids_dedup_and_publishi
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn enabling_is_refused_while_a_relay_runs(pool: PgPool) {
-    let handle = Relay::builder(pool.clone())
+    // The relay on a pool of its own: a relay stopped while it samples its
+    // backlog gauges can hand its pool a connection still inside the
+    // sample's read-only transaction.
+    let relay_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let handle = Relay::builder(relay_pool)
         .brokers(brokers())
         .spawn()
         .unwrap();
