@@ -533,8 +533,31 @@ async fn retention_drops_old_partitions_and_keeps_those_with_rows_still_needed(p
         }
     }
 
+    // A partition detached by a pass that stopped before dropping it, and a
+    // table of the application's that merely looks alike.
+    for name in [
+        "outbox_event_p20250101_0000_retired",
+        "outbox_event_notes_retired",
+    ] {
+        sqlx::query(&format!("CREATE TABLE {name} (n int)"))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+
     let retention = Retention::new(Duration::from_secs(30 * 86_400));
     let report = cleanup::cleanup(&pool, &retention).await.unwrap();
+    let retired: Vec<String> = sqlx::query_scalar(
+        "SELECT relname::text FROM pg_class WHERE relname LIKE '%retired' ORDER BY 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        retired,
+        ["outbox_event_notes_retired"],
+        "detached partitions dropped"
+    );
     // Partitions ending 30 days ago or earlier: days 40..=31 of each table
     // (the empty ones go too); kept: the five above past the window.
     let left: Vec<String> = partition::list(&pool)
