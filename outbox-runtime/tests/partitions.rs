@@ -595,3 +595,50 @@ async fn retention_drops_old_partitions_and_keeps_those_with_rows_still_needed(p
     assert_eq!(report.partitions_dropped, 3, "{report:?}");
     assert_eq!(report.partitions_kept, 2, "{report:?}");
 }
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_busy_table_is_left_as_it_was_and_the_command_can_be_run_again(pool: PgPool) {
+    // A consumer's transaction holding processed_event.
+    let mut consumer = pool.begin().await.unwrap();
+    dedup_in(&mut consumer, Uuid::now_v7()).await;
+    let plan = PartitionPlan {
+        lock_timeout: Duration::from_millis(200),
+        ..PartitionPlan::default()
+    };
+    let err = partition::enable(&pool, &plan).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::Config(m) if m.contains("processed_event stayed busy")),
+        "{err}"
+    );
+    assert!(
+        partition::is_partitioned(&pool, "outbox_event")
+            .await
+            .unwrap()
+    );
+    assert!(
+        !partition::is_partitioned(&pool, "processed_event")
+            .await
+            .unwrap()
+    );
+    consumer.commit().await.unwrap();
+    assert_eq!(
+        scalar(&pool, "SELECT count(*) FROM processed_event").await,
+        1
+    );
+
+    let report = partition::enable(&pool, &plan).await.unwrap();
+    assert_eq!(report.already, ["outbox_event"]);
+    assert_eq!(report.converted, ["processed_event", "inbox_event"]);
+    assert_eq!(
+        scalar(&pool, "SELECT count(*) FROM processed_event").await,
+        1
+    );
+}
+
+async fn dedup_in(tx: &mut sqlx::PgConnection, event_id: Uuid) {
+    sqlx::query("INSERT INTO processed_event (consumer, event_id) VALUES ('c', $1)")
+        .bind(event_id)
+        .execute(tx)
+        .await
+        .unwrap();
+}

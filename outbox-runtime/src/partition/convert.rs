@@ -159,7 +159,18 @@ async fn convert(
     set_lock_timeout(&mut tx, plan.lock_timeout).await?;
     sqlx::query(&format!("LOCK TABLE {old} IN ACCESS EXCLUSIVE MODE"))
         .execute(&mut *tx)
-        .await?;
+        .await
+        .map_err(|e| match e {
+            sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03") => {
+                Error::Config(format!(
+                    "{table} stayed busy longer than the lock timeout ({} ms): nothing changed in \
+                     it; run the command again (the tables already converted stay so), at a \
+                     quieter time or with a longer --lock-timeout-ms",
+                    plan.lock_timeout.as_millis()
+                ))
+            }
+            e => e.into(),
+        })?;
     // Read again under the lock: the definitions carried over (the index
     // built above becomes the legacy's primary key, not one of them).
     let indexes: Vec<IndexDef> = index_defs(&mut tx, &old)
