@@ -479,9 +479,10 @@ pub async fn maintain(pool: &PgPool, plan: &PartitionPlan) -> Result<Option<Main
 }
 
 /// What must still be kept in a partition of `table` (rows that the
-/// retention `cutoff`, `$1`, does not cover), as an `EXISTS` condition on
-/// `{p}`. The outbox's and the inbox's checks for unfinished rows walk
-/// their partial indexes.
+/// retention `cutoff`, `$1`, does not cover), as `EXISTS` conditions on
+/// the partition `p`. The outbox's and the inbox's checks for unfinished
+/// rows walk their partial indexes; the checks for young rows read the
+/// partition once (it is past the window: no writer waits for it).
 fn needed(table: &str, p: &str) -> Option<String> {
     Some(match table {
         "outbox_event" => format!(
@@ -499,11 +500,10 @@ fn needed(table: &str, p: &str) -> Option<String> {
 }
 
 /// Drops the partitions of `table` (if partitioned) whose whole range ends
-/// at or before `cutoff_ms` and that hold no row still needed (see the
-/// module docs); one transaction per partition, the partition locked
-/// against writes while it is checked, each lock wait bounded by
-/// `lock_timeout`. Also creates the partitions missing ahead, when this
-/// process holds the maintenance lock (skipped otherwise).
+/// at or before `cutoff` and that hold no row still needed (see the module
+/// docs); one transaction per partition, the partition locked against
+/// writes while it is checked, each lock wait bounded by `lock_timeout`.
+/// The caller holds the maintenance lock.
 pub(crate) async fn drop_expired(
     conn: &mut PgConnection,
     table: &str,
