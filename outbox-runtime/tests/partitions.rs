@@ -642,3 +642,118 @@ async fn dedup_in(tx: &mut sqlx::PgConnection, event_id: Uuid) {
         .await
         .unwrap();
 }
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Deposit {
+    key: String,
+    seq: u64,
+}
+
+impl outbox_core::DomainEvent for Deposit {
+    const TOPIC: &'static str = "partitions-test-inbox";
+    const AGGREGATE_TYPE: &'static str = "Account";
+    const EVENT_TYPES: &'static [&'static str] = &["Deposited"];
+    fn event_type(&self) -> &'static str {
+        "Deposited"
+    }
+    fn event_version(&self) -> u32 {
+        1
+    }
+    fn aggregate_id(&self) -> String {
+        self.key.clone()
+    }
+}
+
+/// Records (key, seq) in handling order.
+struct Record(std::sync::Arc<std::sync::Mutex<Vec<(String, u64)>>>);
+
+impl outbox_core::InboxHandler for Record {
+    type Event = Deposit;
+    const NAME: &'static str = "record";
+
+    fn handle<'a, 'c>(
+        &'a self,
+        _ctx: &'a mut outbox_core::HandlerContext<'c>,
+        event: Deposit,
+    ) -> outbox_core::HandlerFuture<'a>
+    where
+        'c: 'a,
+    {
+        Box::pin(async move {
+            self.0.lock().unwrap().push((event.key, event.seq));
+            Ok(())
+        })
+    }
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn an_inbox_consumer_stores_and_applies_into_partitioned_tables(pool: PgPool) {
+    partition::enable(&pool, &PartitionPlan::default())
+        .await
+        .unwrap();
+    let topic = <Deposit as outbox_core::DomainEvent>::TOPIC;
+    reset_topic(&brokers(), topic).await;
+    // UUIDv7 ids (legacy partition: before the first boundary), ids of a
+    // later day (a dated partition), ids that are not UUIDv7 (default), and
+    // one event delivered twice.
+    let now = now_ms(&pool).await;
+    let mut messages = Vec::new();
+    for seq in 0..30_u64 {
+        let id = match seq % 3 {
+            0 => Uuid::now_v7(),
+            1 => id_at(now + DAY_MS + 1),
+            _ => Uuid::from_u128(0xf000_0000_0000_4000_8000_0000_0000_0000 | u128::from(seq)),
+        };
+        let key = format!("account-{}", seq % 2);
+        messages.push(TestMessage::event(
+            id,
+            "Deposited",
+            &key,
+            serde_json::json!({ "key": key, "seq": seq }),
+        ));
+    }
+    messages.push(messages[4].clone());
+    produce(&brokers(), topic, &messages).await;
+
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let handle = outbox_runtime::Consumer::builder(pool.clone())
+        .group(unique_topic("partitions-inbox"))
+        .brokers(brokers())
+        .mode(outbox_runtime::Mode::Inbox)
+        .handler(Record(seen.clone()))
+        .spawn()
+        .unwrap();
+    let done = eventually(Duration::from_secs(60), || async {
+        handle.counts().processed == 30
+    })
+    .await;
+    let counts = handle.counts();
+    handle.shutdown().await.unwrap();
+    assert!(done, "{counts:?}");
+    let seen = std::mem::take(&mut *seen.lock().unwrap());
+    assert_eq!(seen.len(), 30, "each event applied once: {seen:?}");
+    for key in ["account-0", "account-1"] {
+        let order: Vec<u64> = seen.iter().filter(|(k, _)| k == key).map(|s| s.1).collect();
+        assert!(order.windows(2).all(|w| w[0] < w[1]), "{key}: {order:?}");
+    }
+    let homes: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT CASE WHEN tableoid::regclass::text LIKE 'inbox_event_p%' THEN 'dated'
+                     ELSE tableoid::regclass::text END, count(*)
+         FROM inbox_event WHERE processed GROUP BY 1 ORDER BY 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        homes,
+        [
+            ("dated".to_owned(), 10),
+            ("inbox_event_default".to_owned(), 10),
+            ("inbox_event_legacy".to_owned(), 10)
+        ]
+    );
+    assert_eq!(
+        scalar(&pool, "SELECT count(*) FROM processed_event").await,
+        30
+    );
+}
