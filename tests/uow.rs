@@ -520,7 +520,7 @@ async fn migrate_is_idempotent_and_tolerates_concurrent_callers(pool: PgPool) {
     .unwrap();
     assert_eq!(
         predicate,
-        "((published_at IS NULL) AND (parked_at IS NULL))"
+        "((published_at IS NULL) AND (parked_at IS NULL) AND (held_until IS NULL))"
     );
 }
 

@@ -5,31 +5,42 @@ use outbox_runtime::ops;
 
 pub(crate) fn print_status(s: &ops::Status) {
     let age = |a: Option<f64>| a.map_or_else(|| "-".to_owned(), ops_age);
-    let rows: Vec<[String; 6]> = s
+    // Estimated counts are marked `~` (see `Status::estimated`).
+    let published = |n: i64| {
+        if s.estimated {
+            format!("~{n}")
+        } else {
+            n.to_string()
+        }
+    };
+    let rows: Vec<[String; 7]> = s
         .topics
         .iter()
         .map(|t| {
             [
                 t.topic.clone(),
                 t.unpublished.to_string(),
+                t.held.to_string(),
                 age(t.oldest_unpublished_secs),
                 t.parked.to_string(),
                 t.discarded.to_string(),
-                t.published.to_string(),
+                published(t.published),
             ]
         })
         .chain(std::iter::once([
             "TOTAL".to_owned(),
             s.unpublished.to_string(),
+            s.held.to_string(),
             age(s.oldest_unpublished_secs),
             s.parked.to_string(),
             s.discarded.to_string(),
-            s.published.to_string(),
+            published(s.published),
         ]))
         .collect();
     let header = [
         "TOPIC",
         "UNPUBLISHED",
+        "HELD",
         "OLDEST UNPUBLISHED",
         "PARKED",
         "DROPPED",

@@ -8,7 +8,7 @@
 //! atomic counters ([`RelayCounts`], [`ConsumerCounts`]); a task per relay
 //! or consumer copies their increments into the metrics every second, and
 //! the relay's task samples the outbox's backlog every 5 seconds (one query
-//! on the partial indexes). Latencies are recorded once per batch (a
+//! on the partial indexes, see `BACKLOG`). Latencies are recorded once per batch (a
 //! consumer sums its handlers' time over the batch and records the mean).
 //!
 //! | metric | type | labels | meaning |
@@ -19,6 +19,7 @@
 //! | `outbox_relay_batches_total` | counter | | batches processed |
 //! | `outbox_relay_batch_duration_seconds` | histogram | | a batch, from handing it to the producer to the last acknowledgement |
 //! | `outbox_backlog_events` | gauge | | unpublished, not parked events |
+//! | `outbox_held_events` | gauge | | of those, events held back for a while (a missing topic, a failing key) |
 //! | `outbox_oldest_unpublished_seconds` | gauge | | age of the oldest of them (0 when none) |
 //! | `outbox_parked_events` | gauge | | parked events (dropped ones excluded) |
 //! | `outbox_consumer_received_total` | counter | `group` | messages received from Kafka |
@@ -48,13 +49,27 @@ const COPY_INTERVAL: Duration = Duration::from_secs(1);
 /// How often the relay samples the outbox's backlog.
 pub const BACKLOG_INTERVAL: Duration = Duration::from_secs(5);
 
-const BACKLOG: &str = "\
-SELECT (SELECT count(*) FROM outbox_event
-        WHERE published_at IS NULL AND parked_at IS NULL),
-       (SELECT EXTRACT(EPOCH FROM now() - min(created_at))::float8 FROM outbox_event
-        WHERE published_at IS NULL AND parked_at IS NULL),
+/// The backlog gauges, each over a partial index (the claim's queue, held
+/// rows, parked rows; counts index-only): their cost follows the backlog,
+/// not the table. The
+/// oldest row of the queue is its index's first entry (the lowest id: rows
+/// are numbered as they are written, so that is the oldest but for
+/// transactions that stayed open around it).
+pub(crate) const BACKLOG: &str = "\
+WITH q AS (SELECT count(*) AS n FROM outbox_event
+           WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL),
+     h AS (SELECT count(*) AS n, min(id) AS first FROM outbox_event
+           WHERE held_until IS NOT NULL AND published_at IS NULL)
+SELECT q.n + h.n,
+       EXTRACT(EPOCH FROM now() - least(
+           (SELECT created_at FROM outbox_event
+            WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL
+            ORDER BY id LIMIT 1),
+           (SELECT created_at FROM outbox_event WHERE id = h.first)))::float8,
        (SELECT count(*) FROM outbox_event
-        WHERE published_at IS NULL AND parked_at IS NOT NULL AND discarded_at IS NULL)";
+        WHERE published_at IS NULL AND parked_at IS NOT NULL AND discarded_at IS NULL),
+       h.n
+FROM q, h";
 
 /// Copies a relay's counters into the metrics and samples the backlog,
 /// until `shutdown`; then copies once more.
@@ -95,7 +110,7 @@ pub(crate) async fn relay_task(pool: PgPool, stats: Arc<RelayStats>, shutdown: C
 /// Samples the backlog gauges; the query gives up (`statement_timeout`)
 /// when the next sample is due.
 async fn sample_backlog(pool: &PgPool) {
-    let row: Result<(i64, Option<f64>, i64), sqlx::Error> = async {
+    let row: Result<(i64, Option<f64>, i64, i64), sqlx::Error> = async {
         let mut tx = pool
             .begin_with(format!(
                 "BEGIN READ ONLY; SET LOCAL statement_timeout = {}",
@@ -108,7 +123,8 @@ async fn sample_backlog(pool: &PgPool) {
     }
     .await;
     match row {
-        Ok((backlog, oldest, parked)) => {
+        Ok((backlog, oldest, parked, held)) => {
+            gauge!("outbox_held_events").set(held as f64);
             gauge!("outbox_backlog_events").set(backlog as f64);
             gauge!("outbox_oldest_unpublished_seconds").set(oldest.unwrap_or(0.0));
             gauge!("outbox_parked_events").set(parked as f64);

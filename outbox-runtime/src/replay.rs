@@ -21,6 +21,11 @@
 //!   per-key order holds. At least once: a replay that stops (error, crash)
 //!   can be run again from the id it reports, and some events are then sent
 //!   twice.
+//! - The selection reads what it selects, not the table: an id range is a
+//!   range of the primary key; a time range is first turned into the ids
+//!   created in it through the BRIN index on `created_at` (the pages of the
+//!   range only). A topic or aggregate alone (no id or time range) reads
+//!   every published row: give a range with them on a large outbox.
 //! - Not beyond the dedup window: consumers keep their dedup rows for a
 //!   window (the retention job's `--dedup-window`, 7 days by default), so an
 //!   event published longer ago than that may no longer be recognised as a
@@ -192,23 +197,73 @@ pub struct ReplayReport {
     pub last_id: Option<i64>,
 }
 
-const FILTER: &str = "\
-published_at IS NOT NULL
-  AND id >= $1
-  AND ($2::bigint IS NULL OR id <= $2)
-  AND ($3::timestamptz IS NULL OR created_at >= $3)
-  AND ($4::timestamptz IS NULL OR created_at < $4)
-  AND ($5::text IS NULL OR topic = $5)
-  AND ($6::text IS NULL OR aggregate_type = $6)
-  AND ($7::text IS NULL OR aggregate_id = $7)";
+/// The selection's condition: only the criteria that are set (parameters
+/// `$1` from id … `$7` aggregate id are always bound), so that the plan is
+/// a range scan of the primary key (ids) and, for a time range alone, of
+/// the BRIN index on `created_at` (see [`narrowed`]).
+fn filter_sql(f: &ReplayFilter) -> String {
+    let mut sql = String::from("published_at IS NOT NULL AND id >= $1");
+    for (set, clause) in [
+        (f.to_id.is_some(), " AND id <= $2"),
+        (f.since.is_some(), " AND created_at >= $3"),
+        (f.until.is_some(), " AND created_at < $4"),
+        (f.topic.is_some(), " AND topic = $5"),
+        (f.aggregate_type.is_some(), " AND aggregate_type = $6"),
+        (f.aggregate_id.is_some(), " AND aggregate_id = $7"),
+    ] {
+        if set {
+            sql.push_str(clause);
+        }
+    }
+    sql
+}
 
-fn page_sql() -> String {
+/// `filter` with its id range narrowed to the ids of its time range: the
+/// lowest and highest id created in it, read through the BRIN index on
+/// `created_at` (the pages of the range only; `OFFSET 0` keeps the planner
+/// from walking the primary key from either end instead). The time
+/// criteria stay in the filter: ids are not strictly in creation order.
+async fn narrowed(pool: &PgPool, filter: &ReplayFilter) -> Result<ReplayFilter> {
+    let mut f = filter.clone();
+    if f.since.is_none() && f.until.is_none() {
+        return Ok(f);
+    }
+    let mut range = String::from("TRUE");
+    if f.since.is_some() {
+        range.push_str(" AND created_at >= $1");
+    }
+    if f.until.is_some() {
+        range.push_str(" AND created_at < $2");
+    }
+    let (low, high): (Option<i64>, Option<i64>) = sqlx::query_as(&format!(
+        "SELECT min(id), max(id) FROM (SELECT id FROM outbox_event WHERE {range} OFFSET 0) AS r"
+    ))
+    .bind(f.since)
+    .bind(f.until)
+    .fetch_one(pool)
+    .await?;
+    match (low, high) {
+        (Some(low), Some(high)) => {
+            f.from_id = Some(f.from_id.map_or(low, |a| a.max(low)));
+            f.to_id = Some(f.to_id.map_or(high, |b| b.min(high)));
+        }
+        // Nothing was created in the range: an empty id range.
+        _ => {
+            f.from_id = Some(1);
+            f.to_id = Some(0);
+        }
+    }
+    Ok(f)
+}
+
+fn page_sql(filter: &ReplayFilter) -> String {
+    let filter = filter_sql(filter);
     format!(
         "SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version,
                 COALESCE($8, topic) AS topic, partition_key, payload::text AS payload,
                 (headers || jsonb_build_object('{REPLAY_HEADER}', $9::text))::text AS headers,
-                attempts, ctid::text AS tid
-         FROM outbox_event WHERE {FILTER} ORDER BY id LIMIT $10"
+                attempts, NULL::float8 AS behind_held_secs, ctid::text AS tid
+         FROM outbox_event WHERE {filter} ORDER BY id LIMIT $10"
     )
 }
 
@@ -219,11 +274,13 @@ pub async fn beyond_window(
     filter: &ReplayFilter,
     window: Duration,
 ) -> Result<(u64, u64, Option<i64>)> {
+    let filter = &narrowed(pool, filter).await?;
     let sql = format!(
         "SELECT count(*) FILTER (WHERE published_at < now() - make_interval(secs => $8)),
                 count(*),
                 min(id) FILTER (WHERE published_at < now() - make_interval(secs => $8))
-         FROM outbox_event WHERE {FILTER}"
+         FROM outbox_event WHERE {}",
+        filter_sql(filter)
     );
     let (old, all, first): (i64, i64, Option<i64>) = sqlx::query_as(&sql)
         .bind(filter.from_id.unwrap_or(i64::MIN))
@@ -241,7 +298,11 @@ pub async fn beyond_window(
 
 /// How many published events `filter` selects (a dry run).
 pub async fn count(pool: &PgPool, filter: &ReplayFilter) -> Result<u64> {
-    let sql = format!("SELECT count(*) FROM outbox_event WHERE {FILTER}");
+    let filter = &narrowed(pool, filter).await?;
+    let sql = format!(
+        "SELECT count(*) FROM outbox_event WHERE {}",
+        filter_sql(filter)
+    );
     let n: i64 = sqlx::query_scalar(&sql)
         .bind(filter.from_id.unwrap_or(i64::MIN))
         .bind(filter.to_id)
@@ -298,8 +359,8 @@ pub async fn replay(pool: &PgPool, options: &ReplayOptions) -> Result<ReplayRepo
         last_id: None,
     };
     tracing::info!(%replay_id, filter = ?options.filter, to_topic = ?options.to_topic, "replay started");
-    let sql = page_sql();
-    let f = &options.filter;
+    let f = &narrowed(pool, &options.filter).await?;
+    let sql = page_sql(f);
     let mut from = f.from_id.unwrap_or(i64::MIN);
     // What the outbox holds now: rows committed during the replay are the
     // relay's business.

@@ -17,11 +17,13 @@
 //! still waits for a pool connection: the loop never waits for a connection
 //! while holding one that a finished batch would free.
 //!
-//! Submodules: [`claim`](self::claim) (the SQL), [`lanes`](self::lanes)
+//! Submodules: [`claim`](self::claim) (the SQL), [`held`](self::held)
+//! (rows held back out of the claim's index), [`lanes`](self::lanes)
 //! (lane ownership across relays), [`publish`](self::publish) (the producer),
 //! [`wake`](self::wake) (LISTEN/NOTIFY and polling).
 
 pub(crate) mod claim;
+pub(crate) mod held;
 pub(crate) mod lanes;
 pub(crate) mod publish;
 mod wake;
@@ -518,6 +520,7 @@ impl Relay {
             in_flight: None,
             marking: None,
             held: HashMap::new(),
+            released: None,
             cut: None,
             batches: 0,
             producer_unusable: false,
@@ -602,20 +605,19 @@ struct Blocked {
 }
 
 impl Blocked {
-    fn current(&mut self) -> (Vec<String>, Vec<String>) {
+    /// Forgets blocks that have ended.
+    fn expire(&mut self) {
         let now = Instant::now();
         self.keys.retain(|_, until| *until > now);
         self.topics.retain(|_, (until, _)| *until > now);
-        (
-            self.keys.keys().cloned().collect(),
-            self.topics.keys().cloned().collect(),
-        )
     }
 
-    fn is_blocked(&self, row: &Row) -> bool {
+    /// Until when `row` is blocked (by its key or its topic), if it is.
+    fn deadline(&self, row: &Row) -> Option<Instant> {
         let now = Instant::now();
-        self.keys.get(&row.partition_key).is_some_and(|u| *u > now)
-            || self.topics.get(&row.topic).is_some_and(|(u, _)| *u > now)
+        let key = self.keys.get(&row.partition_key).copied();
+        let topic = self.topics.get(&row.topic).map(|(u, _)| *u);
+        key.into_iter().chain(topic).filter(|u| *u > now).max()
     }
 }
 
@@ -642,6 +644,9 @@ struct Loop<'a> {
     /// it and could take later rows of its key: until then these keys are
     /// left out of claims and held back in sends.
     held: HashMap<String, u64>,
+    /// When held rows were last released, and whether that release was
+    /// cut at its limit (see [`held::release`]).
+    released: Option<(Instant, bool)>,
     /// The number of a batch cut at the byte budget whose transaction has
     /// not ended (see [`Batch::cut`]): no claim runs until it ends.
     cut: Option<u64>,
@@ -695,9 +700,24 @@ impl Loop<'_> {
                     self.finish_marking().await;
                 }
             }
-            let (mut keys, topics) = self.blocked.current();
-            keys.extend(self.held.keys().cloned());
             let limit = self.config.batch_size as i64;
+            if !stopping
+                && self
+                    .released
+                    .is_none_or(|(at, full)| full || at.elapsed() >= held::RELEASE_INTERVAL)
+            {
+                // Rows whose hold has ended go back into the claim's index.
+                let full = match held::release(self.pool, limit).await {
+                    Ok(n) => n >= limit as u64,
+                    Err(error) => {
+                        tracing::debug!(%error, "releasing held rows failed");
+                        false
+                    }
+                };
+                self.released = Some((Instant::now(), full));
+            }
+            self.blocked.expire();
+            let keys: Vec<String> = self.held.keys().cloned().collect();
             let max_bytes = i64::try_from(self.config.max_batch_bytes).unwrap_or(i64::MAX);
             let pool = self.pool.clone();
             let claimable = self.lanes.claimable();
@@ -722,8 +742,7 @@ impl Loop<'_> {
                 let start = Instant::now();
                 let claimed = if claim_next {
                     let task = tokio::spawn(async move {
-                        claim::claim(&pool, &begin, limit, max_bytes, &keys, &topics, &claimable)
-                            .await
+                        claim::claim(&pool, &begin, limit, max_bytes, &keys, &claimable).await
                     });
                     Some(
                         task.await
@@ -754,10 +773,9 @@ impl Loop<'_> {
                 };
                 self.latency.record(sent_at.elapsed());
                 delivery_time = start.elapsed();
-                let (published, failures, first_transient) =
-                    self.evaluate(in_flight_seq, &batch, outcomes);
-                delivered_some = !published.is_empty();
-                transient = first_transient;
+                let evaluated = self.evaluate(in_flight_seq, &batch, outcomes);
+                delivered_some = !evaluated.published.is_empty();
+                transient = evaluated.transient.clone();
                 if claimed.is_none() {
                     let mut previous = std::pin::pin!(self.finish_marking());
                     tokio::select! {
@@ -770,10 +788,7 @@ impl Loop<'_> {
                 } else {
                     self.finish_marking().await;
                 }
-                self.marking = Some((
-                    in_flight_seq,
-                    tokio::spawn(batch.finish_owned(published, failures)),
-                ));
+                self.marking = Some((in_flight_seq, tokio::spawn(batch.finish_owned(evaluated))));
             }
             let (claimed, claim_time) = match claimed {
                 Some(done) => done,
@@ -850,7 +865,9 @@ impl Loop<'_> {
     }
 
     /// Hands a claimed batch to the producer, holding back rows of keys that
-    /// are held (a row of theirs is still locked unpublished) or blocked.
+    /// are held (a row of theirs is still locked unpublished) or blocked,
+    /// rows of blocked topics, rows behind a held row of their key (see
+    /// [`held`]), and the later rows of these rows' keys in the batch.
     fn send(&mut self, publisher: &Publisher, batch: Batch) -> InFlight {
         self.batches += 1;
         let seq = self.batches;
@@ -859,8 +876,17 @@ impl Loop<'_> {
         }
         let mut outcomes: Vec<Option<Outcome>> = Vec::with_capacity(batch.rows.len());
         let mut go = Vec::with_capacity(batch.rows.len());
+        // Topic and key of the rows withheld so far in this batch.
+        let mut withheld: std::collections::HashSet<(&str, &str)> =
+            std::collections::HashSet::new();
         for (i, row) in batch.rows.iter().enumerate() {
-            if self.held.contains_key(&row.partition_key) || self.blocked.is_blocked(row) {
+            let topic_key = (row.topic.as_str(), row.partition_key.as_str());
+            if self.held.contains_key(&row.partition_key)
+                || self.blocked.deadline(row).is_some()
+                || row.behind_held_secs.is_some()
+                || withheld.contains(&topic_key)
+            {
+                withheld.insert(topic_key);
                 outcomes.push(Some(Outcome::Withheld));
             } else {
                 outcomes.push(None);
@@ -884,20 +910,19 @@ impl Loop<'_> {
         }
     }
 
-    /// Turns the outcomes of a batch into the rows to mark and the failures
-    /// to record; updates blocked keys and topics and the counters.
-    fn evaluate(
-        &mut self,
-        seq: u64,
-        batch: &Batch,
-        outcomes: Vec<Outcome>,
-    ) -> (Vec<i64>, Vec<Failure>, Option<String>) {
+    /// Turns the outcomes of a batch into the rows to mark, the failures
+    /// to record and the withheld rows to hold (see [`held`]); updates
+    /// blocked keys and topics and the counters.
+    fn evaluate(&mut self, seq: u64, batch: &Batch, outcomes: Vec<Outcome>) -> Evaluated {
         let mut published = Vec::with_capacity(batch.rows.len());
         let mut failures = Vec::new();
         let mut failed_keys: Vec<String> = Vec::new();
         let mut transient = None;
         let (mut withheld, mut parked) = (0_u64, 0_u64);
         let now = Instant::now();
+        let mut withheld_rows = Vec::new();
+        // The row of each failure, in the order of `failures`.
+        let mut failed_rows = Vec::new();
         for (row, outcome) in batch.rows.iter().zip(outcomes) {
             let key_failed = failed_keys.contains(&row.partition_key);
             match outcome {
@@ -912,7 +937,10 @@ impl Loop<'_> {
                     }
                     published.push(row.id);
                 }
-                Outcome::Withheld => withheld += 1,
+                Outcome::Withheld => {
+                    withheld += 1;
+                    withheld_rows.push(row);
+                }
                 Outcome::Failed(kind, error) => {
                     self.stats.failed.fetch_add(1, Ordering::Relaxed);
                     if !key_failed {
@@ -952,7 +980,9 @@ impl Loop<'_> {
                                 error,
                                 counted: true,
                                 park,
+                                hold: None,
                             });
+                            failed_rows.push(row);
                         }
                         FailureKind::Topic => {
                             let entry = self
@@ -975,10 +1005,30 @@ impl Loop<'_> {
                                 error,
                                 counted: true,
                                 park: false,
+                                hold: None,
                             });
+                            failed_rows.push(row);
                         }
                     }
                 }
+            }
+        }
+        // Rows of blocked keys and topics, and rows behind a held row of
+        // their key, are held until the block ends (rows withheld only
+        // because an earlier batch of this relay is still open are not:
+        // they are claimed again once it ends).
+        let secs = |until: Instant| until.saturating_duration_since(now).as_secs_f64();
+        for (failure, row) in failures.iter_mut().zip(failed_rows) {
+            if !failure.park {
+                failure.hold = self.blocked.deadline(row).map(secs);
+            }
+        }
+        let mut holds = Vec::new();
+        for row in withheld_rows {
+            let blocked = self.blocked.deadline(row).map(secs);
+            let behind = row.behind_held_secs.map(|s| s.max(0.0));
+            if let Some(hold) = blocked.into_iter().chain(behind).reduce(f64::max) {
+                holds.push((row.id, hold));
             }
         }
         if transient.is_none() {
@@ -990,7 +1040,12 @@ impl Loop<'_> {
         self.stats.withheld.fetch_add(withheld, Ordering::Relaxed);
         self.stats.parked.fetch_add(parked, Ordering::Relaxed);
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
-        (published, failures, transient)
+        Evaluated {
+            published,
+            failures,
+            holds,
+            transient,
+        }
     }
 
     /// Before the producer is replaced, the batch sent through the old one is
@@ -999,9 +1054,9 @@ impl Loop<'_> {
         if let Some(in_flight) = self.in_flight.take() {
             let seq = in_flight.seq;
             let (batch, outcomes) = in_flight.deliveries().await;
-            let (published, failures, _) = self.evaluate(seq, &batch, outcomes);
+            let evaluated = self.evaluate(seq, &batch, outcomes);
             self.finish_marking().await;
-            self.marking = Some((seq, tokio::spawn(batch.finish_owned(published, failures))));
+            self.marking = Some((seq, tokio::spawn(batch.finish_owned(evaluated))));
         }
         self.producer_unusable = false;
     }
@@ -1070,8 +1125,18 @@ async fn wait_finished(task: &JoinHandle<()>) {
     }
 }
 
+/// What a batch's deliveries came to (see [`Loop::evaluate`]).
+struct Evaluated {
+    published: Vec<i64>,
+    failures: Vec<Failure>,
+    /// Withheld rows to hold: id, seconds.
+    holds: Vec<(i64, f64)>,
+    /// The first transient failure.
+    transient: Option<String>,
+}
+
 impl Batch {
-    async fn finish_owned(self, published: Vec<i64>, failures: Vec<Failure>) -> Result<()> {
-        self.finish(&published, &failures).await
+    async fn finish_owned(self, e: Evaluated) -> Result<()> {
+        self.finish(&e.published, &e.failures, &e.holds).await
     }
 }

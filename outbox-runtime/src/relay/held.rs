@@ -1,0 +1,60 @@
+//! Held rows: work the relay cannot publish for a while, kept out of the
+//! claim's index so that no claim walks it.
+//!
+//! A row is held when its topic is missing on the broker (a topic-level
+//! failure never parks a row), when its key is blocked after a failure, or
+//! when an earlier row of its key is held. The relay that withholds such a
+//! row in a batch sets its `held_until` (the end of the key's or topic's
+//! back-off) in that batch's transaction: the row leaves the partial index
+//! the claim walks (`ix_outbox_event_unpublished`, which has
+//! `held_until IS NULL` in its predicate) and enters two small partial
+//! indexes of held rows only. So rows of a blocked topic are each claimed
+//! once per back-off, not walked by every claim: a claim's cost depends on
+//! its batch, not on how many rows are held.
+//!
+//! Release: every relay, about once a second, sets `held_until` back to
+//! NULL on rows whose hold has ended ([`RELEASE`], in `held_until` order
+//! through `ix_outbox_event_held`, a bounded number at a time). Any relay may
+//! release any lane's rows: releasing only puts a row back in the claim's
+//! index, and the owner of its lane claims it.
+//!
+//! Per-key order: the claim returns, with each row, whether an earlier row
+//! of its key is held on its topic (one probe of `ix_outbox_event_held_key`,
+//! skipped altogether while nothing is held). Per topic, as Kafka orders a
+//! key's messages per topic: a missing topic does not hold back the same
+//! keys' events on other topics. Such a row is withheld and held in
+//! turn, until the earlier one's hold ends. Held rows are released in
+//! `held_until` order; a later row released while an earlier row of its key
+//! is still held is held again by the claim that meets it, so a key's rows
+//! come back in id order. The relay's in-memory view of blocked keys and
+//! topics is not needed for order: a relay that took a lane over, or
+//! restarted, finds the holds in the table.
+
+/// Holds claimed rows (`$1` ids) for `$2` seconds each, in the claim's
+/// transaction.
+pub(crate) const HOLD: &str = "\
+UPDATE outbox_event o SET held_until = statement_timestamp() + make_interval(secs => h.secs)
+FROM UNNEST($1::bigint[], $2::float8[]) AS h(id, secs)
+WHERE o.id = h.id";
+
+/// Releases up to `$1` rows whose hold has ended, oldest hold first; rows
+/// another relay is releasing right now are skipped.
+pub(crate) const RELEASE: &str = "\
+UPDATE outbox_event SET held_until = NULL
+WHERE id IN (SELECT id FROM outbox_event
+             WHERE held_until <= statement_timestamp() AND published_at IS NULL
+             ORDER BY held_until, id LIMIT $1
+             FOR UPDATE SKIP LOCKED)";
+
+/// How often a relay releases rows whose hold has ended (sooner while each
+/// release finds a full batch).
+pub(crate) const RELEASE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Releases up to `limit` rows whose hold has ended; returns how many.
+pub(crate) async fn release(pool: &sqlx::PgPool, limit: i64) -> crate::error::Result<u64> {
+    Ok(sqlx::query(RELEASE)
+        .bind(limit)
+        .execute(pool)
+        .await?
+        .rows_affected())
+}

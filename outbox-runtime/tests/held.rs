@@ -1,0 +1,154 @@
+//! Held rows (work the relay cannot publish for a while, kept out of the
+//! claim's index) against a real PostgreSQL and broker: rows of a missing
+//! topic leave the claim and come back in key order, a key's later rows
+//! wait behind its held row, and the claim's plan never walks held rows.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use outbox_core::UnitOfWork;
+use outbox_runtime::{Relay, ops};
+use sqlx::PgPool;
+
+fn relay(pool: &PgPool) -> outbox_runtime::RelayBuilder {
+    Relay::builder(pool.clone())
+        .brokers(brokers())
+        .delivery_timeout(Duration::from_secs(10))
+}
+
+async fn held(pool: &PgPool, topic: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM outbox_event
+         WHERE topic = $1 AND held_until IS NOT NULL AND published_at IS NULL",
+    )
+    .bind(topic)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// The rows of a topic missing on the broker are held (out of the claim's
+/// index) while other topics drain; once the topic exists they are
+/// released and published, each key in order, rows committed meanwhile
+/// included.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_missing_topics_rows_are_held_then_published_in_key_order(pool: PgPool) {
+    let good = unique_topic("held-good");
+    let missing = unique_topic("held-missing");
+    create_topic(&brokers(), &good).await;
+    let mut committed_missing = commit_messages(&pool, &missing, 300, 5, 50).await;
+    let committed_good = commit_messages(&pool, &good, 200, 10, 50).await;
+
+    let handle = relay(&pool)
+        .kafka_setting("topic.metadata.propagation.max.ms", "1000")
+        .retry_backoff(Duration::from_millis(300), Duration::from_secs(1))
+        .batch_size(50)
+        .spawn()
+        .unwrap();
+    let received = read_topic(
+        &brokers(),
+        &good,
+        committed_good.len(),
+        Duration::from_secs(60),
+    )
+    .await;
+    verify(&committed_good, &received);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            held(&pool, &missing).await > 0
+        })
+        .await,
+        "the missing topic's rows are held"
+    );
+    let status = ops::status(&pool).await.unwrap();
+    assert_eq!(status.parked, 0, "a missing topic never parks rows");
+    assert_eq!(status.unpublished, 300, "held rows are still unpublished");
+
+    // Rows of the same keys committed while the topic is held.
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    for seq in 300..320 {
+        committed_missing.push(uow.record_message(message(
+            &missing,
+            &format!("k{}", seq % 5),
+            seq,
+        )));
+    }
+    uow.commit().await.unwrap();
+
+    create_topic(&brokers(), &missing).await;
+    assert!(wait_until_published(&pool, Duration::from_secs(60)).await);
+    handle.shutdown().await.unwrap();
+    assert_eq!(held(&pool, &missing).await, 0);
+    let received = read_topic(
+        &brokers(),
+        &missing,
+        committed_missing.len(),
+        Duration::from_secs(30),
+    )
+    .await;
+    verify(&committed_missing, &received);
+}
+
+/// A held row holds back the later rows of its key, also for a relay that
+/// never saw it fail (here: held before the relay started): they are held
+/// behind it, other keys go on, and once its hold ends the key is published
+/// in order.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn later_rows_of_a_held_key_wait_behind_it(pool: PgPool) {
+    let topic = unique_topic("held-key");
+    create_topic(&brokers(), &topic).await;
+    let first = commit_messages(&pool, &topic, 1, 1, 1).await;
+    sqlx::query("UPDATE outbox_event SET held_until = now() + interval '1 hour'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    // k0 (the held key) and k1..k3, interleaved.
+    let mut committed = first.clone();
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    for seq in 1..40 {
+        committed.push(uow.record_message(message(&topic, &format!("k{}", seq % 4), seq)));
+    }
+    uow.commit().await.unwrap();
+
+    let handle = relay(&pool).batch_size(7).spawn().unwrap();
+    // Everything but k0 is published; k0's later rows end up held too.
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            let (left, held): (i64, i64) = sqlx::query_as(
+                "SELECT count(*), count(*) FILTER (WHERE held_until IS NOT NULL)
+                 FROM outbox_event WHERE published_at IS NULL",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            left == 10 && held == 10
+        })
+        .await,
+        "k0's ten rows held, the others published"
+    );
+    let keys: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT partition_key FROM outbox_event WHERE published_at IS NULL",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(keys, ["k0"]);
+
+    // The holds end, the first row's last: a later row released before it
+    // is held again behind it, and the key follows in order.
+    sqlx::query(
+        "UPDATE outbox_event
+         SET held_until = now() + CASE WHEN event_id = $1 THEN interval '1 second' ELSE '0' END
+         WHERE held_until IS NOT NULL",
+    )
+    .bind(first[0])
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert!(wait_until_published(&pool, Duration::from_secs(30)).await);
+    handle.shutdown().await.unwrap();
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(30)).await;
+    verify(&committed, &received);
+}

@@ -1,0 +1,100 @@
+//! Operations that must not read the whole outbox, against a real
+//! PostgreSQL (fresh database per test): `status` on a large table counts
+//! the backlog exactly and estimates published rows; replay's time range
+//! selects exactly the rows created in it.
+
+use outbox_runtime::ops;
+use outbox_runtime::replay::{self, ReplayFilter};
+use sqlx::PgPool;
+use sqlx::types::chrono::{DateTime, Utc};
+
+/// Inserts `n` rows of `topic` created a minute apart from `start` (minute
+/// `first`, `first + 1`, …), published or not.
+async fn insert(pool: &PgPool, topic: &str, first: i64, n: i64, published: bool) {
+    sqlx::query(
+        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload,
+                                   topic, partition_key, created_at, published_at)
+         SELECT gen_random_uuid(), 'A', 'a' || g, 'E', '{}', $1, 'k' || (g % 10),
+                '2026-01-01T00:00:00Z'::timestamptz + g * interval '1 minute',
+                CASE WHEN $4 THEN now() END
+         FROM generate_series($2::int8, $2::int8 + $3::int8 - 1) AS g",
+    )
+    .bind(topic)
+    .bind(first)
+    .bind(n)
+    .bind(published)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn status_of_a_large_outbox_counts_the_backlog_and_estimates_published_rows(pool: PgPool) {
+    // Statistics only when this test says (no autovacuum's analyze).
+    sqlx::query("ALTER TABLE outbox_event SET (autovacuum_enabled = false)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    insert(&pool, "big", 0, 90_000, true).await;
+    insert(&pool, "small", 0, 30_000, true).await;
+    insert(&pool, "small", 50_000, 3, false).await;
+    sqlx::query(
+        "UPDATE outbox_event SET held_until = now() + interval '1 hour'
+                 WHERE id = (SELECT max(id) FROM outbox_event)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    // Before the table is analyzed, its statistics say it is small: exact.
+    let exact = ops::status(&pool).await.unwrap();
+    assert!(!exact.estimated);
+    assert_eq!(
+        (exact.published, exact.unpublished, exact.held),
+        (120_000, 3, 1)
+    );
+
+    sqlx::query("ANALYZE outbox_event")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let status = ops::status(&pool).await.unwrap();
+    assert!(status.estimated);
+    assert_eq!((status.unpublished, status.held, status.parked), (3, 1, 0));
+    let near = |n: i64, expected: i64| (n - expected).abs() <= expected / 10;
+    assert!(near(status.published, 120_000), "{status:?}");
+    let topic = |name: &str| status.topics.iter().find(|t| t.topic == name).unwrap();
+    assert!(near(topic("big").published, 90_000), "{status:?}");
+    assert!(near(topic("small").published, 30_000), "{status:?}");
+    assert_eq!(topic("small").unpublished, 3);
+    assert!(topic("small").oldest_unpublished_secs.is_some());
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_replay_time_range_selects_exactly_the_rows_created_in_it(pool: PgPool) {
+    insert(&pool, "t", 0, 1000, true).await;
+    // Created inside the range but written last (a transaction that stayed
+    // open): its id is out of creation order.
+    insert(&pool, "t", 450, 1, true).await;
+    // Unpublished: the relay's, never replayed.
+    insert(&pool, "t", 500, 1, false).await;
+    // 2026-01-01T00:00:00Z, plus minutes.
+    let at = |minute: i64| DateTime::<Utc>::from_timestamp(1_767_225_600 + minute * 60, 0).unwrap();
+    let count = |since: Option<i64>, until: Option<i64>, topic: Option<&str>| {
+        let filter = ReplayFilter {
+            since: since.map(at),
+            until: until.map(at),
+            topic: topic.map(str::to_owned),
+            ..ReplayFilter::default()
+        };
+        let pool = pool.clone();
+        async move { replay::count(&pool, &filter).await.unwrap() }
+    };
+    assert_eq!(count(Some(400), Some(600), None).await, 201);
+    assert_eq!(count(Some(400), Some(600), Some("t")).await, 201);
+    assert_eq!(count(Some(400), Some(600), Some("other")).await, 0);
+    assert_eq!(count(None, Some(10), None).await, 10);
+    assert_eq!(count(Some(990), None, None).await, 10);
+    assert_eq!(count(Some(5000), None, None).await, 0);
+    assert_eq!(count(None, None, None).await, 1001);
+}
