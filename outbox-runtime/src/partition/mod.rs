@@ -486,8 +486,10 @@ pub async fn maintain(pool: &PgPool, plan: &PartitionPlan) -> Result<Option<Main
 fn needed(table: &str, p: &str) -> Option<String> {
     Some(match table {
         "outbox_event" => format!(
-            "EXISTS (SELECT 1 FROM {p} WHERE published_at IS NULL AND parked_at IS NULL)
-             OR EXISTS (SELECT 1 FROM {p} WHERE published_at IS NULL AND parked_at IS NOT NULL)
+            "EXISTS (SELECT 1 FROM {p}
+                     WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL)
+             OR EXISTS (SELECT 1 FROM {p} WHERE held_until IS NOT NULL AND published_at IS NULL)
+             OR EXISTS (SELECT 1 FROM {p} WHERE parked_at IS NOT NULL AND published_at IS NULL)
              OR EXISTS (SELECT 1 FROM {p} WHERE published_at >= $1)"
         ),
         "processed_event" => format!("EXISTS (SELECT 1 FROM {p} WHERE processed_at >= $1)"),
@@ -734,7 +736,6 @@ mod tests {
             crate::relay::claim::CLAIM_ANY.as_str()
         ))
         .bind(100_i64)
-        .bind(Vec::<String>::new())
         .bind(Vec::<String>::new())
         .bind(0_i64)
         .bind(0_i64)
