@@ -134,6 +134,63 @@ fn orders(pool: &PgPool) -> outbox::runtime::ConsumerBuilder {
         .handler(mark_paid)
 }
 
+/// The services' consumers, as the README's example has them.
+mod billing {
+    pub fn consumer(pool: sqlx::PgPool) -> outbox::runtime::ConsumerBuilder {
+        super::billing(&pool)
+    }
+}
+
+mod orders {
+    pub fn consumer(pool: sqlx::PgPool) -> outbox::runtime::ConsumerBuilder {
+        super::orders(&pool)
+    }
+}
+
+async fn create_tables(pool: &PgPool) {
+    tables(pool).await;
+}
+
+// README: Testing your handlers (begin)
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn placing_an_order_charges_it_and_marks_it_paid(pool: PgPool) {
+    create_tables(&pool).await;
+    // The services' own consumers: no broker, no relay.
+    let mut bus = TestBus::new()
+        .service(billing::consumer(pool.clone()))
+        .service(orders::consumer(pool.clone()));
+    let cmd = PlaceOrder { amount_cents: 500 };
+    let order_id = outbox::execute(&pool, place_order, cmd).await.unwrap();
+
+    // Delivers, and delivers what the handlers record, until nothing is new.
+    let delivery = bus.deliver().await.unwrap();
+    delivery.assert_published::<PaymentCaptured>(|e| e.order_id == order_id);
+    delivery.assert_sequence(order_id, &["OrderPlaced", "PaymentCaptured"]);
+    delivery.assert_no_dead_letters();
+}
+// README: Testing your handlers (end)
+
+/// The README's example is the test above, verbatim.
+#[test]
+fn the_readme_example_is_this_files_test() {
+    const BEGIN: &str = "// README: Testing your handlers (begin)\n";
+    const END: &str = "// README: Testing your handlers (end)\n";
+    let this = include_str!("testing_kit.rs");
+    let start = this.find(BEGIN).expect("the begin marker") + BEGIN.len();
+    let example = &this[start..this.find(END).expect("the end marker")];
+    let readme = include_str!("../README.md");
+    let section = &readme[readme
+        .find("## Testing your handlers")
+        .expect("the section")..];
+    let block = section.split("```rust\n").nth(1).expect("a rust block");
+    let block = &block[..block.find("```").expect("the block's end")];
+    assert!(
+        block.ends_with(example),
+        "the README's example differs from the test:\n--- README\n{block}\n--- test\n{example}"
+    );
+    assert!(block.lines().count() <= 20, "{block}");
+}
+
 #[sqlx::test(migrator = "outbox::MIGRATOR")]
 async fn an_order_is_charged_and_marked_paid_without_a_broker(pool: PgPool) {
     tables(&pool).await;
