@@ -328,9 +328,16 @@ impl TestBus {
                 });
                 *offset += 1;
             }
+            let message_headers = headers
+                .iter()
+                .map(|(k, v)| {
+                    let v = v.as_deref().unwrap_or_default();
+                    (k.clone(), String::from_utf8_lossy(v).into_owned())
+                })
+                .collect();
             delivery
                 .published
-                .push(Published::of(&self.outboxes[i].name, row));
+                .push(Published::of(&self.outboxes[i].name, row, message_headers));
         }
         Ok(messages)
     }

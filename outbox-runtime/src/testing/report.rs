@@ -40,10 +40,13 @@ pub struct Published {
     /// The stored headers (correlation and causation ids, trace context,
     /// application entries) as JSON.
     pub headers: String,
+    /// The Kafka headers the relay sends with it (and the bus delivers),
+    /// in order.
+    pub message_headers: Vec<(String, String)>,
 }
 
 impl Published {
-    pub(super) fn of(outbox: &str, row: Row) -> Self {
+    pub(super) fn of(outbox: &str, row: Row, message_headers: Vec<(String, String)>) -> Self {
         Self {
             outbox: outbox.to_owned(),
             id: row.id,
@@ -56,6 +59,7 @@ impl Published {
             aggregate_id: row.aggregate_id,
             payload: row.payload,
             headers: row.headers,
+            message_headers,
         }
     }
 
