@@ -245,28 +245,37 @@ impl Driver {
     }
 
     /// Moves the clock to the earliest pending retry of this consumer's
-    /// inbox rows; false when none waits.
+    /// inbox rows (recording that retry's back-off, as computed from its
+    /// attempts), and the waiting rows' `next_attempt_at` back by what was
+    /// left of it; false when none waits.
     async fn skip_retry_wait(&self) -> Result<bool, sqlx::Error> {
-        let wait: Option<f64> = sqlx::query_scalar(
-            "SELECT extract(epoch FROM min(next_attempt_at) - now())::float8 FROM inbox_event
+        let next: Option<(i32, f64)> = sqlx::query_as(
+            "SELECT attempts, extract(epoch FROM next_attempt_at - now())::float8
+             FROM inbox_event
              WHERE consumer = $1 AND NOT processed AND dead_lettered_at IS NULL
-               AND next_attempt_at > now()",
+               AND next_attempt_at > now()
+             ORDER BY next_attempt_at LIMIT 1",
         )
         .bind(&self.config.group)
-        .fetch_one(&self.pool)
+        .fetch_optional(&self.pool)
         .await?;
-        let Some(wait) = wait else { return Ok(false) };
-        let wait = std::time::Duration::from_secs_f64(wait.max(0.0));
+        let Some((attempts, left)) = next else {
+            return Ok(false);
+        };
         sqlx::query(
             "UPDATE inbox_event SET next_attempt_at = next_attempt_at - make_interval(secs => $2)
              WHERE consumer = $1 AND NOT processed AND dead_lettered_at IS NULL
                AND next_attempt_at IS NOT NULL",
         )
         .bind(&self.config.group)
-        .bind(wait.as_secs_f64())
+        .bind(left.max(0.0))
         .execute(&self.pool)
         .await?;
-        self.clock.advance(wait);
+        self.clock.advance(super::backoff::delay(
+            self.config.retry_backoff,
+            self.config.retry_backoff_max,
+            u32::try_from(attempts).unwrap_or(u32::MAX),
+        ));
         Ok(true)
     }
 }
