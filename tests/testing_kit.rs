@@ -209,7 +209,7 @@ async fn an_order_is_charged_and_marked_paid_without_a_broker(pool: PgPool) {
     delivery.assert_no_dead_letters();
     delivery.assert_each_handled_once();
     eprintln!(
-        "kit: a handler test's delivery took {:?}",
+        "kit: the test's command, delivery and assertions took {:?}",
         started.elapsed()
     );
 
