@@ -32,7 +32,9 @@
 //! (parsing a message), `raw_headers.rs` (header names as bytes),
 //! `apply.rs` (running handlers), `txn.rs` (the guarded transactions
 //! handlers run in, and how a handler that broke one is found), `db.rs`
-//! (which errors are outages).
+//! (which errors are outages), `clock.rs` (what a retry waits on: real
+//! time, or a test clock), `harness.rs` (the `testing` feature: this
+//! consumer's per-message path driven without a broker).
 
 use crate::backoff;
 
