@@ -25,6 +25,8 @@ pub mod relay;
 pub mod replay;
 pub mod scope;
 pub mod settings;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use error::{Error, Result};
 pub use inbox::{
