@@ -120,6 +120,12 @@ pub use outbox_derive::command_handler;
 #[cfg(feature = "runtime")]
 pub use outbox_runtime as runtime;
 
+/// The testing kit (feature `testing`): a [`TestBus`](testing::TestBus)
+/// delivers what the outbox holds to your inbox handlers through the
+/// consumer's real path, without a broker; see [`outbox_runtime::testing`].
+#[cfg(feature = "testing")]
+pub use outbox_runtime::testing;
+
 /// The names most applications need: `use outbox::prelude::*;`.
 pub mod prelude {
     pub use crate::{

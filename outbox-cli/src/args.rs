@@ -94,6 +94,10 @@ pub(crate) enum Command {
     /// and (when asked) old dead letters, in small batches (never unpublished
     /// or parked rows).
     Cleanup(CleanupArgs),
+    /// The partitioned layout (opt-in) of outbox_event, processed_event
+    /// and inbox_event: retention then drops whole partitions.
+    #[command(subcommand)]
+    Partitions(PartitionsCommand),
     /// The commit-time NOTIFY that wakes idle relays: `on`, `off` or `status`.
     Notify {
         /// on | off | status
@@ -354,6 +358,45 @@ pub(crate) enum ParkedCommand {
         #[arg(long)]
         reason: String,
     },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum PartitionsCommand {
+    /// Convert the tables to the partitioned layout (also the migration of
+    /// an installation holding rows: the old table becomes the first
+    /// partition, no row copied). Stop the relays and cleanup jobs first;
+    /// start them again afterwards. Does nothing to a table already
+    /// partitioned.
+    Enable {
+        /// The time range of one partition (e.g. 1d, 6h; whole minutes).
+        #[arg(long, value_name = "DURATION", default_value = "1d")]
+        period: String,
+        #[command(flatten)]
+        ahead: AheadArgs,
+    },
+    /// Create the partitions missing ahead of now (as the single maintainer
+    /// of this outbox: advisory lock). The cleanup job does it too, at each
+    /// pass.
+    Maintain {
+        #[command(flatten)]
+        ahead: AheadArgs,
+    },
+    /// List the partitions.
+    List {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Args)]
+pub(crate) struct AheadArgs {
+    /// Partitions kept ready ahead of now.
+    #[arg(long, default_value_t = 3)]
+    pub ahead: u32,
+    /// How long one attempt waits for a table lock, in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 2000)]
+    pub lock_timeout_ms: u64,
 }
 
 #[derive(Subcommand)]

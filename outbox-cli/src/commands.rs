@@ -5,13 +5,13 @@
 use std::time::Duration;
 
 use outbox_runtime::settings::Settings;
-use outbox_runtime::{CancellationToken, Error, Relay, cleanup, kafka, ops, replay};
+use outbox_runtime::{CancellationToken, Error, Relay, cleanup, kafka, ops, partition, replay};
 use sqlx::PgPool;
 use sqlx::types::chrono::{DateTime, Utc};
 
 use crate::args::{
-    CleanupArgs, Command, DeadLetterSelection, DeadLettersCommand, ParkedCommand, ReplayArgs,
-    TopicsCommand,
+    AheadArgs, CleanupArgs, Command, DeadLetterSelection, DeadLettersCommand, ParkedCommand,
+    PartitionsCommand, ReplayArgs, TopicsCommand,
 };
 use crate::config::Layers;
 use crate::output::{print_status, table};
@@ -141,6 +141,7 @@ pub(crate) async fn run(ctx: Ctx, command: Command) -> Result<(), Error> {
         }
         Command::Replay(args) => replay_events(&ctx, args).await?,
         Command::Cleanup(args) => cleanup(&ctx, args).await?,
+        Command::Partitions(command) => partitions(&ctx, command).await?,
         Command::DeadLetters(command) => dead_letters(&ctx, command).await?,
         Command::Notify { state, lock: _ } => {
             let pool = ctx.pool(2).await?;
@@ -390,6 +391,12 @@ async fn cleanup(ctx: &Ctx, args: CleanupArgs) -> Result<(), Error> {
                     report.dead_letters,
                     report.statements
                 );
+                if report.partitions_dropped + report.partitions_kept > 0 {
+                    println!(
+                        "dropped {} partitions; kept {} past the window (rows still needed, or busy)",
+                        report.partitions_dropped, report.partitions_kept
+                    );
+                }
             }
         }
         Some(every) => {
@@ -397,6 +404,99 @@ async fn cleanup(ctx: &Ctx, args: CleanupArgs) -> Result<(), Error> {
             let token = CancellationToken::new();
             tokio::spawn(stop_on_signal(token.clone()));
             job.run(token).await;
+        }
+    }
+    Ok(())
+}
+
+fn partition_plan(ahead: &AheadArgs) -> partition::PartitionPlan {
+    partition::PartitionPlan {
+        ahead: ahead.ahead,
+        lock_timeout: Duration::from_millis(ahead.lock_timeout_ms),
+        ..partition::PartitionPlan::default()
+    }
+}
+
+async fn partitions(ctx: &Ctx, command: PartitionsCommand) -> Result<(), Error> {
+    let pool = ctx.pool(3).await?;
+    match command {
+        PartitionsCommand::Enable { period, ahead } => {
+            let plan = partition::PartitionPlan {
+                period: ops::parse_duration(&period)?,
+                ..partition_plan(&ahead)
+            };
+            plan.validate()?;
+            let report = partition::enable(&pool, &plan).await?;
+            println!(
+                "partitioned: {} (already: {}); {} partitions created, {} rows moved out of the legacy partitions; restart the relays and cleanup jobs",
+                if report.converted.is_empty() {
+                    "none".to_owned()
+                } else {
+                    report.converted.join(", ")
+                },
+                if report.already.is_empty() {
+                    "none".to_owned()
+                } else {
+                    report.already.join(", ")
+                },
+                report.created,
+                report.moved_rows
+            );
+        }
+        PartitionsCommand::Maintain { ahead } => {
+            match partition::maintain(&pool, &partition_plan(&ahead)).await? {
+                Some(report) => println!(
+                    "{} partitions created ahead, {} rows moved from the default partitions",
+                    report.created, report.moved_rows
+                ),
+                None => println!("another maintainer is at work: nothing done"),
+            }
+        }
+        PartitionsCommand::List { json } => {
+            let parts = partition::list(&pool).await?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&parts).unwrap_or_default()
+                );
+            } else if parts.is_empty() {
+                println!("no partitioned table (`outbox partitions enable` converts them)");
+            } else {
+                let rows: Vec<[String; 6]> = parts
+                    .iter()
+                    .map(|p| {
+                        let bound = |u: Option<_>, open: &str| {
+                            u.and_then(|u| {
+                                DateTime::<Utc>::from_timestamp_millis(partition::ms_of(u))
+                            })
+                            .map_or(open.to_owned(), |t| t.format("%Y-%m-%d %H:%M").to_string())
+                        };
+                        [
+                            p.table.clone(),
+                            p.name.clone(),
+                            format!("{:?}", p.kind).to_lowercase(),
+                            if p.kind == partition::PartitionKind::Default {
+                                "-".into()
+                            } else {
+                                bound(p.from, "-inf")
+                            },
+                            if p.kind == partition::PartitionKind::Default {
+                                "-".into()
+                            } else {
+                                bound(p.to, "+inf")
+                            },
+                            p.rows_estimate.max(0).to_string(),
+                        ]
+                    })
+                    .collect();
+                print!(
+                    "{}",
+                    table(
+                        &["TABLE", "PARTITION", "KIND", "FROM", "TO", "ROWS~"],
+                        &rows
+                    )
+                );
+            }
         }
     }
     Ok(())

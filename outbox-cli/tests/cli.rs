@@ -508,3 +508,64 @@ async fn a_replay_beyond_the_dedup_window_is_refused_by_the_command(pool: PgPool
     assert!(o.status.success(), "{:?}", text(&o));
     assert!(text(&o).0.contains("replayed 4 events"), "{:?}", text(&o));
 }
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn partitions_enable_list_maintain_and_cleanup(pool: PgPool) {
+    let url = url_of(&pool);
+    let topic = unique_topic("cli-part");
+    commit_messages(&pool, &topic, 5, 1, 5).await;
+    let o = outbox(Some(&url), &["partitions", "list"]).await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(
+        text(&o).0.contains("no partitioned table"),
+        "{:?}",
+        text(&o)
+    );
+
+    // A bad period is refused, nothing converted.
+    let o = outbox(Some(&url), &["partitions", "enable", "--period", "90s"]).await;
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(text(&o).1.contains("whole minutes"), "{:?}", text(&o));
+
+    let o = outbox(
+        Some(&url),
+        &["partitions", "enable", "--period", "6h", "--ahead", "2"],
+    )
+    .await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(
+        text(&o)
+            .0
+            .contains("partitioned: outbox_event, processed_event, inbox_event"),
+        "{:?}",
+        text(&o)
+    );
+    let o = outbox(Some(&url), &["partitions", "list", "--json"]).await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    let parts: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON list");
+    let outbox_parts: Vec<&serde_json::Value> = parts
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["table"] == "outbox_event")
+        .collect();
+    // legacy, two periods of 6 hours, default
+    assert_eq!(outbox_parts.len(), 4, "{parts:#}");
+    assert_eq!(outbox_parts[0]["kind"], "legacy");
+    assert_eq!(outbox_parts[3]["kind"], "default");
+
+    let o = outbox(Some(&url), &["partitions", "maintain", "--ahead", "4"]).await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(
+        text(&o).0.starts_with("6 partitions created ahead"),
+        "{:?}",
+        text(&o)
+    );
+
+    // Cleanup runs on the partitioned layout (nothing old yet).
+    let o = outbox(Some(&url), &["cleanup", "--older-than", "30d", "--json"]).await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON report");
+    assert_eq!(report["partitions_dropped"], 0);
+    assert_eq!(report["outbox_events"], 0);
+}

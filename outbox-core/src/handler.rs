@@ -224,6 +224,11 @@ impl DerefMut for HandlerContext<'_> {
 /// The consumer dispatches messages by topic (`Self::Event::TOPIC`) and event
 /// type (`Self::Event::EVENT_TYPES`) and decodes the payload with
 /// [`DomainEvent::from_payload`] before calling [`handle`](Self::handle).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an inbox handler",
+    label = "not an `InboxHandler`",
+    note = "annotate the function with `#[inbox_handler]`: `async fn name(ctx: &mut HandlerContext<'_>, event: E) -> Result<(), Err>`"
+)]
 pub trait InboxHandler: Send + Sync + 'static {
     /// The event type handled.
     type Event: DomainEvent;

@@ -21,10 +21,17 @@
 //!
 //! How the batches walk the tables: `outbox_event` in id order (a keyset
 //! cursor, `FOR UPDATE SKIP LOCKED`, bounded by the first row younger than
-//! the window); `processed_event`, `inbox_event` and `dead_letter`, which
+//! the window, found by a binary search over the primary key: a few dozen
+//! index probes, whatever the table's size, instead of a walk over every
+//! old row); `processed_event`, `inbox_event` and `dead_letter`, which
 //! have no index on their timestamps (adding one would cost every consumed
 //! event), by ranges of heap pages (a TID range scan): one sequential pass
 //! per run.
+//!
+//! With the partitioned layout ([`crate::partition`]), a pass first drops
+//! the partitions whose whole range is past the window and creates the
+//! partitions missing ahead; only the legacy and default partitions are
+//! then cleaned row by row.
 
 use std::time::{Duration, Instant};
 
@@ -37,6 +44,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
 use crate::ops::format_duration;
+use crate::partition::{self, PartitionPlan};
 use crate::scope::OutboxScope;
 
 /// The default deduplication window (7 days).
@@ -151,24 +159,33 @@ pub struct CleanupReport {
     pub dead_letters: u64,
     /// Statements run.
     pub statements: u64,
+    /// Partitions dropped (partitioned layout).
+    pub partitions_dropped: u64,
+    /// Partitions past the window kept: they hold rows still needed
+    /// (unpublished, parked, unprocessed or younger by their own
+    /// timestamp), or their lock was busy.
+    pub partitions_kept: u64,
 }
 
-const OUTBOX_BOUND: &str = "\
-SELECT COALESCE(
-    (SELECT id FROM outbox_event WHERE created_at >= $1 ORDER BY id LIMIT 1),
-    (SELECT max(id) + 1 FROM outbox_event),
-    0)";
+/// The first row at or after `$1` (a probe of the bound's binary search).
+fn outbox_probe(table: &str) -> String {
+    format!("SELECT created_at FROM {table} WHERE id >= $1 ORDER BY id LIMIT 1")
+}
 
-const OUTBOX_BATCH: &str = "\
+fn outbox_batch(table: &str) -> String {
+    format!(
+        "\
 WITH batch AS (
-    SELECT id FROM outbox_event
+    SELECT id FROM {table}
     WHERE id > $1 AND id < $2 AND published_at < $3
     ORDER BY id LIMIT $4
     FOR UPDATE SKIP LOCKED
 ), gone AS (
-    DELETE FROM outbox_event o USING batch b WHERE o.id = b.id RETURNING o.id
+    DELETE FROM {table} o USING batch b WHERE o.id = b.id RETURNING o.id
 )
-SELECT count(*), max(id) FROM gone";
+SELECT count(*), max(id) FROM gone"
+    )
+}
 
 /// Rows per page of a table, and its size in pages.
 const TABLE_PAGES: &str = "\
@@ -178,17 +195,17 @@ SELECT CASE WHEN c.relpages > 0 AND c.reltuples > 0
 FROM pg_class c WHERE c.oid = $1::regclass";
 
 const PROCESSED_BATCH: &str = "\
-DELETE FROM processed_event
+DELETE FROM {table}
 WHERE ctid >= $1::tid AND ctid < $2::tid AND processed_at < $3";
 
 const INBOX_BATCH: &str = "\
-DELETE FROM inbox_event
+DELETE FROM {table}
 WHERE ctid >= $1::tid AND ctid < $2::tid AND processed AND processed_at < $3";
 
 /// `$3`: resolved before (or NULL); `$4`: last failed or resolved before
 /// (or NULL).
 const DEAD_LETTER_BATCH: &str = "\
-DELETE FROM dead_letter
+DELETE FROM {table}
 WHERE ctid >= $1::tid AND ctid < $2::tid AND status <> 'retry'
   AND ((status = 'resolved' AND resolved_at < $3)
        OR coalesce(resolved_at, last_failed_at) < $4)";
@@ -213,47 +230,37 @@ pub async fn cleanup(pool: &PgPool, retention: &Retention) -> Result<CleanupRepo
     let mut report = CleanupReport::default();
     let started = Instant::now();
 
-    // Published outbox rows, in id order.
-    let bound: i64 = sqlx::query_scalar(OUTBOX_BOUND)
-        .bind(cutoff)
-        .fetch_one(pool)
-        .await?;
-    let mut after = 0_i64;
-    loop {
-        let (n, last): (i64, Option<i64>) = sqlx::query_as(OUTBOX_BATCH)
-            .bind(after)
-            .bind(bound)
-            .bind(cutoff)
-            .bind(retention.batch_size)
-            .fetch_one(pool)
-            .await?;
-        report.statements += 1;
-        report.outbox_events += n as u64;
-        match last {
-            Some(last) if n >= retention.batch_size => after = last,
-            _ => break,
-        }
-        pause(retention.pause).await;
-    }
+    // Whole partitions first (partitioned layout).
+    let dropped = partition::retention_pass(pool, cutoff, &PartitionPlan::default()).await?;
+    report.partitions_dropped = dropped.dropped;
+    report.partitions_kept = dropped.kept;
 
-    report.processed_events = by_pages(
-        pool,
-        "processed_event",
-        PROCESSED_BATCH,
-        &[Some(cutoff)],
-        retention,
-        &mut report,
-    )
-    .await?;
-    report.inbox_events = by_pages(
-        pool,
-        "inbox_event",
-        INBOX_BATCH,
-        &[Some(cutoff)],
-        retention,
-        &mut report,
-    )
-    .await?;
+    // Published outbox rows, in id order.
+    for table in partition::row_cleaned(pool, "outbox_event").await? {
+        report.outbox_events += outbox_rows(pool, &table, cutoff, retention, &mut report).await?;
+    }
+    for table in partition::row_cleaned(pool, "processed_event").await? {
+        report.processed_events += by_pages(
+            pool,
+            &table,
+            PROCESSED_BATCH,
+            &[Some(cutoff)],
+            retention,
+            &mut report,
+        )
+        .await?;
+    }
+    for table in partition::row_cleaned(pool, "inbox_event").await? {
+        report.inbox_events += by_pages(
+            pool,
+            &table,
+            INBOX_BATCH,
+            &[Some(cutoff)],
+            retention,
+            &mut report,
+        )
+        .await?;
+    }
     if retention.resolved_dead_letters.is_some() || retention.dead_letters.is_some() {
         let mut cutoffs = [None, None];
         for (at, age) in cutoffs
@@ -280,11 +287,75 @@ pub async fn cleanup(pool: &PgPool, retention: &Retention) -> Result<CleanupRepo
         inbox_events = report.inbox_events,
         dead_letters = report.dead_letters,
         statements = report.statements,
+        partitions_dropped = report.partitions_dropped,
+        partitions_kept = report.partitions_kept,
         elapsed_ms = started.elapsed().as_millis() as u64,
         older_than = %format_duration(retention.older_than),
         "cleanup pass done"
     );
     Ok(report)
+}
+
+/// The first id of `table` not known to be older than `cutoff`: a binary
+/// search over the id space, each probe one primary-key lookup (ids and
+/// creation times grow together; a row out of order is left for the next
+/// pass, never deleted early: the batches check `published_at`).
+async fn outbox_bound(pool: &PgPool, table: &str, cutoff: Time) -> Result<i64> {
+    let (min, max): (Option<i64>, Option<i64>) =
+        sqlx::query_as(&format!("SELECT min(id), max(id) FROM {table}"))
+            .fetch_one(pool)
+            .await?;
+    let (Some(mut lo), Some(max)) = (min, max) else {
+        return Ok(0);
+    };
+    let probe = outbox_probe(table);
+    let mut hi = max.saturating_add(1);
+    // The predicate "the first row at or after x is young, or there is
+    // none" holds at `hi` and only grows with x.
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        let at: Option<Time> = sqlx::query_scalar(&probe)
+            .bind(mid)
+            .fetch_optional(pool)
+            .await?;
+        if at.is_none_or(|at| at >= cutoff) {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    Ok(lo)
+}
+
+/// Deletes the published rows of `table` older than `cutoff`, in id order.
+async fn outbox_rows(
+    pool: &PgPool,
+    table: &str,
+    cutoff: Time,
+    retention: &Retention,
+    report: &mut CleanupReport,
+) -> Result<u64> {
+    let bound = outbox_bound(pool, table, cutoff).await?;
+    let batch = outbox_batch(table);
+    let mut deleted = 0;
+    let mut after = i64::MIN;
+    loop {
+        let (n, last): (i64, Option<i64>) = sqlx::query_as(&batch)
+            .bind(after)
+            .bind(bound)
+            .bind(cutoff)
+            .bind(retention.batch_size)
+            .fetch_one(pool)
+            .await?;
+        report.statements += 1;
+        deleted += n as u64;
+        match last {
+            Some(last) if n >= retention.batch_size => after = last,
+            _ => break,
+        }
+        pause(retention.pause).await;
+    }
+    Ok(deleted)
 }
 
 /// Runs `delete` over `table` by ranges of heap pages (`$1`, `$2`), with
@@ -302,11 +373,12 @@ async fn by_pages(
         .fetch_one(pool)
         .await?;
     let step = ((retention.batch_size as f64 / per_page.max(1.0)) as i64).clamp(1, 100_000);
+    let delete = delete.replace("{table}", table);
     let mut deleted = 0;
     let mut page = 0_i64;
     while page < pages {
         let next = page + step;
-        let mut query = sqlx::query(delete)
+        let mut query = sqlx::query(&delete)
             .bind(format!("({page},0)"))
             .bind(format!("({next},0)"));
         for cutoff in cutoffs {

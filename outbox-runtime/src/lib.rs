@@ -1,11 +1,11 @@
 //! Runtime of the outbox framework: the [`relay`] that publishes the outbox
 //! to Kafka, the consumer side ([`inbox`]: deduplicating or inbox consumers
 //! with typed handlers, dead letters), the operations queries behind the
-//! `outbox` CLI ([`ops`]), replay ([`replay`]), retention ([`cleanup`]),
-//! Prometheus metrics ([`metrics`]), the shared Kafka client configuration
-//! ([`kafka`]), settings from the environment and configuration files
-//! ([`settings`]), and which outbox of a database they all work on
-//! ([`scope`]).
+//! `outbox` CLI ([`ops`]), replay ([`replay`]), retention ([`cleanup`]), the
+//! partitioned layout ([`partition`]), Prometheus metrics ([`metrics`]), the
+//! shared Kafka client configuration ([`kafka`]), settings from the
+//! environment and configuration files ([`settings`]), and which outbox of a
+//! database they all work on ([`scope`]).
 //!
 //! The relay's producer is private to it: nothing in this crate hands a
 //! Kafka producer to application code.
@@ -20,10 +20,13 @@ pub mod inbox;
 pub mod kafka;
 pub mod metrics;
 pub mod ops;
+pub mod partition;
 pub mod relay;
 pub mod replay;
 pub mod scope;
 pub mod settings;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use error::{Error, Result};
 pub use inbox::{

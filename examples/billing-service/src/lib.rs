@@ -12,7 +12,7 @@ use demo_events::{OrderCreated, PaymentCaptured};
 use outbox::BoxError;
 use outbox::prelude::*;
 use outbox::runtime::settings::{KafkaSettings, redact_url};
-use outbox::runtime::{CancellationToken, Consumer, Mode, Relay};
+use outbox::runtime::{CancellationToken, Consumer, ConsumerBuilder, Mode, Relay};
 use sqlx::PgPool;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::PgPoolOptions;
@@ -50,6 +50,16 @@ pub async fn charge_order(
         amount_cents: event.amount_cents,
     });
     Ok(())
+}
+
+/// The service's consumer, as it runs (and as its tests drive it): the
+/// `charge_order` handler in dedup mode, in group `group`. The caller adds
+/// the broker settings.
+pub fn consumer(pool: PgPool, group: &str) -> ConsumerBuilder {
+    Consumer::builder(pool)
+        .group(group)
+        .handler(charge_order)
+        .mode(Mode::Dedup)
 }
 
 /// The service's settings, from the environment. `Debug` hides the
@@ -104,15 +114,12 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), BoxE
         .await?;
     migrate(&pool).await?;
     let relay = Relay::builder(pool.clone()).kafka(&config.kafka).spawn()?;
-    let consumer = Consumer::builder(pool.clone())
-        .group(&config.group)
+    let consumer = consumer(pool.clone(), &config.group)
         .kafka(&config.kafka)
         // Latency over fetch requests: ask the broker to answer a fetch
         // within 50 ms when it has nothing new (librdkafka's default is
         // 500 ms, and some brokers hold every fetch that long).
         .kafka_setting("fetch.wait.max.ms", "50")
-        .handler(charge_order)
-        .mode(Mode::Dedup)
         .spawn()?;
     tracing::info!(group = %config.group, "billing service running");
     shutdown.cancelled().await;

@@ -7,6 +7,18 @@
 
 use demo_events::PaymentCaptured;
 use outbox::prelude::*;
+use outbox::runtime::{Consumer, ConsumerBuilder, Mode};
+use sqlx::PgPool;
+
+/// The service's payments consumer, as it runs (and as its tests drive
+/// it): [`mark_paid`] in inbox mode, in group `group`. The caller adds the
+/// broker settings.
+pub fn consumer(pool: PgPool, group: &str) -> ConsumerBuilder {
+    Consumer::builder(pool)
+        .group(group)
+        .handler(mark_paid)
+        .mode(Mode::Inbox)
+}
 
 /// Why a payment could not be applied. The consumer retries the event and
 /// dead-letters it after its attempts run out.

@@ -18,13 +18,13 @@ use std::time::Duration;
 
 use outbox::BoxError;
 use outbox::runtime::settings::{KafkaSettings, redact_url};
-use outbox::runtime::{CancellationToken, Consumer, Mode, Relay};
+use outbox::runtime::{CancellationToken, Relay};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::net::TcpListener;
 
 use crate::api::{Limits, router};
-use crate::payments::mark_paid;
+use crate::payments;
 
 /// Connections of the relay's and the consumer's pool: the relay's 3 (a
 /// claim, a batch in flight, a batch being marked) and the inbox consumer's
@@ -184,15 +184,12 @@ pub async fn serve(
     let relay = Relay::builder(pools.workers.clone())
         .kafka(&config.kafka)
         .spawn()?;
-    let consumer = Consumer::builder(pools.workers.clone())
-        .group(&config.group)
+    let consumer = payments::consumer(pools.workers.clone(), &config.group)
         .kafka(&config.kafka)
         // Latency over fetch requests: ask the broker to answer a fetch
         // within 50 ms when it has nothing new (librdkafka's default is
         // 500 ms, and some brokers hold every fetch that long).
         .kafka_setting("fetch.wait.max.ms", "50")
-        .handler(mark_paid)
-        .mode(Mode::Inbox)
         .spawn()?;
 
     tracing::info!(

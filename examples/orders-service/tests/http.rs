@@ -1,5 +1,6 @@
-//! The orders service's HTTP API and payment handler against a real
-//! PostgreSQL (a fresh database per test, the service's migrations applied).
+//! The orders service's HTTP API against a real PostgreSQL (a fresh
+//! database per test, the service's migrations applied); the payments
+//! consumer is tested in `payments.rs`.
 //!
 //! Requests go through the router itself (`tower::ServiceExt::oneshot`), as
 //! a client's would, without a socket. Bad input must answer 4xx with a JSON
@@ -11,11 +12,10 @@
 use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode, header};
-use demo_events::{OrderCreated, PaymentCaptured};
+use demo_events::OrderCreated;
 use orders_service::api::{Limits, OrderView, router};
-use orders_service::payments::{PaymentError, mark_paid};
+use outbox::DomainEvent;
 use outbox::prelude::*;
-use outbox::{DomainEvent, IncomingEvent};
 use serde_json::Value;
 use sqlx::PgPool;
 use tower::ServiceExt;
@@ -279,99 +279,6 @@ async fn unknown_ids_paths_and_methods_answer_a_json_error(pool: PgPool) {
     let (status, _, answer) = send(&app, get(&format!("/orders/{unknown}"))).await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{answer}");
     assert_eq!(answer["error"], format!("no order {unknown}"));
-}
-
-/// Runs `mark_paid` in a transaction the way the consumer does, and commits
-/// on success.
-async fn apply_payment(pool: &PgPool, payment: &PaymentCaptured) -> Result<(), PaymentError> {
-    let incoming = IncomingEvent::new(
-        Uuid::now_v7(),
-        payment.event_type(),
-        payment.event_version(),
-        PaymentCaptured::TOPIC,
-        payment.partition_key(),
-        Headers::default(),
-    );
-    let mut tx = pool.begin().await.unwrap();
-    let mut ctx = HandlerContext::new(&mut tx, &incoming);
-    mark_paid::call(&mut ctx, payment.clone()).await?;
-    drop(ctx);
-    tx.commit().await.unwrap();
-    Ok(())
-}
-
-#[sqlx::test(migrations = false)]
-async fn a_payment_marks_its_order_paid_and_a_wrong_one_is_refused(pool: PgPool) {
-    let app = app(&pool).await;
-    let (_, _, created) = send(
-        &app,
-        post_json(r#"{"customer": "bob", "amount_cents": 700}"#),
-    )
-    .await;
-    let order_id: Uuid = created["id"].as_str().unwrap().parse().unwrap();
-
-    // A payment for no known order, or of another amount, is an error (the
-    // consumer retries it, then dead-letters it) and changes nothing.
-    let stray = PaymentCaptured {
-        payment_id: Uuid::now_v7(),
-        order_id: Uuid::now_v7(),
-        amount_cents: 700,
-    };
-    assert!(
-        matches!(apply_payment(&pool, &stray).await, Err(PaymentError::UnknownOrder(id)) if id == stray.order_id)
-    );
-    let wrong = PaymentCaptured {
-        payment_id: Uuid::now_v7(),
-        order_id,
-        amount_cents: 699,
-    };
-    assert!(matches!(
-        apply_payment(&pool, &wrong).await,
-        Err(PaymentError::AmountMismatch {
-            expected: 700,
-            charged: 699,
-            ..
-        })
-    ));
-    assert_eq!(
-        count(&pool, "SELECT count(*) FROM orders WHERE status = 'paid'").await,
-        0
-    );
-
-    let payment = PaymentCaptured {
-        payment_id: Uuid::now_v7(),
-        order_id,
-        amount_cents: 700,
-    };
-    apply_payment(&pool, &payment).await.expect("applied");
-    let (_, _, shown) = send(&app, get(&format!("/orders/{order_id}"))).await;
-    let view: OrderView = serde_json::from_value(shown).unwrap();
-    assert_eq!(view.status, "paid");
-    assert_eq!(view.payment_id, Some(payment.payment_id));
-    assert!(view.paid_at.is_some());
-
-    // A second, distinct payment is counted, so a double charge is visible.
-    let again = PaymentCaptured {
-        payment_id: Uuid::now_v7(),
-        ..payment.clone()
-    };
-    apply_payment(&pool, &again).await.expect("applied");
-    let applied: i32 = sqlx::query_scalar("SELECT payments_applied FROM orders WHERE id = $1")
-        .bind(order_id)
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert_eq!(applied, 2);
-    let first: Option<Uuid> = sqlx::query_scalar("SELECT payment_id FROM orders WHERE id = $1")
-        .bind(order_id)
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert_eq!(
-        first,
-        Some(payment.payment_id),
-        "the first payment stays the order's"
-    );
 }
 
 fn post_keyed(key: &str, body: &str) -> Request<Body> {

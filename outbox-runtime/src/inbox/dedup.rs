@@ -27,6 +27,7 @@ use uuid::Uuid;
 
 use super::apply::{self, Failure};
 use super::backoff;
+use super::clock::RetryClock;
 use super::dead_letter::{self, DeadLetterReason, NewDeadLetter};
 use super::dispatch::Registry;
 use super::poller::Shared;
@@ -61,6 +62,8 @@ pub(crate) struct Applier<'a> {
     pub latency: crate::metrics::ConsumerLatency,
     /// The connection handlers run on.
     pub conn: GuardedConn,
+    /// What a failing handler's retry waits on.
+    pub clock: RetryClock,
 }
 
 impl Applier<'_> {
@@ -98,8 +101,8 @@ impl Applier<'_> {
             }
             if let Some((i, _, at)) = failing {
                 if i == start {
-                    let wait = at.saturating_duration_since(Instant::now());
-                    if !wait.is_zero() && !apply::pause(wait, shutdown).await {
+                    let wait = at.saturating_duration_since(self.clock.now());
+                    if !wait.is_zero() && !self.clock.pause(wait, shutdown).await {
                         return;
                     }
                 }
@@ -174,7 +177,7 @@ impl Applier<'_> {
                         self.config.retry_backoff_max,
                         attempts,
                     );
-                    failing = Some((i, attempts, Instant::now() + delay));
+                    failing = Some((i, attempts, self.clock.now() + delay));
                     // The messages before it go first, then it alone.
                     end = if at > 0 { i } else { i + 1 };
                 }

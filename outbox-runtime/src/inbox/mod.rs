@@ -32,15 +32,20 @@
 //! (parsing a message), `raw_headers.rs` (header names as bytes),
 //! `apply.rs` (running handlers), `txn.rs` (the guarded transactions
 //! handlers run in, and how a handler that broke one is found), `db.rs`
-//! (which errors are outages).
+//! (which errors are outages), `clock.rs` (what a retry waits on: real
+//! time, or a test clock), `harness.rs` (the `testing` feature: this
+//! consumer's per-message path driven without a broker).
 
 use crate::backoff;
 
 mod apply;
+mod clock;
 mod db;
 pub mod dead_letter;
 mod dedup;
 mod dispatch;
+#[cfg(feature = "testing")]
+pub(crate) mod harness;
 mod poller;
 mod processor;
 mod raw_headers;
@@ -59,6 +64,8 @@ use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+#[cfg(feature = "testing")]
+pub use self::clock::TestClock;
 pub use self::dead_letter::{DeadLetter, DeadLetterFilter, DeadLetterReason};
 use self::dispatch::Registry;
 use self::poller::{Poller, PollerSettings, Shared};
@@ -802,6 +809,7 @@ impl Consumer {
                 db: health(),
                 latency: crate::metrics::ConsumerLatency::new(&config.group),
                 conn: txn::GuardedConn::new(pool.clone(), config.handler_timeout),
+                clock: clock::RetryClock::Real,
             }),
             Mode::Inbox => Sink::Store(store::Store {
                 pool: &pool,

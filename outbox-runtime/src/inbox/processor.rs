@@ -174,7 +174,7 @@ pub(crate) struct Processor {
 }
 
 /// What one round found.
-enum Round {
+pub(crate) enum Round {
     /// Rows settled (processed, dead-lettered or failed).
     Settled(usize),
     /// A handler broke the transaction without saying so: claim again,
@@ -248,7 +248,11 @@ impl Processor {
     /// One transaction: lock partitions, claim their next rows, process
     /// them. Returns how many rows were settled (processed, dead-lettered
     /// or failed).
-    async fn round(&self, conn: &mut GuardedConn, careful: bool) -> Result<Round, String> {
+    pub(crate) async fn round(
+        &self,
+        conn: &mut GuardedConn,
+        careful: bool,
+    ) -> Result<Round, String> {
         let group = &self.config.group;
         let limit = i64::try_from(self.config.processor_batch_size).unwrap_or(i64::MAX);
         let mut tx = conn.begin().await.map_err(|e| e.to_string())?;

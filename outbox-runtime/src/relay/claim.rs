@@ -164,15 +164,20 @@ fn hold_in_use(scope: OutboxScope, owned: &[i32]) -> String {
     )
 }
 
-static CLAIM_ANY: std::sync::LazyLock<String> = std::sync::LazyLock::new(claim_any);
+pub(crate) static CLAIM_ANY: std::sync::LazyLock<String> = std::sync::LazyLock::new(claim_any);
 static CLAIM_LANES: std::sync::LazyLock<String> = std::sync::LazyLock::new(claim_lanes);
 
 /// `statement_timestamp()`: the time the deliveries were known, not the
 /// claim's transaction start that `now()` would give. Rows are found by
 /// their `ctid` (a TID scan): the claim's row locks keep every claimed row
-/// where it was, and it saves a primary-key lookup per row.
+/// where it was, and it saves a primary-key lookup per row. A `ctid` is
+/// unique only within one table: with the partitioned layout the same one
+/// exists in several partitions, so the row's `event_id` (unique) must be
+/// in the list too; its range (`$3`, `$4`) limits the TID scans to the
+/// partitions the batch's rows are in.
 const MARK_PUBLISHED: &str = "UPDATE outbox_event SET published_at = statement_timestamp()
-     WHERE ctid = ANY($1::text[]::tid[])";
+     WHERE ctid = ANY($1::text[]::tid[]) AND event_id = ANY($2::uuid[])
+       AND event_id BETWEEN $3 AND $4";
 
 const RECORD_FAILURES: &str = "\
 UPDATE outbox_event o
@@ -284,14 +289,19 @@ impl Batch {
     ) -> Result<()> {
         if !published.is_empty() {
             let published: std::collections::HashSet<i64> = published.iter().copied().collect();
-            let tids: Vec<&str> = self
+            let marked: Vec<&Row> = self
                 .rows
                 .iter()
                 .filter(|r| published.contains(&r.id))
-                .map(|r| r.tid.as_str())
                 .collect();
+            let tids: Vec<&str> = marked.iter().map(|r| r.tid.as_str()).collect();
+            let event_ids: Vec<uuid::Uuid> = marked.iter().map(|r| r.event_id).collect();
+            let (first, last) = (event_ids.iter().min(), event_ids.iter().max());
             sqlx::query(MARK_PUBLISHED)
                 .bind(&tids)
+                .bind(&event_ids)
+                .bind(first)
+                .bind(last)
                 .execute(&mut *self.tx)
                 .await?;
         }

@@ -233,7 +233,7 @@ const IDENTITY: [&str; 6] = [
 ];
 
 /// Kafka headers of a row: the event's identity and the stored headers.
-fn headers_of(row: &Row) -> OwnedHeaders {
+pub(crate) fn headers_of(row: &Row) -> OwnedHeaders {
     let version = row.event_version.to_string();
     let event_id = row.event_id.to_string();
     let mut headers = OwnedHeaders::new_with_capacity(10)
