@@ -292,7 +292,7 @@ impl TestBus {
         let rows: Vec<Row> = sqlx::query_as(
             "SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version, topic,
                     partition_key, payload::text AS payload, headers::text AS headers, attempts,
-                    ctid::text AS tid
+                    NULL::float8 AS behind_held_secs, ctid::text AS tid
              FROM outbox_event WHERE published_at IS NULL AND parked_at IS NULL
              ORDER BY id FOR UPDATE SKIP LOCKED",
         )
