@@ -59,6 +59,19 @@ pub use convert::{EnableReport, enable};
 /// The tables the partitioned layout covers, in conversion order.
 pub const TABLES: [&str; 3] = ["outbox_event", "processed_event", "inbox_event"];
 
+/// The columns of `table` (qualified) an insert may write, as a list for
+/// SQL: every column but the generated ones (`outbox_event.lane_slot`),
+/// which the insert computes again.
+async fn stored_columns(conn: &mut PgConnection, table: &str) -> Result<String> {
+    Ok(sqlx::query_scalar(
+        "SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) FROM pg_attribute
+         WHERE attrelid = $1::regclass AND attnum > 0 AND NOT attisdropped AND attgenerated = ''",
+    )
+    .bind(table)
+    .fetch_one(&mut *conn)
+    .await?)
+}
+
 /// The partition key of every partitioned table.
 const KEY: &str = "event_id";
 
@@ -360,8 +373,9 @@ async fn create_range(
     .execute(&mut *conn)
     .await?;
     if moved > 0 {
+        let columns = stored_columns(conn, &parent).await?;
         sqlx::query(&format!(
-            "INSERT INTO {parent} SELECT * FROM outbox_partition_moved"
+            "INSERT INTO {parent} ({columns}) SELECT {columns} FROM outbox_partition_moved"
         ))
         .execute(&mut *conn)
         .await?;
