@@ -169,9 +169,12 @@ ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
 /// slot's condition is the index predicate's single expression, so that
 /// only that index matches it (see the migration `lane_slot`).
 ///
-/// Rows are locked only as the merge hands them out: the lock is taken on
-/// the table joined by `ctid` (and `event_id`, which prunes the partitioned
-/// layout's partitions), above the merge. Locking in each slot's subquery
+/// Rows are locked only as the merge hands them out: each merged row is
+/// looked up and locked by a `LATERAL` subquery (by `ctid`, and `event_id`,
+/// which prunes the partitioned layout's partitions), one row at a time
+/// whatever the statistics say (a join could be planned as a scan of every
+/// unpublished row per merged row on a table not yet analyzed: measured,
+/// 1.7 million rows compared for a claim of 1,000). Locking in each slot's subquery
 /// would lock one row per slot read ahead by the merge without returning
 /// it, and a claim running beside this one would skip it and could send a
 /// later row of its key first. A row the lock skips (locked) or drops
@@ -195,43 +198,29 @@ fn claim_slots(count: i32, slots: &[i32]) -> String {
             )
         })
         .collect();
-    // The claim's columns, from the table joined to the merged ranges.
-    let columns = CLAIM_COLUMNS
-        .replacen(
-            "SELECT id, event_id,",
-            "SELECT outbox_event.id, outbox_event.event_id,",
-            1,
-        )
-        .replacen("ctid::text AS tid", "outbox_event.ctid::text AS tid", 1)
-        .replacen(
-            "FROM outbox_event\nWHERE",
-            &format!(
-                "FROM (\n{}\n) s, outbox_event
-WHERE outbox_event.ctid = s.slot_tid AND outbox_event.event_id = s.slot_event_id AND",
-                ranges.join("\nUNION ALL\n")
-            ),
-            1,
-        );
     let locking = format!(
         "WITH owned AS MATERIALIZED (
   SELECT (objid::int8 - $6)::int4 AS lane FROM pg_locks
   WHERE {locks} AND pid = $4 AND objid::int8 >= $6 AND objid::int8 < $6 + {count})
-{columns}
-ORDER BY s.slot_id LIMIT $1 FOR UPDATE OF outbox_event SKIP LOCKED",
+SELECT o.* FROM (
+{ranges}
+) s CROSS JOIN LATERAL ({CLAIM_COLUMNS}
+  AND ctid = s.slot_tid AND event_id = s.slot_event_id
+  FOR UPDATE SKIP LOCKED) o
+ORDER BY s.slot_id LIMIT $1",
         locks = lanes::SCOPE_LOCKS.replace("$1", "$5"),
+        ranges = ranges.join("\nUNION ALL\n"),
     );
     bounded(&locking, "$7")
 }
 
 /// Planner settings of a claim of some lanes' slots ([`claim_slots`]), for
 /// the rest of its transaction: each slot's range must be an ordered index
-/// scan (not a bitmap scan and a sort of the whole slot: the planner counts
-/// few rows per slot, the index predicate being one opaque expression), and
-/// the lock a lookup by `ctid` per merged row (not a hash join over every
-/// unpublished row). The claim's other statements (marks, failures, holds)
-/// are lookups by `ctid` or id: the same plans.
-const SLOT_PLAN: &str = "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; \
-SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off";
+/// scan, not a bitmap scan and a sort of the whole slot (the planner counts
+/// few rows per slot, the index predicate being one opaque expression). The
+/// claim's other statements (marks, failures, holds) are lookups by `ctid`
+/// or id: the same plans.
+const SLOT_PLAN: &str = "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off";
 
 /// Taken before the claim (in the `BEGIN` round trip): see the handover
 /// notes in [`lanes`]. Keys and lane numbers are integers, written into the
@@ -519,7 +508,7 @@ mod tests {
         assert!(removed.iter().all(|n| *n < 1000), "{plan}");
     }
 
-    /// 64,000 rows over 16 lanes; a relay owning lane 3 claims 100 of its
+    /// 64,000 rows over 16 lanes; a relay owning lane 3 claims the first 100 of its
     /// rows, and its plan walks only lane 3's four slots of the slot index,
     /// merged in id order, reading about the batch (the lane filter over the
     /// id index read the other 15 lanes' rows too: ~1,600 for 100).
@@ -534,10 +523,6 @@ mod tests {
         .execute(&pool)
         .await
         .unwrap();
-        sqlx::query("ANALYZE outbox_event")
-            .execute(&pool)
-            .await
-            .unwrap();
         let scope = OutboxScope::of(&pool).await.unwrap();
         let mut session = pool.acquire().await.unwrap();
         let pid: i32 = sqlx::query_scalar(
@@ -582,8 +567,21 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(batch.rows.iter().map(|r| r.id).collect::<Vec<_>>(), first);
-        drop(batch);
+        batch.tx.rollback().await.unwrap();
 
+        // On a young table (no statistics: few rows per slot estimated),
+        // and analyzed.
+        assert_reads_only_its_slots(&pool, scope, pid).await;
+        sqlx::query("ANALYZE outbox_event")
+            .execute(&pool)
+            .await
+            .unwrap();
+        assert_reads_only_its_slots(&pool, scope, pid).await;
+    }
+
+    /// Asserts that the claim of lane 3 of 16 (lock session `pid`) walks
+    /// only that lane's slots, reading about its batch of 100.
+    async fn assert_reads_only_its_slots(pool: &PgPool, scope: OutboxScope, pid: i32) {
         let mut conn = pool.acquire().await.unwrap();
         let mut tx = conn.begin().await.unwrap();
         sqlx::query("SET LOCAL enable_seqscan = off")
