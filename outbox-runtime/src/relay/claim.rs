@@ -185,7 +185,7 @@ ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
 ///
 /// Each slot's subquery runs only if its lane is still owned (the `owned`
 /// list, read once from `pg_locks`).
-fn claim_slots(count: i32, slots: &[i32]) -> String {
+pub(crate) fn claim_slots(count: i32, slots: &[i32]) -> String {
     let ranges: Vec<String> = slots
         .iter()
         .map(|slot| {
@@ -220,7 +220,7 @@ ORDER BY s.slot_id LIMIT $1",
 /// few rows per slot, the index predicate being one opaque expression). The
 /// claim's other statements (marks, failures, holds) are lookups by `ctid`
 /// or id: the same plans.
-const SLOT_PLAN: &str = "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off";
+pub(crate) const SLOT_PLAN: &str = "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off";
 
 /// Taken before the claim (in the `BEGIN` round trip): see the handover
 /// notes in [`lanes`]. Keys and lane numbers are integers, written into the
@@ -240,7 +240,7 @@ static CLAIM_EVERY_LANE: std::sync::LazyLock<String> = std::sync::LazyLock::new(
 /// How many rows a claim with lanes reads at most per slot, for a batch of
 /// `limit`: the batch, plus the rows of this relay's two open batches (the
 /// one in flight, the one being marked) that it skips.
-fn per_slot(limit: i64) -> i64 {
+pub(crate) fn per_slot(limit: i64) -> i64 {
     limit.saturating_mul(3)
 }
 
