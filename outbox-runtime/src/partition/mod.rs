@@ -780,7 +780,7 @@ mod tests {
     /// own partition only, and returns the lane's rows in id order.
     #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
     async fn the_claim_of_some_lanes_walks_the_slot_index_of_every_partition(pool: PgPool) {
-        use crate::relay::claim::{SLOT_PLAN, claim_slots, per_slot};
+        use crate::relay::claim::{claim_slots, per_slot};
         use crate::relay::lanes::slots_of;
         use crate::scope::Lock;
         let insert = "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id,
@@ -846,9 +846,6 @@ mod tests {
             ))
             .await
             .unwrap();
-        for set in SLOT_PLAN.split(';') {
-            sqlx::query(set).execute(&mut *tx).await.unwrap();
-        }
         let sql = claim_slots(16, &slots_of(16, &[3]));
         let claimed: Vec<i64> = sqlx::query_scalar(&format!("SELECT id FROM ({sql}) c"))
             .bind(1000_i64)

@@ -159,7 +159,7 @@ ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
 /// lanes this relay may claim from, for `count` lanes), of the lanes the
 /// lane connection (pid `$4`) still owns at this statement's start; the
 /// outbox's oid `$5`, the `pg_locks` objid of lane 0 `$6`, at most `$3` rows
-/// read per slot, byte budget `$7`. Runs under [`SLOT_PLAN`].
+/// read per slot, byte budget `$7`.
 ///
 /// Each slot is one range of `ix_outbox_event_unpublished_slot`, walked in
 /// id order (a subquery with its own `ORDER BY id LIMIT`: its slot is a
@@ -213,14 +213,6 @@ ORDER BY s.slot_id LIMIT $1",
     );
     bounded(&locking, "$7")
 }
-
-/// Planner settings of a claim of some lanes' slots ([`claim_slots`]), for
-/// the rest of its transaction: each slot's range must be an ordered index
-/// scan, not a bitmap scan and a sort of the whole slot (the planner counts
-/// few rows per slot, the index predicate being one opaque expression). The
-/// claim's other statements (marks, failures, holds) are lookups by `ctid`
-/// or id: the same plans.
-pub(crate) const SLOT_PLAN: &str = "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off";
 
 /// Taken before the claim (in the `BEGIN` round trip): see the handover
 /// notes in [`lanes`]. Keys and lane numbers are integers, written into the
@@ -305,12 +297,7 @@ pub(crate) async fn claim(
 ) -> Result<Batch> {
     let every_lane = lanes.lanes.len() == usize::try_from(lanes.count).unwrap_or(0);
     let begin: std::borrow::Cow<'_, str> = if lanes.count > 0 && !lanes.lanes.is_empty() {
-        let plan = if every_lane { "" } else { SLOT_PLAN };
-        format!(
-            "{begin}; {}; {plan}",
-            hold_in_use(lanes.scope, &lanes.lanes)
-        )
-        .into()
+        format!("{begin}; {}", hold_in_use(lanes.scope, &lanes.lanes)).into()
     } else {
         begin.into()
     };
@@ -588,9 +575,6 @@ mod tests {
             .execute(&mut *tx)
             .await
             .unwrap();
-        for set in SLOT_PLAN.split(';') {
-            sqlx::query(set).execute(&mut *tx).await.unwrap();
-        }
         let sql = claim_slots(16, &lanes::slots_of(16, &[3]));
         let plan: Vec<String> = sqlx::query_scalar(&format!("EXPLAIN (ANALYZE, COSTS OFF) {sql}"))
             .bind(100_i64)
