@@ -89,7 +89,7 @@ else:
     stmt = "PREPARE c(int8, text[], int8, int4, int8, int8, int8) AS " + new(slots) + ";"
     exe = f"EXECUTE c(2000, '{{}}', 6000, pg_backend_pid(), {oid}, {objid_lane}, 4194304);"
 # pg_backend_pid() as a parameter of EXECUTE: evaluated per EXECUTE.
-print("SET enable_seqscan = off; SET jit = off;" + (" SET enable_bitmapscan = off; SET enable_sort = off;" if mode == "new" else ""))
+print("SET enable_seqscan = off; SET jit = off;")
 print(lock); print(stmt)
 for _ in range(runs):
     print("BEGIN;"); print(ex + exe); print("ROLLBACK;")
