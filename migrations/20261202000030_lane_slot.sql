@@ -1,9 +1,10 @@
 -- Lane slots: each row stores, at insert, the slot of its partition key
 -- (`(hashtext(partition_key) & 2147483647) % 64`), and the claim's index of
 -- relays with lanes holds it beside the id. A lane is a fixed set of slots
--- (lane = slot % L, so L must divide 64), and a relay's claim walks only the
--- index ranges of its own lanes' slots, merged in id order: it reads about
--- its batch, however many rows other relays' lanes hold. For the lane counts
+-- (lane = slot % L, so L must divide 64), and a relay owning some lanes
+-- walks only the index ranges of its lanes' slots, merged in id order: it
+-- reads about its batch, however many rows other relays' lanes hold (a
+-- relay owning every lane keeps walking ix_outbox_event_unpublished). For the lane counts
 -- earlier versions accepted that divide 64 a row keeps its lane
 -- (hash % 64 % L = hash % L).
 --
