@@ -175,10 +175,10 @@ pub(crate) struct RelayArgs {
     #[arg(long)]
     pub delivery_timeout_ms: Option<u64>,
     /// Lanes the partition keys are spread over, shared out among the relays
-    /// of the outbox (all must use the same count); 0 turns lanes off (then
-    /// relays with lanes refuse to run beside it, and it beside them)
-    /// (default 16).
-    #[arg(long, value_parser = clap::value_parser!(u16).range(0..=1024))]
+    /// of the outbox (all must use the same count, a divisor of 64: 1, 2, 4,
+    /// 8, 16, 32 or 64); 0 turns lanes off (then relays with lanes refuse to
+    /// run beside it, and it beside them) (default 16).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(0..=64))]
     pub lanes: Option<u16>,
     /// How long this relay keeps its lanes once it stops answering (host
     /// frozen, connection half-open), in milliseconds (default 10000).

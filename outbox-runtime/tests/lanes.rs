@@ -137,8 +137,15 @@ async fn a_relay_with_another_lane_count_is_refused(pool: PgPool) {
     );
     running.shutdown().await.unwrap();
 
-    let too_many = relay(&pool).lanes(2000).build();
-    assert!(matches!(too_many, Err(Error::Config(m)) if m.contains("0..=1024")));
+    for unsupported in [3, 10, 100, 128, 2000] {
+        let refused = relay(&pool).lanes(unsupported).build();
+        assert!(
+            matches!(&refused, Err(Error::Config(m)) if m.contains("divisor of 64")
+                && m.contains(&format!("got {unsupported}"))),
+            "{unsupported} lanes: {:?}",
+            refused.err()
+        );
+    }
 }
 
 /// Two writers of one key whose transactions overlap: the first draws its id

@@ -303,7 +303,7 @@ async fn convert(
     }
     statements.push(format!(
         "CREATE TABLE {old} (LIKE {legacy} INCLUDING DEFAULTS INCLUDING CONSTRAINTS \
-         INCLUDING STORAGE INCLUDING COMMENTS) PARTITION BY RANGE ({KEY})"
+         INCLUDING GENERATED INCLUDING STORAGE INCLUDING COMMENTS) PARTITION BY RANGE ({KEY})"
     ));
     for (column, next) in &sequences {
         let seq = qualified(schema, &with_suffix(&format!("{table}_{column}"), "_seq"));
@@ -384,8 +384,9 @@ async fn convert(
         hi = to;
     }
     if moved > 0 {
+        let columns = super::stored_columns(&mut tx, &old).await?;
         sqlx::query(&format!(
-            "INSERT INTO {old} SELECT * FROM outbox_partition_set_aside"
+            "INSERT INTO {old} ({columns}) SELECT {columns} FROM outbox_partition_set_aside"
         ))
         .execute(&mut *tx)
         .await?;

@@ -59,6 +59,19 @@ pub use convert::{EnableReport, enable};
 /// The tables the partitioned layout covers, in conversion order.
 pub const TABLES: [&str; 3] = ["outbox_event", "processed_event", "inbox_event"];
 
+/// The columns of `table` (qualified) an insert may write, as a list for
+/// SQL: every column but the generated ones (`outbox_event.lane_slot`),
+/// which the insert computes again.
+async fn stored_columns(conn: &mut PgConnection, table: &str) -> Result<String> {
+    Ok(sqlx::query_scalar(
+        "SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) FROM pg_attribute
+         WHERE attrelid = $1::regclass AND attnum > 0 AND NOT attisdropped AND attgenerated = ''",
+    )
+    .bind(table)
+    .fetch_one(&mut *conn)
+    .await?)
+}
+
 /// The partition key of every partitioned table.
 const KEY: &str = "event_id";
 
@@ -360,8 +373,9 @@ async fn create_range(
     .execute(&mut *conn)
     .await?;
     if moved > 0 {
+        let columns = stored_columns(conn, &parent).await?;
         sqlx::query(&format!(
-            "INSERT INTO {parent} SELECT * FROM outbox_partition_moved"
+            "INSERT INTO {parent} ({columns}) SELECT {columns} FROM outbox_partition_moved"
         ))
         .execute(&mut *conn)
         .await?;
@@ -754,6 +768,118 @@ mod tests {
                 plan.lines()
                     .any(|l| l.contains("Index Scan") && l.contains(&format!(" on {} ", p.name))),
                 "{} on an index: {plan}",
+                p.name
+            );
+        }
+    }
+
+    /// A relay owning one lane of 16, on the partitioned layout with rows in
+    /// the legacy, dated and default partitions: the slot column survived the
+    /// conversion (rows inserted since have their slot), the claim walks the
+    /// slot index of every partition, locks each row by a TID lookup in its
+    /// own partition only, and returns the lane's rows in id order.
+    #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+    async fn the_claim_of_some_lanes_walks_the_slot_index_of_every_partition(pool: PgPool) {
+        use crate::relay::claim::{claim_slots, per_slot};
+        use crate::relay::lanes::slots_of;
+        use crate::scope::Lock;
+        let insert = "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id,
+                                                event_type, payload, topic, partition_key)
+                      VALUES ($1, 'a', 'k', 'e', '{}', 't', $2)";
+        // Rows before the conversion: the legacy partition.
+        for g in 0..40 {
+            sqlx::query(insert)
+                .bind(Uuid::now_v7())
+                .bind(format!("k{g}"))
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+        enable(&pool, &PartitionPlan::default()).await.unwrap();
+        let now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::int8")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        for g in 0..40 {
+            for id in [
+                Uuid::now_v7(),
+                uuid_at(now + 86_400_000 + 5 + g),
+                uuid_at(now + 1000 * 86_400_000 + g),
+            ] {
+                sqlx::query(insert)
+                    .bind(id)
+                    .bind(format!("k{g}"))
+                    .execute(&pool)
+                    .await
+                    .unwrap();
+            }
+        }
+        let wrong: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM outbox_event
+             WHERE lane_slot IS DISTINCT FROM (hashtext(partition_key) & 2147483647) % 64",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(wrong, 0, "every row has its slot");
+        let lane3: Vec<i64> = sqlx::query_scalar(
+            "SELECT id FROM outbox_event WHERE (hashtext(partition_key) & 2147483647) % 16 = 3
+             ORDER BY id",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        assert!(!lane3.is_empty());
+
+        let scope = OutboxScope::of(&pool).await.unwrap();
+        let mut session = pool.acquire().await.unwrap();
+        let pid: i32 =
+            sqlx::query_scalar("SELECT pg_backend_pid() FROM (SELECT pg_advisory_lock($1)) AS l")
+                .bind(scope.base(Lock::Lane) | 3)
+                .fetch_one(&mut *session)
+                .await
+                .unwrap();
+        let mut tx = pool
+            .begin_with(crate::relay::claim::begin(
+                Duration::from_secs(10),
+                Duration::ZERO,
+            ))
+            .await
+            .unwrap();
+        let sql = claim_slots(16, &slots_of(16, &[3]));
+        let claimed: Vec<i64> = sqlx::query_scalar(&format!("SELECT id FROM ({sql}) c"))
+            .bind(1000_i64)
+            .bind(Vec::<String>::new())
+            .bind(per_slot(1000))
+            .bind(pid)
+            .bind(i64::from(scope.oid()))
+            .bind(OutboxScope::objid(Lock::Lane))
+            .bind(1_000_000_i64)
+            .fetch_all(&mut *tx)
+            .await
+            .unwrap();
+        assert_eq!(claimed, lane3);
+        let plan: Vec<String> = sqlx::query_scalar(&format!("EXPLAIN {sql}"))
+            .bind(1000_i64)
+            .bind(Vec::<String>::new())
+            .bind(per_slot(1000))
+            .bind(pid)
+            .bind(i64::from(scope.oid()))
+            .bind(OutboxScope::objid(Lock::Lane))
+            .bind(1_000_000_i64)
+            .fetch_all(&mut *tx)
+            .await
+            .unwrap();
+        let plan = plan.join("\n");
+        assert!(!plan.contains("Seq Scan"), "{plan}");
+        assert!(plan.contains("Tid Scan"), "{plan}");
+        let parts = list(&pool).await.unwrap();
+        for p in parts.iter().filter(|p| p.table == "outbox_event") {
+            assert!(
+                plan.lines().any(|l| l.contains("Index Scan")
+                    && l.contains("slot")
+                    && l.contains(&format!(" on {} ", p.name))),
+                "{} on its slot index: {plan}",
                 p.name
             );
         }

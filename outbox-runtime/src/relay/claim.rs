@@ -126,18 +126,21 @@ ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
     bounded(&locking, "$6")
 }
 
-/// With lanes: rows of the lanes this relay may claim from, i.e. none of
-/// the lanes in `$4` (the others), and none the lane connection (pid `$5`)
-/// does not own at this statement's start; lane count `$3`, the outbox's
-/// oid `$6`, the `pg_locks` objid of lane 0 `$7`.
+/// With lanes, owning all of them: every row, walking the id index (as
+/// without lanes), while the lane connection (pid `$5`) owns the row's lane
+/// at this statement's start: none of the lanes in `$4` (the others; none
+/// here but the statement serves any set) nor the lanes it does not own;
+/// lane count `$3`, the outbox's oid `$6`, the `pg_locks` objid of lane 0
+/// `$7`. A relay owning every lane has no other relay's rows to pass over,
+/// and this walk reads each index and heap page once for many rows.
 ///
 /// Both conditions are written as exclusions (`<> ALL`): the planner
 /// estimates those as barely selective and keeps walking the partial index
 /// in id order. Written as `lane = ANY(owned)` they look so selective that it
 /// sorts the whole backlog on every claim instead (measured: 270 ms against
 /// 4 ms per claim of 2,000 over a backlog of 200,000).
-fn claim_lanes() -> String {
-    let lane = lanes::lane_expr(3);
+fn claim_every_lane() -> String {
+    let lane = "(lane_slot % $3)";
     let locking = format!(
         "{CLAIM_COLUMNS}
   AND {lane} <> ALL($4::int4[])
@@ -150,6 +153,65 @@ ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
         locks = lanes::SCOPE_LOCKS.replace("$1", "$6"),
     );
     bounded(&locking, "$8")
+}
+
+/// With lanes, owning some of them: rows of the slots `slots` (those of the
+/// lanes this relay may claim from, for `count` lanes), of the lanes the
+/// lane connection (pid `$4`) still owns at this statement's start; the
+/// outbox's oid `$5`, the `pg_locks` objid of lane 0 `$6`, at most `$3` rows
+/// read per slot, byte budget `$7`.
+///
+/// Each slot is one range of `ix_outbox_event_unpublished_slot`, walked in
+/// id order (a subquery with its own `ORDER BY id LIMIT`: its slot is a
+/// constant there, so the index gives id order); the ranges are merged in
+/// id order (a Merge Append), so the claim reads about its batch, however
+/// many rows other relays' lanes hold (measured: see BENCHMARKS.md). A
+/// slot's condition is the index predicate's single expression, so that
+/// only that index matches it (see the migration `lane_slot`).
+///
+/// Rows are locked only as the merge hands them out: each merged row is
+/// looked up and locked by a `LATERAL` subquery (by `ctid`, and `event_id`,
+/// which prunes the partitioned layout's partitions), one row at a time
+/// whatever the statistics say (a join could be planned as a scan of every
+/// unpublished row per merged row on a table not yet analyzed: measured,
+/// 1.7 million rows compared for a claim of 1,000). Locking in each slot's subquery
+/// would lock one row per slot read ahead by the merge without returning
+/// it, and a claim running beside this one would skip it and could send a
+/// later row of its key first. A row the lock skips (locked) or drops
+/// (changed since: the conditions are checked again on the row locked) only
+/// makes the batch smaller: a key's rows are all in one slot, read in id
+/// order. `$3` bounds each slot's read past the rows this relay's own open
+/// batches still hold locked.
+///
+/// Each slot's subquery runs only if its lane is still owned (the `owned`
+/// list, read once from `pg_locks`).
+pub(crate) fn claim_slots(count: i32, slots: &[i32]) -> String {
+    let ranges: Vec<String> = slots
+        .iter()
+        .map(|slot| {
+            format!(
+                "(SELECT id AS slot_id, ctid AS slot_tid, event_id AS slot_event_id FROM outbox_event
+  WHERE lane_slot = {slot} AND coalesce(published_at, parked_at, held_until) IS NULL
+    AND partition_key <> ALL($2::text[]) AND EXISTS (SELECT 1 FROM owned WHERE lane = {lane})
+  ORDER BY id LIMIT $3)",
+                lane = slot % count.max(1)
+            )
+        })
+        .collect();
+    let locking = format!(
+        "WITH owned AS MATERIALIZED (
+  SELECT (objid::int8 - $6)::int4 AS lane FROM pg_locks
+  WHERE {locks} AND pid = $4 AND objid::int8 >= $6 AND objid::int8 < $6 + {count})
+SELECT o.* FROM (
+{ranges}
+) s CROSS JOIN LATERAL ({CLAIM_COLUMNS}
+  AND ctid = s.slot_tid AND event_id = s.slot_event_id
+  FOR UPDATE SKIP LOCKED) o
+ORDER BY s.slot_id LIMIT $1",
+        locks = lanes::SCOPE_LOCKS.replace("$1", "$5"),
+        ranges = ranges.join("\nUNION ALL\n"),
+    );
+    bounded(&locking, "$7")
 }
 
 /// Taken before the claim (in the `BEGIN` round trip): see the handover
@@ -165,7 +227,14 @@ fn hold_in_use(scope: OutboxScope, owned: &[i32]) -> String {
 }
 
 pub(crate) static CLAIM_ANY: std::sync::LazyLock<String> = std::sync::LazyLock::new(claim_any);
-static CLAIM_LANES: std::sync::LazyLock<String> = std::sync::LazyLock::new(claim_lanes);
+static CLAIM_EVERY_LANE: std::sync::LazyLock<String> = std::sync::LazyLock::new(claim_every_lane);
+
+/// How many rows a claim with lanes reads at most per slot, for a batch of
+/// `limit`: the batch, plus the rows of this relay's two open batches (the
+/// one in flight, the one being marked) that it skips.
+pub(crate) fn per_slot(limit: i64) -> i64 {
+    limit.saturating_mul(3)
+}
 
 /// `statement_timestamp()`: the time the deliveries were known, not the
 /// claim's transaction start that `now()` would give. Rows are found by
@@ -226,6 +295,7 @@ pub(crate) async fn claim(
     held_keys: &[String],
     lanes: &Claimable,
 ) -> Result<Batch> {
+    let every_lane = lanes.lanes.len() == usize::try_from(lanes.count).unwrap_or(0);
     let begin: std::borrow::Cow<'_, str> = if lanes.count > 0 && !lanes.lanes.is_empty() {
         format!("{begin}; {}", hold_in_use(lanes.scope, &lanes.lanes)).into()
     } else {
@@ -244,15 +314,24 @@ pub(crate) async fn claim(
             .bind(max_bytes)
             .fetch_all(&mut *tx)
             .await?
-    } else {
-        let others: Vec<i32> = (0..lanes.count)
-            .filter(|l| !lanes.lanes.contains(l))
-            .collect();
-        sqlx::query_as::<_, Row>(CLAIM_LANES.as_str())
+    } else if every_lane {
+        sqlx::query_as::<_, Row>(CLAIM_EVERY_LANE.as_str())
             .bind(limit)
             .bind(held_keys)
             .bind(lanes.count)
-            .bind(&others)
+            .bind(Vec::<i32>::new())
+            .bind(lanes.pid)
+            .bind(i64::from(lanes.scope.oid()))
+            .bind(OutboxScope::objid(Lock::Lane))
+            .bind(max_bytes)
+            .fetch_all(&mut *tx)
+            .await?
+    } else {
+        let sql = claim_slots(lanes.count, &lanes::slots_of(lanes.count, &lanes.lanes));
+        sqlx::query_as::<_, Row>(&sql)
+            .bind(limit)
+            .bind(held_keys)
+            .bind(per_slot(limit))
             .bind(lanes.pid)
             .bind(i64::from(lanes.scope.oid()))
             .bind(OutboxScope::objid(Lock::Lane))
@@ -414,6 +493,135 @@ mod tests {
             .filter_map(|n| n.trim().parse().ok())
             .collect();
         assert!(removed.iter().all(|n| *n < 1000), "{plan}");
+    }
+
+    /// 64,000 rows over 16 lanes; a relay owning lane 3 claims the first 100 of its
+    /// rows, and its plan walks only lane 3's four slots of the slot index,
+    /// merged in id order, reading about the batch (the lane filter over the
+    /// id index read the other 15 lanes' rows too: ~1,600 for 100).
+    #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+    async fn a_claim_with_lanes_reads_only_its_slots(pool: PgPool) {
+        sqlx::query(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                       payload, topic, partition_key)
+             SELECT gen_random_uuid(), 'A', 'a', 'E', '{}', 't', 'k' || (g % 5000)
+             FROM generate_series(1, 64000) AS g",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let scope = OutboxScope::of(&pool).await.unwrap();
+        let mut session = pool.acquire().await.unwrap();
+        let pid: i32 = sqlx::query_scalar(
+            "SELECT pg_backend_pid() FROM (SELECT pg_advisory_lock_shared($1), pg_advisory_lock($2)) AS l",
+        )
+        .bind(scope.key(Lock::Count, 16))
+        .bind(scope.base(Lock::Lane) | 3)
+        .fetch_one(&mut *session)
+        .await
+        .unwrap();
+        let claimable = Claimable {
+            scope,
+            count: 16,
+            lanes: vec![3],
+            pid,
+        };
+        let timeout = std::time::Duration::from_secs(10);
+        let begin = begin(timeout, timeout);
+        let batch = claim(&pool, &begin, 100, 1 << 20, &[], &claimable)
+            .await
+            .unwrap();
+        assert_eq!(batch.rows.len(), 100);
+        assert!(batch.rows.windows(2).all(|w| w[0].id < w[1].id));
+        let keys: Vec<&str> = batch
+            .rows
+            .iter()
+            .map(|r| r.partition_key.as_str())
+            .collect();
+        let lanes: Vec<i32> =
+            sqlx::query_scalar("SELECT (hashtext(k) & 2147483647) % 16 FROM unnest($1::text[]) k")
+                .bind(&keys)
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert!(lanes.iter().all(|l| *l == 3), "{lanes:?}");
+        // The first 100 rows of lane 3, in id order.
+        let first: Vec<i64> = sqlx::query_scalar(
+            "SELECT id FROM outbox_event WHERE (hashtext(partition_key) & 2147483647) % 16 = 3
+             ORDER BY id LIMIT 100",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        assert_eq!(batch.rows.iter().map(|r| r.id).collect::<Vec<_>>(), first);
+        batch.tx.rollback().await.unwrap();
+
+        // On a young table (no statistics: few rows per slot estimated),
+        // and analyzed.
+        assert_reads_only_its_slots(&pool, scope, pid).await;
+        sqlx::query("ANALYZE outbox_event")
+            .execute(&pool)
+            .await
+            .unwrap();
+        assert_reads_only_its_slots(&pool, scope, pid).await;
+    }
+
+    /// Asserts that the claim of lane 3 of 16 (lock session `pid`) walks
+    /// only that lane's slots, reading about its batch of 100.
+    async fn assert_reads_only_its_slots(pool: &PgPool, scope: OutboxScope, pid: i32) {
+        let mut conn = pool.acquire().await.unwrap();
+        let mut tx = conn.begin().await.unwrap();
+        sqlx::query("SET LOCAL enable_seqscan = off")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let sql = claim_slots(16, &lanes::slots_of(16, &[3]));
+        let plan: Vec<String> = sqlx::query_scalar(&format!("EXPLAIN (ANALYZE, COSTS OFF) {sql}"))
+            .bind(100_i64)
+            .bind(Vec::<String>::new())
+            .bind(per_slot(100))
+            .bind(pid)
+            .bind(i64::from(scope.oid()))
+            .bind(OutboxScope::objid(Lock::Lane))
+            .bind(1_i64 << 20)
+            .fetch_all(&mut *tx)
+            .await
+            .unwrap();
+        let plan = plan.join("\n");
+        assert!(plan.contains("Merge Append"), "{plan}");
+        let scans: Vec<&str> = plan
+            .lines()
+            .filter(|l| l.contains("Scan using ix_outbox_event_unpublished_slot"))
+            .collect();
+        assert_eq!(scans.len(), 4, "{plan}");
+        let conds: Vec<&str> = plan
+            .lines()
+            .filter_map(|l| l.split("Index Cond: ").nth(1))
+            .filter(|c| c.contains("lane_slot"))
+            .collect();
+        assert_eq!(
+            conds,
+            [
+                "(lane_slot = 3)",
+                "(lane_slot = 19)",
+                "(lane_slot = 35)",
+                "(lane_slot = 51)"
+            ],
+            "{plan}"
+        );
+        let read: u64 = scans
+            .iter()
+            .filter_map(|l| l.split(" rows=").nth(1))
+            .filter_map(|n| n.split(' ').next()?.parse::<u64>().ok())
+            .sum();
+        // The batch, one row read ahead per slot, the byte budget's window
+        // reading a couple ahead.
+        assert!((100..=110).contains(&read), "{read} rows read: {plan}");
+        assert!(!plan.contains("Seq Scan"), "{plan}");
+        assert!(
+            !plan.contains("-> Sort") && !plan.contains("->  Sort"),
+            "{plan}"
+        );
     }
 
     #[test]

@@ -1,8 +1,13 @@
 //! Lanes: per-key order with several relays.
 //!
-//! Every row belongs to one of `L` lanes, a pure function of its partition
-//! key (`(hashtext(partition_key) & 2147483647) % L`), so all events of a key
-//! share a lane. Each relay owns a set of lanes, as PostgreSQL session-level
+//! Every row stores, at insert, its slot: one of [`SLOTS`] (64), a pure
+//! function of its partition key (the generated column `lane_slot`,
+//! `(hashtext(partition_key) & 2147483647) % 64`). A lane is a fixed set of
+//! slots, `lane = slot % L` (so `L` must divide 64: see
+//! [`RelayConfig::lanes`](super::RelayConfig::lanes)), and all events of a
+//! key share a lane (`slot % L` = `hash % L`, the lane of earlier versions).
+//! The claim walks the index ranges of its lanes' slots only (see
+//! [`claim`](super::claim)). Each relay owns a set of lanes, as PostgreSQL session-level
 //! advisory locks on a connection of its own (released by the server when the
 //! session ends, so a dead relay's lanes come free at once), and claims only
 //! rows of lanes it owns. One lane has one owner, so one relay publishes a
@@ -53,9 +58,21 @@ use crate::scope::{Lock, OutboxScope};
 /// How often a relay rebalances its lanes.
 pub(crate) const REBALANCE_INTERVAL: Duration = Duration::from_millis(250);
 
-/// The SQL expression of a row's lane, for `L` = `$n`.
-pub(crate) fn lane_expr(count_param: usize) -> String {
-    format!("((hashtext(partition_key) & 2147483647) % ${count_param})")
+/// The number of slots rows are stored in (the `lane_slot` column); a lane
+/// is the slots `s` with `s % L` = the lane, so a lane count must divide it.
+/// 64: lane counts up to 64 (relays of one outbox rarely number more), and a
+/// relay owning every lane merges 64 index ranges per claim.
+pub(crate) const SLOTS: i32 = 64;
+
+/// The slots of `lanes`, for `count` lanes (a divisor of [`SLOTS`]), in order.
+pub(crate) fn slots_of(count: i32, lanes: &[i32]) -> Vec<i32> {
+    let mut slots: Vec<i32> = lanes
+        .iter()
+        .flat_map(|lane| (*lane..SLOTS).step_by(usize::try_from(count.max(1)).unwrap_or(1)))
+        .collect();
+    slots.sort_unstable();
+    slots.dedup();
+    slots
 }
 
 /// `pg_locks` rows of this database's advisory locks of one outbox (`$1`:
@@ -504,6 +521,19 @@ mod tests {
     fn a_member_not_yet_listed_gets_the_smallest_share() {
         assert_eq!(fair_share(16, &[1, 2], 3), 8);
         assert_eq!(fair_share(16, &[], 3), 16);
+    }
+
+    #[test]
+    fn a_lane_is_every_slot_of_its_residue() {
+        assert_eq!(slots_of(16, &[3]), vec![3, 19, 35, 51]);
+        assert_eq!(slots_of(16, &[5, 0]), vec![0, 5, 16, 21, 32, 37, 48, 53]);
+        assert_eq!(slots_of(1, &[0]), (0..64).collect::<Vec<_>>());
+        assert_eq!(slots_of(64, &[63]), vec![63]);
+        // Every slot in exactly one lane.
+        for count in [1, 2, 4, 8, 16, 32, 64] {
+            let all: Vec<i32> = slots_of(count, &(0..count).collect::<Vec<_>>());
+            assert_eq!(all, (0..64).collect::<Vec<_>>(), "{count}");
+        }
     }
 
     #[test]

@@ -88,6 +88,9 @@ pub struct RelayConfig {
     /// use the same count. `0` turns lanes off: relays then only skip each
     /// other's rows, and per-key order holds only with a single relay; a
     /// relay without lanes and relays with lanes refuse to run side by side.
+    /// A lane is a fixed set of the 64 slots rows are stored in (see
+    /// [`lanes`](self::lanes)): the count must divide 64 (1, 2, 4, 8, 16, 32
+    /// or 64).
     pub lanes: u16,
     /// `statement_timeout` of the relay's SQL (claims, marks, lane and
     /// metrics queries); zero: none. A statement that runs longer fails and
@@ -190,8 +193,14 @@ impl RelayConfig {
         if self.delivery_timeout < Duration::from_millis(100) {
             return bad("delivery timeout must be >= 100 ms".into());
         }
-        if self.lanes > 1024 {
-            return bad(format!("lanes must be 0..=1024, got {}", self.lanes));
+        if self.lanes != 0 && lanes::SLOTS % i32::from(self.lanes) != 0 {
+            return bad(format!(
+                "lanes must be 0 (none) or a divisor of {} (1, 2, 4, 8, 16, 32 or 64), got {}: \
+                 a lane is a fixed set of the {} slots rows are stored in",
+                lanes::SLOTS,
+                self.lanes,
+                lanes::SLOTS
+            ));
         }
         if !self.statement_timeout.is_zero() && self.statement_timeout < Duration::from_millis(100)
         {
