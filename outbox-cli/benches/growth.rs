@@ -514,28 +514,13 @@ async fn produce(brokers: &str, topic: &str, n: u64) -> Result<(), Box<dyn std::
                 value: Some(v.as_bytes()),
             });
         }
-        let mut record = FutureRecord::to(topic)
+        let record = FutureRecord::to(topic)
             .key(key.as_bytes())
             .payload(payload.as_bytes())
             .headers(headers);
-        loop {
-            match producer.send_result(record) {
-                Ok(d) => {
-                    pending.push(d);
-                    break;
-                }
-                Err((_, back)) => {
-                    record = back;
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-            }
-        }
+        pending.push(common::queue(&producer, record).await);
     }
-    for d in pending {
-        if let Ok(Err((e, _))) = d.await {
-            return Err(e.into());
-        }
-    }
+    common::delivered(pending).await?;
     Ok(())
 }
 

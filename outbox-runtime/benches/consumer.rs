@@ -179,28 +179,13 @@ async fn preload(brokers: &str, n: u64) -> Result<f64, Box<dyn std::error::Error
                 key: "correlation_id",
                 value: Some(correlation.as_bytes()),
             });
-        let mut record = FutureRecord::to(TOPIC)
+        let record = FutureRecord::to(TOPIC)
             .key(key.as_bytes())
             .payload(payload.as_bytes())
             .headers(headers);
-        loop {
-            match producer.send_result(record) {
-                Ok(d) => {
-                    pending.push(d);
-                    break;
-                }
-                Err((_, back)) => {
-                    record = back;
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-            }
-        }
+        pending.push(common::queue(&producer, record).await);
     }
-    for d in pending {
-        if let Ok(Err((e, _))) = d.await {
-            return Err(e.into());
-        }
-    }
+    common::delivered(pending).await?;
     Ok(n as f64 / start.elapsed().as_secs_f64())
 }
 

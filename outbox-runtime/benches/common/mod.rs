@@ -94,3 +94,32 @@ pub async fn drained(pool: &PgPool) -> Result<bool, sqlx::Error> {
     .fetch_one(pool)
     .await
 }
+
+/// Queues `record` on `producer`, waiting a millisecond at a time while the
+/// producer's queue is full; returns its delivery.
+pub async fn queue(
+    producer: &rdkafka::producer::FutureProducer,
+    mut record: rdkafka::producer::FutureRecord<'_, [u8], [u8]>,
+) -> rdkafka::producer::DeliveryFuture {
+    loop {
+        match producer.send_result(record) {
+            Ok(delivery) => return delivery,
+            Err((_, back)) => {
+                record = back;
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+        }
+    }
+}
+
+/// Waits for `deliveries`; the first failed one's error.
+pub async fn delivered(
+    deliveries: Vec<rdkafka::producer::DeliveryFuture>,
+) -> Result<(), rdkafka::error::KafkaError> {
+    for delivery in deliveries {
+        if let Ok(Err((e, _))) = delivery.await {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
