@@ -54,17 +54,27 @@ pub(crate) const RELEASE_INTERVAL: std::time::Duration = std::time::Duration::fr
 /// statement runs under the relay's `statement_timeout` (0: none), like its
 /// claims: behind a lock held on the table it gives up instead of holding
 /// the relay's loop.
+///
+/// It runs only on a connection the pool has free at once (none: nothing
+/// released this round). The relay may call it while a batch of its holds a
+/// connection: waiting for one there could deadlock relays sharing a small
+/// pool (each holding a batch's connection, each waiting for another).
 pub(crate) async fn release(
     pool: &sqlx::PgPool,
     limit: i64,
     statement_timeout: std::time::Duration,
 ) -> crate::error::Result<u64> {
-    let mut tx = pool
-        .begin_with(format!(
-            "BEGIN; SET LOCAL statement_timeout = {}",
-            statement_timeout.as_millis()
-        ))
-        .await?;
+    use sqlx::Connection as _;
+    let Some(mut conn) = pool.try_acquire() else {
+        return Ok(0);
+    };
+    let mut tx = conn.begin().await?;
+    sqlx::query(&format!(
+        "SET LOCAL statement_timeout = {}",
+        statement_timeout.as_millis()
+    ))
+    .execute(&mut *tx)
+    .await?;
     let released = sqlx::query(RELEASE)
         .bind(limit)
         .execute(&mut *tx)
