@@ -11,7 +11,9 @@
 //! - `status`, `replay --dry-run` with a time filter, and a cleanup pass
 //!   that finds nothing to delete: their times;
 //! - writers' commit rate (Unit of Work, 1 event, 16 clients) while a relay
-//!   drains a large backlog at full speed, against writers alone;
+//!   drains a large backlog at full speed (and at each rate limit of
+//!   `--relay-rates`), against writers alone, with where the CPU goes
+//!   (see `profile`);
 //! - writers' commit p99 while a cleanup deletes the whole history, against
 //!   writers alone (last: it empties the history).
 //!
@@ -25,6 +27,8 @@
 
 #[path = "../../outbox-runtime/benches/common/mod.rs"]
 mod common;
+#[path = "growth/profile.rs"]
+mod profile;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -83,6 +87,13 @@ struct Args {
     /// Rows per history-filling statement.
     #[arg(long, default_value_t = 1_000_000)]
     chunk: i64,
+    /// Rate limits (events/s) of the relay draining beside the writers; 0:
+    /// none. Each is one writers' run.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    relay_rates: Vec<u32>,
+    /// Only the writers beside a draining relay (at each of `--relay-rates`).
+    #[arg(long)]
+    only_writers_relay: bool,
     /// Also write the results to this JSON file.
     #[arg(long)]
     json: Option<String>,
@@ -289,11 +300,68 @@ async fn backlog(pool: &PgPool, n: i64, topic: &str) -> Result<(), sqlx::Error> 
 }
 
 async fn relay_pool(url: &str) -> Result<PgPool, sqlx::Error> {
-    PgPoolOptions::new().max_connections(8).connect(url).await
+    pool_named(url, 8, profile::RELAY_APP).await
+}
+
+/// A pool whose connections carry `application_name` `name`.
+async fn pool_named(url: &str, size: u32, name: &str) -> Result<PgPool, sqlx::Error> {
+    let options = url
+        .parse::<sqlx::postgres::PgConnectOptions>()?
+        .application_name(name);
+    PgPoolOptions::new()
+        .max_connections(size)
+        .connect_with(options)
+        .await
 }
 
 fn relay(pool: &PgPool, brokers: &str) -> Result<RelayHandle, outbox_runtime::Error> {
-    Relay::builder(pool.clone()).brokers(brokers).spawn()
+    relay_at(pool, brokers, None)
+}
+
+/// A relay with a rate limit (`None`: none).
+fn relay_at(
+    pool: &PgPool,
+    brokers: &str,
+    rate: Option<u32>,
+) -> Result<RelayHandle, outbox_runtime::Error> {
+    Relay::builder(pool.clone())
+        .brokers(brokers)
+        .max_events_per_second(rate)
+        .spawn()
+}
+
+/// Writers while a relay (rate limit `rate`, 0: none) drains a backlog of
+/// `backlog` rows: the writers' commits/s, the relay's events/s meanwhile,
+/// whether the backlog lasted the run, and the profile of the run.
+#[allow(clippy::too_many_arguments)]
+async fn writers_beside_relay(
+    url: &str,
+    pool: &PgPool,
+    writers_pool: &PgPool,
+    brokers: &str,
+    topic: &str,
+    backlog_rows: i64,
+    rate: u32,
+    seconds: Duration,
+    timeout: Duration,
+) -> Result<(f64, f64, bool, Value), Box<dyn std::error::Error>> {
+    backlog(pool, backlog_rows, topic).await?;
+    let relay_pool = relay_pool(url).await?;
+    let handle = relay_at(&relay_pool, brokers, (rate > 0).then_some(rate))?;
+    let wait_start = Instant::now();
+    while handle.counts().published == 0 && wait_start.elapsed() < timeout {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let before = handle.counts().published;
+    let t = Instant::now();
+    let profile = profile::start(pool).await?;
+    let (with_relay_rate, _) = writers(writers_pool, topic, seconds, None).await?;
+    let relay_rate = (handle.counts().published - before) as f64 / t.elapsed().as_secs_f64();
+    let profiled = profile.finish().await?;
+    let lasted = handle.counts().published < backlog_rows as u64;
+    handle.shutdown().await?;
+    relay_pool.close().await;
+    Ok((with_relay_rate, relay_rate, lasted, profiled))
 }
 
 /// A relay drain: events/s from its first published event to the `n`th,
@@ -576,6 +644,66 @@ where
     Ok(times[1])
 }
 
+/// Writers beside a relay draining a large backlog, at each rate limit of
+/// `--relay-rates`: one JSON row each.
+#[allow(clippy::too_many_arguments)]
+async fn writers_curve(
+    url: &str,
+    pool: &PgPool,
+    writers_pool: &PgPool,
+    brokers: &str,
+    topic: &str,
+    a: &Args,
+    last: i64,
+    alone_rate: f64,
+    alone_p99: f64,
+) -> Result<Vec<Value>, Box<dyn std::error::Error>> {
+    let (seconds, timeout) = (
+        Duration::from_secs_f64(a.seconds),
+        Duration::from_secs(a.timeout),
+    );
+    let mut curve = Vec::new();
+    for &rate in &a.relay_rates {
+        let (with_relay_rate, relay_rate, lasted, profiled) = writers_beside_relay(
+            url,
+            pool,
+            writers_pool,
+            brokers,
+            topic,
+            a.large_backlog,
+            rate,
+            seconds,
+            timeout,
+        )
+        .await?;
+        println!(
+            "writers alone {alone_rate:.0} commits/s (p99 {alone_p99:.1} ms); while the relay \
+             (limit {}) drains {with_relay_rate:.0} commits/s = {:.2} x, relay meanwhile \
+             {relay_rate:.0} events/s{}",
+            if rate == 0 {
+                "none".to_owned()
+            } else {
+                format!("{rate}/s")
+            },
+            with_relay_rate / alone_rate,
+            if lasted {
+                ""
+            } else {
+                " (the backlog ran out during the run)"
+            }
+        );
+        curve.push(json!({
+            "relay_rate_limit": rate,
+            "writers_commits_per_s": round(with_relay_rate, 0),
+            "ratio": round(with_relay_rate / alone_rate, 2),
+            "relay_events_per_s": round(relay_rate, 0),
+            "profile": profiled,
+        }));
+        reset(pool, last).await?;
+    }
+    Ok(curve)
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = Args::parse();
@@ -599,10 +727,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     sqlx::query("CREATE TABLE growth_order (id uuid PRIMARY KEY, amount_cents bigint NOT NULL)")
         .execute(&pool)
         .await?;
-    let writers_pool = PgPoolOptions::new()
-        .max_connections(WRITERS as u32)
-        .connect(&db.url)
-        .await?;
+    let writers_pool = pool_named(&db.url, WRITERS as u32, profile::WRITERS_APP).await?;
 
     let run = Uuid::new_v4().simple().to_string();
     let topic = format!("growth-drain-{run}");
@@ -630,6 +755,30 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             size as f64 / 1048576.0
         );
 
+        if a.only_writers_relay {
+            writers(&writers_pool, &topic, Duration::from_millis(500), None).await?;
+            reset(&pool, last).await?;
+            let (alone_rate, alone_lat) = writers(&writers_pool, &topic, seconds, None).await?;
+            reset(&pool, last).await?;
+            let curve = writers_curve(
+                &db.url,
+                &pool,
+                &writers_pool,
+                &brokers,
+                &topic,
+                &a,
+                last,
+                alone_rate,
+                p99(alone_lat),
+            )
+            .await?;
+            results.push(json!({
+                "history": history,
+                "writers_alone_commits_per_s": round(alone_rate, 0),
+                "writers_beside_relay": curve,
+            }));
+            continue;
+        }
         // Operations.
         let status_ms = timed(|| ops::status(&pool)).await?;
         let (since, until): (DateTime<Utc>, DateTime<Utc>) =
@@ -698,36 +847,27 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("dedup consumer {dedup_rate:.0} events/s");
         reset(&pool, last).await?;
 
-        // Writers alone, then while a relay drains a large backlog.
+        // Writers alone, then while a relay drains a large backlog (at
+        // each rate limit).
         let (alone_rate, alone_lat) = writers(&writers_pool, &topic, seconds, None).await?;
         let alone_p99 = p99(alone_lat);
         reset(&pool, last).await?;
-        backlog(&pool, a.large_backlog, &topic).await?;
-        let relay_pool = relay_pool(&db.url).await?;
-        let handle = relay(&relay_pool, &brokers)?;
-        let wait_start = Instant::now();
-        while handle.counts().published == 0 && wait_start.elapsed() < timeout {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        let before = handle.counts().published;
-        let t = Instant::now();
-        let (with_relay_rate, _) = writers(&writers_pool, &topic, seconds, None).await?;
-        let relay_rate = (handle.counts().published - before) as f64 / t.elapsed().as_secs_f64();
-        let relay_left = handle.counts().published < a.large_backlog as u64;
-        handle.shutdown().await?;
-        relay_pool.close().await;
-        println!(
-            "writers alone {alone_rate:.0} commits/s (p99 {alone_p99:.1} ms); while the relay drains \
-             {with_relay_rate:.0} commits/s = {:.2} x, relay meanwhile {relay_rate:.0} events/s{}",
-            with_relay_rate / alone_rate,
-            if relay_left {
-                ""
-            } else {
-                " (the backlog ran out during the run)"
-            }
-        );
-        reset(&pool, last).await?;
-
+        let curve = writers_curve(
+            &db.url,
+            &pool,
+            &writers_pool,
+            &brokers,
+            &topic,
+            &a,
+            last,
+            alone_rate,
+            alone_p99,
+        )
+        .await?;
+        let with_relay_rate = curve[0]["writers_commits_per_s"]
+            .as_f64()
+            .unwrap_or(f64::NAN);
+        let relay_rate = curve[0]["relay_events_per_s"].as_f64().unwrap_or(f64::NAN);
         // Writers while a cleanup deletes the history (last: it empties it;
         // stopped after `cleanup_seconds`).
         let (during_p99, cleanup_rows, cleanup_s) = if history > 0 {
@@ -782,6 +922,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "writers_alone_p99_ms": round(alone_p99, 2),
             "writers_with_relay_commits_per_s": round(with_relay_rate, 0),
             "relay_during_writers_events_per_s": round(relay_rate, 0),
+            "writers_beside_relay": curve,
             "writers_during_cleanup_p99_ms": round(during_p99, 2),
             "cleanup_rows": cleanup_rows,
             "cleanup_s": round(cleanup_s, 1),

@@ -188,6 +188,11 @@ pub(crate) struct RelayArgs {
     /// (default 30000).
     #[arg(long, value_name = "MS")]
     pub statement_timeout_ms: Option<u64>,
+    /// Most events per second this relay claims, leaving the database's
+    /// (and the host's) capacity to the application while a backlog
+    /// drains (default: no limit).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_events_per_second: Option<u32>,
     /// Serve Prometheus metrics on this address (GET /metrics), e.g. 127.0.0.1:9464.
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
@@ -205,6 +210,7 @@ impl RelayArgs {
         relay.lanes = self.lanes;
         relay.statement_timeout_ms = self.statement_timeout_ms;
         relay.lane_timeout_ms = self.lane_timeout_ms;
+        relay.max_events_per_second = self.max_events_per_second;
         relay.metrics_addr = self.metrics_addr;
         relay
     }

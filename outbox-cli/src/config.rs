@@ -101,6 +101,8 @@ fn defaults() -> Settings {
     s.relay.lanes = Some(relay.lanes);
     s.relay.retry_backoff_ms = ms(relay.retry_backoff);
     s.relay.retry_backoff_max_ms = ms(relay.retry_backoff_max);
+    s.relay.missing_topic_hold_ms = ms(relay.missing_topic_hold);
+    s.relay.missing_topic_hold_max_ms = ms(relay.missing_topic_hold_max);
     s.relay.outage_backoff_ms = ms(relay.outage_backoff);
     s.relay.outage_backoff_max_ms = ms(relay.outage_backoff_max);
     s.relay.statement_timeout_ms = ms(relay.statement_timeout);

@@ -44,6 +44,7 @@ async fn a_missing_topics_rows_are_held_then_published_in_key_order(pool: PgPool
     let handle = relay(&pool)
         .kafka_setting("topic.metadata.propagation.max.ms", "1000")
         .retry_backoff(Duration::from_millis(300), Duration::from_secs(1))
+        .missing_topic_hold(Duration::from_secs(1), Duration::from_secs(2))
         .batch_size(50)
         .spawn()
         .unwrap();
@@ -151,4 +152,73 @@ async fn later_rows_of_a_held_key_wait_behind_it(pool: PgPool) {
     handle.shutdown().await.unwrap();
     let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(30)).await;
     verify(&committed, &received);
+}
+
+/// A topic missing on the broker costs the other topics nothing: 20,000
+/// rows of it ahead of another topic's rows (lower ids, many claims' worth)
+/// do not hold that topic up, and are never handed to the producer (no
+/// delivery fails: the relay learns from the broker's metadata that the
+/// topic is missing and holds its rows without sending them). Once the
+/// topic is created they are published, each key in order.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_missing_topic_costs_the_other_topics_nothing(pool: PgPool) {
+    let good = unique_topic("held-other");
+    let missing = unique_topic("held-absent");
+    create_topic(&brokers(), &good).await;
+    let committed_missing = commit_messages(&pool, &missing, 20_000, 50, 1000).await;
+    let committed_good = commit_messages(&pool, &good, 2_000, 20, 200).await;
+
+    let handle = relay(&pool).batch_size(500).spawn().unwrap();
+    // Each send to the missing topic would wait for the delivery timeout
+    // (10 s here) before failing: 40 batches of it ahead of the good rows.
+    let received = read_topic(
+        &brokers(),
+        &good,
+        committed_good.len(),
+        Duration::from_secs(30),
+    )
+    .await;
+    verify(&committed_good, &received);
+    assert_eq!(
+        handle.counts().failed,
+        0,
+        "nothing was sent to the missing topic"
+    );
+    assert_eq!(
+        unpublished(&pool).await,
+        20_000,
+        "the missing topic's rows wait"
+    );
+    let reason: Option<String> = sqlx::query_scalar(
+        "SELECT last_error FROM outbox_event WHERE topic = $1 AND held_until IS NOT NULL LIMIT 1",
+    )
+    .bind(&missing)
+    .fetch_optional(&pool)
+    .await
+    .unwrap()
+    .flatten();
+    assert!(
+        reason.as_deref().is_some_and(|r| r.contains(&missing)),
+        "a held row says why: {reason:?}"
+    );
+    // Past the first hold (5-10 s): the broker is asked again, the rows
+    // are held longer, still without a send.
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    assert_eq!(handle.counts().failed, 0);
+    assert_eq!(unpublished(&pool).await, 20_000);
+
+    create_topic(&brokers(), &missing).await;
+    assert!(
+        wait_until_published(&pool, Duration::from_secs(90)).await,
+        "published once the topic exists"
+    );
+    handle.shutdown().await.unwrap();
+    let received = read_topic(
+        &brokers(),
+        &missing,
+        committed_missing.len(),
+        Duration::from_secs(60),
+    )
+    .await;
+    verify(&committed_missing, &received);
 }

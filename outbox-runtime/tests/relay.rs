@@ -432,6 +432,16 @@ async fn invalid_configuration_is_a_clear_error(pool: PgPool) {
         .build()
         .unwrap_err();
     assert!(err.to_string().contains("brokers"), "{err}");
+    let err = Relay::builder(pool.clone())
+        .max_events_per_second(Some(0))
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("max events per second"), "{err}");
+    let err = Relay::builder(pool.clone())
+        .missing_topic_hold(Duration::from_secs(10), Duration::from_secs(1))
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("missing topic hold"), "{err}");
     let relay = Relay::builder(pool)
         .kafka_setting("no.such.setting", "1")
         .build()
@@ -543,4 +553,39 @@ async fn a_relay_waiting_on_another_database_does_not_delay_this_one(pool: PgPoo
         .execute(&pool)
         .await
         .unwrap();
+}
+
+/// A relay with a rate limit publishes everything, in order, never ahead
+/// of its budget: at any moment at most one batch plus the rate times the
+/// time since it started (a bound that only a relay ignoring its limit can
+/// break, however slow the machine).
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_rate_limited_relay_keeps_to_its_rate_and_publishes_everything(pool: PgPool) {
+    let topic = unique_topic("relay-rate");
+    create_topic(&brokers(), &topic).await;
+    let committed = commit_messages(&pool, &topic, 1_500, 20, 500).await;
+    let (rate, batch) = (500.0, 100_u64);
+    let started = Instant::now();
+    let handle = relay(&pool)
+        .batch_size(batch as usize)
+        .max_events_per_second(Some(rate as u32))
+        .spawn()
+        .unwrap();
+    let mut samples = 0;
+    while handle.counts().published < committed.len() as u64 {
+        let published = handle.counts().published;
+        let budget = batch + (rate * started.elapsed().as_secs_f64()) as u64;
+        assert!(
+            published <= budget,
+            "{published} published after {:?}: over the budget {budget}",
+            started.elapsed()
+        );
+        samples += 1;
+        assert!(started.elapsed() < Duration::from_secs(60), "drained");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(samples > 10, "observed while draining");
+    handle.shutdown().await.unwrap();
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(30)).await;
+    verify(&committed, &received);
 }

@@ -18,6 +18,11 @@
 //! release any lane's rows: releasing only puts a row back in the claim's
 //! index, and the owner of its lane claims it.
 //!
+//! A missing topic's rows (see [`topics`](super::topics)) are held until
+//! its hold ends; when the broker still lacks it then, all its held rows
+//! are held longer at once ([`EXTEND`]), so they do not come back into
+//! claims a release at a time.
+//!
 //! Per-key order: the claim returns, with each row, whether an earlier row
 //! of its key is held on its topic (one probe of `ix_outbox_event_held_key`,
 //! skipped altogether while nothing is held). Per topic, as Kafka orders a
@@ -82,4 +87,38 @@ pub(crate) async fn release(
         .rows_affected();
     tx.commit().await?;
     Ok(released)
+}
+
+/// Holds every held row of topic `$1` until `$2` seconds from now, those
+/// held for less (a missing topic found missing again: see
+/// [`topics`](super::topics)), through `ix_outbox_event_held_key`.
+pub(crate) const EXTEND: &str = "\
+UPDATE outbox_event SET held_until = statement_timestamp() + make_interval(secs => $2)
+WHERE topic = $1 AND held_until IS NOT NULL AND published_at IS NULL
+  AND held_until < statement_timestamp() + make_interval(secs => $2)";
+
+/// Runs [`EXTEND`] under the relay's `statement_timeout`; returns how many
+/// rows it held longer. Rows a claim holds right now are not among them
+/// (their hold is cleared): the claim holds them itself.
+pub(crate) async fn extend(
+    pool: &sqlx::PgPool,
+    topic: &str,
+    secs: f64,
+    statement_timeout: std::time::Duration,
+) -> crate::error::Result<u64> {
+    let mut tx = pool.begin().await?;
+    sqlx::query(&format!(
+        "SET LOCAL statement_timeout = {}",
+        statement_timeout.as_millis()
+    ))
+    .execute(&mut *tx)
+    .await?;
+    let extended = sqlx::query(EXTEND)
+        .bind(topic)
+        .bind(secs)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    tx.commit().await?;
+    Ok(extended)
 }

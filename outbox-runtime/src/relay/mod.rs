@@ -20,12 +20,14 @@
 //! Submodules: [`claim`](self::claim) (the SQL), [`held`](self::held)
 //! (rows held back out of the claim's index), [`lanes`](self::lanes)
 //! (lane ownership across relays), [`publish`](self::publish) (the producer),
+//! [`topics`](self::topics) (topics missing on the broker),
 //! [`wake`](self::wake) (LISTEN/NOTIFY and polling).
 
 pub(crate) mod claim;
 pub(crate) mod held;
 pub(crate) mod lanes;
 pub(crate) mod publish;
+pub(crate) mod topics;
 mod wake;
 
 use std::collections::HashMap;
@@ -39,6 +41,7 @@ use tokio_util::sync::CancellationToken;
 
 use self::claim::{Batch, Failure, Row};
 use self::publish::{FailureKind, Outcome, Publisher};
+use self::topics::Topics;
 use self::wake::Waker;
 use crate::backoff::{self, Health};
 use crate::error::{Error, Result};
@@ -77,6 +80,15 @@ pub struct RelayConfig {
     pub retry_backoff: Duration,
     /// Cap of the per-key and per-topic retry delay.
     pub retry_backoff_max: Duration,
+    /// First hold of a topic missing on the broker (default 5 s): its rows
+    /// are held that long without being sent, then the broker is asked
+    /// again (see [`topics`](self::topics)). Each hold is stretched by a
+    /// random share of itself (up to twice as long).
+    pub missing_topic_hold: Duration,
+    /// Cap of that hold, which doubles while the topic stays missing
+    /// (default 30 s): a topic created meanwhile is published within about
+    /// twice this.
+    pub missing_topic_hold_max: Duration,
     /// First back-off when the broker or the database is unavailable.
     pub outage_backoff: Duration,
     /// Cap of the outage back-off.
@@ -96,6 +108,14 @@ pub struct RelayConfig {
     /// metrics queries); zero: none. A statement that runs longer fails and
     /// is retried after the outage back-off.
     pub statement_timeout: Duration,
+    /// Most events per second this relay claims (default: no limit). The
+    /// relay's work shares the database (and, on a small host, the CPU)
+    /// with the application: a limit leaves the application's writers
+    /// more of it while a large backlog drains (measured: see
+    /// BENCHMARKS.md). Batches stay whole: a claim of *n* rows waits until
+    /// *n* / rate seconds after the previous claim (bursts of at most a
+    /// second's worth after an idle spell).
+    pub max_events_per_second: Option<u32>,
     /// How long a relay that stops answering (host frozen, connection
     /// half-open) keeps its lanes (default 10 s): its lane session's
     /// `idle_session_timeout`, TCP keepalives and `tcp_user_timeout` on the
@@ -117,11 +137,14 @@ impl std::fmt::Debug for RelayConfig {
             max_attempts,
             retry_backoff,
             retry_backoff_max,
+            missing_topic_hold,
+            missing_topic_hold_max,
             outage_backoff,
             outage_backoff_max,
             delivery_timeout,
             lanes,
             statement_timeout,
+            max_events_per_second,
             lane_timeout,
         } = self;
         f.debug_struct("RelayConfig")
@@ -134,11 +157,14 @@ impl std::fmt::Debug for RelayConfig {
             .field("max_attempts", max_attempts)
             .field("retry_backoff", retry_backoff)
             .field("retry_backoff_max", retry_backoff_max)
+            .field("missing_topic_hold", missing_topic_hold)
+            .field("missing_topic_hold_max", missing_topic_hold_max)
             .field("outage_backoff", outage_backoff)
             .field("outage_backoff_max", outage_backoff_max)
             .field("delivery_timeout", delivery_timeout)
             .field("lanes", lanes)
             .field("statement_timeout", statement_timeout)
+            .field("max_events_per_second", max_events_per_second)
             .field("lane_timeout", lane_timeout)
             .finish()
     }
@@ -156,11 +182,14 @@ impl Default for RelayConfig {
             max_attempts: 5,
             retry_backoff: Duration::from_millis(250),
             retry_backoff_max: Duration::from_secs(30),
+            missing_topic_hold: Duration::from_secs(5),
+            missing_topic_hold_max: Duration::from_secs(30),
             outage_backoff: Duration::from_millis(100),
             outage_backoff_max: Duration::from_secs(5),
             delivery_timeout: Duration::from_secs(30),
             lanes: 16,
             statement_timeout: Duration::from_secs(30),
+            max_events_per_second: None,
             lane_timeout: Duration::from_secs(10),
         }
     }
@@ -190,6 +219,14 @@ impl RelayConfig {
         if self.poll_interval.is_zero() {
             return bad("poll interval must be > 0".into());
         }
+        if self.missing_topic_hold < Duration::from_millis(100)
+            || self.missing_topic_hold_max < self.missing_topic_hold
+        {
+            return bad(format!(
+                "missing topic hold must be >= 100 ms and its cap at least as long, got {:?} and {:?}",
+                self.missing_topic_hold, self.missing_topic_hold_max
+            ));
+        }
         if self.delivery_timeout < Duration::from_millis(100) {
             return bad("delivery timeout must be >= 100 ms".into());
         }
@@ -205,6 +242,9 @@ impl RelayConfig {
         if !self.statement_timeout.is_zero() && self.statement_timeout < Duration::from_millis(100)
         {
             return bad("statement timeout must be 0 (none) or >= 100 ms".into());
+        }
+        if self.max_events_per_second == Some(0) {
+            return bad("max events per second must be >= 1 (unset: no limit)".into());
         }
         if self.lane_timeout < Duration::from_secs(1) {
             return bad("lane timeout must be >= 1 s".into());
@@ -292,6 +332,13 @@ impl RelayBuilder {
         self.config.retry_backoff_max = max;
         self
     }
+    /// First and maximum hold of a topic missing on the broker (default
+    /// 5 s and 30 s). See [`RelayConfig::missing_topic_hold`].
+    pub fn missing_topic_hold(mut self, first: Duration, max: Duration) -> Self {
+        self.config.missing_topic_hold = first;
+        self.config.missing_topic_hold_max = max;
+        self
+    }
     /// First and maximum back-off during a broker or database outage.
     pub fn outage_backoff(mut self, first: Duration, max: Duration) -> Self {
         self.config.outage_backoff = first;
@@ -311,6 +358,12 @@ impl RelayBuilder {
     /// `statement_timeout` of the relay's SQL (default 30 s; zero: none).
     pub fn statement_timeout(mut self, d: Duration) -> Self {
         self.config.statement_timeout = d;
+        self
+    }
+    /// Most events per second the relay claims (`None`, the default: no
+    /// limit). See [`RelayConfig::max_events_per_second`].
+    pub fn max_events_per_second(mut self, rate: Option<u32>) -> Self {
+        self.config.max_events_per_second = rate;
         self
     }
     /// The configuration so far.
@@ -512,6 +565,10 @@ impl Relay {
             stats: &self.stats,
             latency: crate::metrics::relay_batch_latency(),
             blocked: Blocked::default(),
+            topics: Topics::new(
+                self.config.missing_topic_hold,
+                self.config.missing_topic_hold_max,
+            ),
             waker,
             lanes: shared,
             manager: &manager,
@@ -531,6 +588,7 @@ impl Relay {
             held: HashMap::new(),
             released: None,
             cut: None,
+            paced: None,
             batches: 0,
             producer_unusable: false,
             answered_yet_failing: 0,
@@ -636,6 +694,8 @@ struct Loop<'a> {
     stats: &'a RelayStats,
     latency: metrics::Histogram,
     blocked: Blocked,
+    /// Topics missing on the broker (see [`topics`]).
+    topics: Topics,
     waker: Waker,
     lanes: Arc<lanes::Shared>,
     /// The lane manager's task: the relay stops if it ends by itself.
@@ -659,6 +719,8 @@ struct Loop<'a> {
     /// The number of a batch cut at the byte budget whose transaction has
     /// not ended (see [`Batch::cut`]): no claim runs until it ends.
     cut: Option<u64>,
+    /// With a rate limit: the earliest the next claim may run.
+    paced: Option<Instant>,
     /// Batches handed to the producer so far.
     batches: u64,
     producer_unusable: bool,
@@ -748,7 +810,15 @@ impl Loop<'_> {
             // pool, handing the transaction to the application). A claim
             // whose relay is gone finishes and drops its batch: rolled back.
             let step = Instant::now();
+            let pace = self.paced.filter(|at| claim_next && *at > step);
+            let stop = shutdown.clone();
             let claim = async move {
+                if let Some(at) = pace {
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(at.into()) => {}
+                        _ = stop.cancelled() => return (None, Duration::ZERO),
+                    }
+                }
                 let start = Instant::now();
                 let claimed = if claim_next {
                     let task = tokio::spawn(async move {
@@ -820,7 +890,9 @@ impl Loop<'_> {
                 Some(Ok(batch)) if batch.rows.is_empty() => idle = true,
                 Some(Ok(batch)) => {
                     self.database.up();
+                    self.pace(batch.rows.len());
                     self.waker.busy().await;
+                    self.look_up_topics(publisher, &batch).await;
                     self.in_flight = Some(self.send(publisher, batch));
                 }
                 Some(Err(error)) => {
@@ -874,9 +946,48 @@ impl Loop<'_> {
         result
     }
 
+    /// With a rate limit: the next claim waits until `rows` / rate seconds
+    /// after this one's turn (at most a second's worth of catching up).
+    fn pace(&mut self, rows: usize) {
+        let Some(rate) = self.config.max_events_per_second else {
+            return;
+        };
+        let now = Instant::now();
+        let turn = self
+            .paced
+            .filter(|at| *at + Duration::from_secs(1) > now)
+            .unwrap_or(now);
+        self.paced = Some(turn + Duration::from_secs_f64(rows as f64 / f64::from(rate)));
+    }
+
+    /// Asks the broker about the batch's topics not known yet (see
+    /// [`topics`]); a topic found missing again after a hold has its held
+    /// rows held longer, in the background.
+    async fn look_up_topics(&mut self, publisher: &mut Publisher, batch: &Batch) {
+        let due = self.topics.due(batch.rows.iter().map(|r| r.topic.as_str()));
+        if due.is_empty() {
+            return;
+        }
+        match publisher.lookup(due, topics::LOOKUP_TIMEOUT).await {
+            Ok(answers) => {
+                for extend in self.topics.record(answers) {
+                    let (pool, timeout) = (self.pool.clone(), self.config.statement_timeout);
+                    tokio::spawn(async move {
+                        if let Err(error) =
+                            held::extend(&pool, &extend.topic, extend.secs, timeout).await
+                        {
+                            tracing::debug!(%error, topic = %extend.topic, "holding a missing topic's rows longer failed");
+                        }
+                    });
+                }
+            }
+            Err(error) => self.topics.unanswered(&error),
+        }
+    }
+
     /// Hands a claimed batch to the producer, holding back rows of keys that
     /// are held (a row of theirs is still locked unpublished) or blocked,
-    /// rows of blocked topics, rows behind a held row of their key (see
+    /// rows of blocked topics and of topics missing on the broker, rows behind a held row of their key (see
     /// [`held`]), and the later rows of these rows' keys in the batch.
     fn send(&mut self, publisher: &Publisher, batch: Batch) -> InFlight {
         self.batches += 1;
@@ -893,6 +1004,7 @@ impl Loop<'_> {
             let topic_key = (row.topic.as_str(), row.partition_key.as_str());
             if self.held.contains_key(&row.partition_key)
                 || self.blocked.deadline(row).is_some()
+                || self.topics.held(&row.topic).is_some()
                 || row.behind_held_secs.is_some()
                 || withheld.contains(&topic_key)
             {
@@ -995,6 +1107,7 @@ impl Loop<'_> {
                             failed_rows.push(row);
                         }
                         FailureKind::Topic => {
+                            self.topics.forget(&row.topic);
                             let entry = self
                                 .blocked
                                 .topics
@@ -1037,8 +1150,26 @@ impl Loop<'_> {
         for row in withheld_rows {
             let blocked = self.blocked.deadline(row).map(secs);
             let behind = row.behind_held_secs.map(|s| s.max(0.0));
-            if let Some(hold) = blocked.into_iter().chain(behind).reduce(f64::max) {
-                holds.push((row.id, hold));
+            let missing = self.topics.held(&row.topic);
+            let missing_secs = missing.map(|(until, _)| secs(until));
+            let Some(hold) = blocked
+                .into_iter()
+                .chain(behind)
+                .chain(missing_secs)
+                .reduce(f64::max)
+            else {
+                continue;
+            };
+            match missing {
+                // The reason goes with the hold (not counted as an attempt).
+                Some((_, reason)) => failures.push(Failure {
+                    id: row.id,
+                    error: reason.to_owned(),
+                    counted: false,
+                    park: false,
+                    hold: Some(hold),
+                }),
+                None => holds.push((row.id, hold)),
             }
         }
         if transient.is_none() {

@@ -87,6 +87,10 @@ pub(crate) enum Outcome {
 pub(crate) struct Publisher {
     config: ClientConfig,
     producer: FutureProducer,
+    /// A client of its own for topic lookups (see [`topics`](super::topics)),
+    /// made at the first one: the producer never hears of a topic the
+    /// relay has found missing.
+    lookups: Option<std::sync::Arc<rdkafka::producer::BaseProducer>>,
 }
 
 /// Settings the relay always applies; user overrides cannot weaken them.
@@ -98,7 +102,11 @@ impl Publisher {
             config.set(*key, *value);
         }
         let producer = crate::kafka::create(&config)?;
-        Ok(Self { config, producer })
+        Ok(Self {
+            config,
+            producer,
+            lookups: None,
+        })
     }
 
     /// Recreates the producer if librdkafka raised a fatal error; returns
@@ -141,6 +149,47 @@ impl Publisher {
         })
         .await
         .unwrap_or(false)
+    }
+
+    /// Asks the broker, off the async threads, whether it has each of
+    /// `topics` (one metadata request each, within `timeout` in all). An
+    /// error: no answer (the topics stay unknown).
+    pub async fn lookup(
+        &mut self,
+        topics: Vec<String>,
+        timeout: std::time::Duration,
+    ) -> Result<Vec<(String, super::topics::Lookup)>, String> {
+        let client = match &self.lookups {
+            Some(client) => client.clone(),
+            None => {
+                let mut config = self.config.clone();
+                config.set("enable.idempotence", "false");
+                // As the producer's: a broker that creates topics on
+                // demand creates it when asked, as it would on a send.
+                let client = std::sync::Arc::new(
+                    crate::kafka::create::<rdkafka::producer::BaseProducer>(&config)
+                        .map_err(|e| e.to_string())?,
+                );
+                self.lookups = Some(client.clone());
+                client
+            }
+        };
+        tokio::task::spawn_blocking(move || {
+            let deadline = std::time::Instant::now() + timeout;
+            let mut answers = Vec::with_capacity(topics.len());
+            for topic in topics {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                let metadata = client
+                    .client()
+                    .fetch_metadata(Some(&topic), left)
+                    .map_err(|e| e.to_string())?;
+                let answer = lookup_answer(&metadata, &topic);
+                answers.push((topic, answer));
+            }
+            Ok(answers)
+        })
+        .await
+        .map_err(|e| e.to_string())?
     }
 
     /// Flushes what librdkafka still holds (shutdown).
@@ -197,6 +246,40 @@ impl Publisher {
                 _ => Outcome::Failed(classify(&error), describe(&error, &row.topic)),
             })
     }
+}
+
+/// What a metadata answer says of `topic`: missing (or not writable) when
+/// the broker says so for it, or names no partition of it.
+pub(crate) fn lookup_answer(
+    metadata: &rdkafka::metadata::Metadata,
+    topic: &str,
+) -> super::topics::Lookup {
+    use super::topics::Lookup;
+    let Some(entry) = metadata.topics().iter().find(|t| t.name() == topic) else {
+        return Lookup::Missing(missing_reason(topic, "not in the broker's metadata"));
+    };
+    match entry.error().map(RDKafkaErrorCode::from) {
+        Some(
+            code @ (RDKafkaErrorCode::UnknownTopicOrPartition
+            | RDKafkaErrorCode::UnknownTopic
+            | RDKafkaErrorCode::TopicAuthorizationFailed
+            | RDKafkaErrorCode::InvalidTopic),
+        ) => Lookup::Missing(missing_reason(topic, &code.to_string())),
+        // Being created, or leaderless for a moment: the producer waits.
+        Some(_) => Lookup::Present,
+        None if entry.partitions().is_empty() => {
+            Lookup::Missing(missing_reason(topic, "the broker lists no partition of it"))
+        }
+        None => Lookup::Present,
+    }
+}
+
+/// `last_error` of the rows of a missing topic.
+fn missing_reason(topic: &str, why: &str) -> String {
+    format!(
+        "topic `{topic}` is missing or not writable on the broker ({why}): its events are held \
+         until it exists; create it, e.g. `outbox topics create {topic}`"
+    )
 }
 
 /// Awaits the `pending` deliveries of `rows` into `outcomes`.

@@ -69,11 +69,24 @@ impl RelayBuilder {
                 s.outage_backoff_max_ms.map_or(max, ms),
             );
         }
+        if s.missing_topic_hold_ms.is_some() || s.missing_topic_hold_max_ms.is_some() {
+            let (first, max) = (
+                self.current().missing_topic_hold,
+                self.current().missing_topic_hold_max,
+            );
+            self = self.missing_topic_hold(
+                s.missing_topic_hold_ms.map_or(first, ms),
+                s.missing_topic_hold_max_ms.map_or(max, ms),
+            );
+        }
         if let Some(n) = s.statement_timeout_ms {
             self = self.statement_timeout(ms(n));
         }
         if let Some(n) = s.lane_timeout_ms {
             self = self.lane_timeout(ms(n));
+        }
+        if let Some(n) = s.max_events_per_second {
+            self = self.max_events_per_second(Some(n));
         }
         self
     }

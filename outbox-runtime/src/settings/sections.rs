@@ -29,6 +29,10 @@ pub struct RelaySettings {
     pub retry_backoff_ms: Option<u64>,
     /// Cap of that delay (default 30 s).
     pub retry_backoff_max_ms: Option<u64>,
+    /// First hold of a topic missing on the broker (default 5 s).
+    pub missing_topic_hold_ms: Option<u64>,
+    /// Cap of that hold (default 30 s).
+    pub missing_topic_hold_max_ms: Option<u64>,
     /// First back-off in a broker or database outage (default 100 ms).
     pub outage_backoff_ms: Option<u64>,
     /// Cap of that back-off (default 5 s).
@@ -37,6 +41,8 @@ pub struct RelaySettings {
     pub statement_timeout_ms: Option<u64>,
     /// How long a relay that stops answering keeps its lanes (default 10 s).
     pub lane_timeout_ms: Option<u64>,
+    /// Most events per second the relay claims (default: no limit).
+    pub max_events_per_second: Option<u32>,
     /// Where `outbox relay` serves Prometheus metrics (the builder does not
     /// use it: call [`crate::metrics::serve`]).
     pub metrics_addr: Option<SocketAddr>,
@@ -55,10 +61,15 @@ impl RelaySettings {
             lanes: higher.lanes.or(self.lanes),
             retry_backoff_ms: higher.retry_backoff_ms.or(self.retry_backoff_ms),
             retry_backoff_max_ms: higher.retry_backoff_max_ms.or(self.retry_backoff_max_ms),
+            missing_topic_hold_ms: higher.missing_topic_hold_ms.or(self.missing_topic_hold_ms),
+            missing_topic_hold_max_ms: higher
+                .missing_topic_hold_max_ms
+                .or(self.missing_topic_hold_max_ms),
             outage_backoff_ms: higher.outage_backoff_ms.or(self.outage_backoff_ms),
             outage_backoff_max_ms: higher.outage_backoff_max_ms.or(self.outage_backoff_max_ms),
             statement_timeout_ms: higher.statement_timeout_ms.or(self.statement_timeout_ms),
             lane_timeout_ms: higher.lane_timeout_ms.or(self.lane_timeout_ms),
+            max_events_per_second: higher.max_events_per_second.or(self.max_events_per_second),
             metrics_addr: higher.metrics_addr.or(self.metrics_addr),
         }
     }

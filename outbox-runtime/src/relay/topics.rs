@@ -1,0 +1,219 @@
+//! Topics missing on the broker, learned from its metadata before a batch
+//! is sent: their rows are held (see [`held`](super::held)) without being
+//! handed to the producer.
+//!
+//! librdkafka fails a record for a topic it does not know only after
+//! `topic.metadata.propagation.max.ms` (30 s by default), and every row
+//! of the batch behind it waits as long: one missing topic would stall
+//! every other. So before a batch is sent, each of its topics the relay has
+//! not seen on the broker yet is looked up in the broker's metadata (one
+//! request per topic, off the async threads, bounded by a timeout). A topic
+//! the broker has is remembered and not asked about again; a delivery that
+//! fails on the topic's account (deleted since, authorization revoked)
+//! makes the relay ask again.
+//!
+//! A missing topic is held for a while: its rows in the batch are withheld
+//! and held in the table until then, with the reason in `last_error`, and
+//! rows of it claimed meanwhile are held until the same time without asking
+//! the broker. The hold starts at a floor ([`RelayConfig::missing_topic_hold`](super::RelayConfig::missing_topic_hold))
+//! and doubles up to a cap, each stretched by a random share of itself (so
+//! relays and topics spread out). When a hold ends, the topic's rows come
+//! back into claims; the first claim that meets one asks the broker again:
+//! still missing, the topic is held longer and every held row of it is held
+//! until then in one statement (so a missing topic's rows are not released
+//! and claimed again a chunk at a time); present, its rows are sent, each
+//! key in order (a key's later rows stay behind its earlier held row, see
+//! [`held`](super::held)). A topic created meanwhile is published at the
+//! latest when its hold ends.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use crate::backoff::Backoff;
+
+/// How long a metadata request may take; an unanswered one leaves the
+/// topic unknown (its rows are sent, as without this check).
+pub(crate) const LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// After a lookup that got no answer, none for this long (the broker may be
+/// down: the relay's outage handling takes over).
+const LOOKUP_PAUSE: Duration = Duration::from_secs(1);
+
+/// A topic the broker does not have.
+struct Missing {
+    /// Its rows are held until then; then the broker is asked again.
+    until: Instant,
+    hold: Backoff,
+    /// Why, for `last_error`.
+    reason: String,
+}
+
+/// What the relay knows of its batches' topics on the broker.
+pub(crate) struct Topics {
+    present: HashSet<String>,
+    missing: HashMap<String, Missing>,
+    first: Duration,
+    max: Duration,
+    /// No lookups until then (the last one got no answer).
+    paused_until: Option<Instant>,
+}
+
+/// The answer of the broker about one topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Lookup {
+    Present,
+    /// Missing or not writable: the reason.
+    Missing(String),
+}
+
+/// A topic found missing again: hold its held rows until `secs` from now.
+#[derive(Debug, Clone)]
+pub(crate) struct Extend {
+    pub topic: String,
+    pub secs: f64,
+}
+
+impl Topics {
+    /// Holds of missing topics start at `first` and double up to `max`
+    /// (each stretched by up to itself).
+    pub fn new(first: Duration, max: Duration) -> Self {
+        Self {
+            present: HashSet::new(),
+            missing: HashMap::new(),
+            first,
+            max,
+            paused_until: None,
+        }
+    }
+
+    /// The topics of `topics` to look up now: not known to be present, and
+    /// not missing with a hold still running.
+    pub fn due<'a>(&self, topics: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+        let now = Instant::now();
+        if self.paused_until.is_some_and(|until| until > now) {
+            return Vec::new();
+        }
+        let mut due: Vec<String> = Vec::new();
+        for topic in topics {
+            if self.present.contains(topic)
+                || self.missing.get(topic).is_some_and(|m| m.until > now)
+                || due.iter().any(|t| t == topic)
+            {
+                continue;
+            }
+            due.push(topic.to_owned());
+        }
+        due
+    }
+
+    /// Records the broker's answers; returns the topics found missing again
+    /// after a hold (their held rows are to be held for the new hold).
+    pub fn record(&mut self, answers: Vec<(String, Lookup)>) -> Vec<Extend> {
+        let now = Instant::now();
+        let mut extend = Vec::new();
+        for (topic, answer) in answers {
+            match answer {
+                Lookup::Present => {
+                    if self.missing.remove(&topic).is_some() {
+                        tracing::info!(%topic, "topic now exists on the broker: publishing its held events");
+                    }
+                    self.present.insert(topic);
+                }
+                Lookup::Missing(reason) => {
+                    let again = self.missing.contains_key(&topic);
+                    let missing = self
+                        .missing
+                        .entry(topic.clone())
+                        .or_insert_with(|| Missing {
+                            until: now,
+                            hold: Backoff::jittered(self.first, self.max),
+                            reason: String::new(),
+                        });
+                    let hold = missing.hold.next();
+                    missing.until = now + hold;
+                    missing.reason = reason;
+                    tracing::error!(
+                        %topic,
+                        hold_s = hold.as_secs_f64(),
+                        error = %missing.reason,
+                        "topic missing on the broker: holding its events back"
+                    );
+                    if again {
+                        extend.push(Extend {
+                            topic,
+                            secs: hold.as_secs_f64(),
+                        });
+                    }
+                }
+            }
+        }
+        extend
+    }
+
+    /// A lookup got no answer: no lookups for a while.
+    pub fn unanswered(&mut self, error: &str) {
+        tracing::debug!(error, "topic metadata lookup failed");
+        self.paused_until = Some(Instant::now() + LOOKUP_PAUSE);
+    }
+
+    /// A delivery to `topic` failed on the topic's account: ask the broker
+    /// about it again before sending to it next time.
+    pub fn forget(&mut self, topic: &str) {
+        self.present.remove(topic);
+    }
+
+    /// Until when `topic`'s rows are held, and why, if it is missing.
+    pub fn held(&self, topic: &str) -> Option<(Instant, &str)> {
+        let missing = self.missing.get(topic)?;
+        (missing.until > Instant::now()).then_some((missing.until, missing.reason.as_str()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_topic_is_held_longer_each_time_and_asked_about_again_after() {
+        let (first, max) = (Duration::from_millis(200), Duration::from_millis(800));
+        let mut topics = Topics::new(first, max);
+        assert_eq!(topics.due(["a", "b", "a"]), ["a", "b"]);
+        let extend = topics.record(vec![
+            ("a".into(), Lookup::Present),
+            ("b".into(), Lookup::Missing("b is missing".into())),
+        ]);
+        assert!(extend.is_empty(), "a first hold extends nothing");
+        assert!(topics.held("a").is_none());
+        let (until, reason) = topics.held("b").unwrap();
+        assert_eq!(reason, "b is missing");
+        let hold = until - Instant::now();
+        assert!(hold > first / 2 && hold < first * 2, "{hold:?}");
+        // Neither is asked about while present or held.
+        assert!(topics.due(["a", "b"]).is_empty());
+
+        std::thread::sleep(until - Instant::now() + Duration::from_millis(5));
+        assert!(topics.held("b").is_none());
+        assert_eq!(topics.due(["a", "b"]), ["b"]);
+        let extend = topics.record(vec![("b".into(), Lookup::Missing("still".into()))]);
+        assert_eq!(extend.len(), 1);
+        assert_eq!(extend[0].topic, "b");
+        // The second hold: twice the first, stretched by up to itself.
+        assert!(
+            extend[0].secs >= 0.4 && extend[0].secs < 0.8,
+            "{:?}",
+            extend[0]
+        );
+
+        // Created meanwhile: present, no longer held.
+        topics.record(vec![("b".into(), Lookup::Present)]);
+        assert!(topics.held("b").is_none());
+        assert!(topics.due(["b"]).is_empty());
+
+        // A delivery failure on the topic's account: asked about again.
+        topics.forget("a");
+        assert_eq!(topics.due(["a"]), ["a"]);
+        // No answer: no lookups for a while.
+        topics.unanswered("timed out");
+        assert!(topics.due(["a"]).is_empty());
+    }
+}
