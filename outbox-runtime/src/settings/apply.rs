@@ -206,6 +206,8 @@ mod tests {
             ("OUTBOX_RELAY_RETRY_BACKOFF_MAX_MS", "7000"),
             ("OUTBOX_RELAY_STATEMENT_TIMEOUT_MS", "1500"),
             ("OUTBOX_RELAY_MAX_BATCH_BYTES", "65536"),
+            ("OUTBOX_RELAY_MISSING_TOPIC_HOLD_MS", "2000"),
+            ("OUTBOX_RELAY_MAX_EVENTS_PER_SECOND", "5000"),
             ("OUTBOX_CONSUMER_MAX_BATCH_BYTES", "4096"),
             ("OUTBOX_CONSUMER_GROUP", "g"),
             ("OUTBOX_CONSUMER_MODE", "inbox"),
@@ -224,6 +226,11 @@ mod tests {
         assert_eq!(r.statement_timeout, ms(1500));
         assert_eq!(r.max_batch_bytes, 65536);
         assert_eq!(r.lanes, 16, "unset: the default");
+        assert_eq!(
+            (r.missing_topic_hold, r.missing_topic_hold_max),
+            (ms(2000), Duration::from_secs(30))
+        );
+        assert_eq!(r.max_events_per_second, Some(5000));
         let consumer = crate::Consumer::builder(pool)
             .kafka(&s.kafka)
             .settings(&s.consumer)
