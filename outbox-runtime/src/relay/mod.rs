@@ -789,6 +789,10 @@ impl Loop<'_> {
                 self.released = Some((Instant::now(), full));
             }
             self.blocked.expire();
+            if !stopping {
+                let due = self.topics.rechecks_due();
+                self.look_up_topics(publisher, due).await;
+            }
             let keys: Vec<String> = self.held.keys().cloned().collect();
             let max_bytes = i64::try_from(self.config.max_batch_bytes).unwrap_or(i64::MAX);
             let pool = self.pool.clone();
@@ -892,7 +896,8 @@ impl Loop<'_> {
                     self.database.up();
                     self.pace(batch.rows.len());
                     self.waker.busy().await;
-                    self.look_up_topics(publisher, &batch).await;
+                    let due = self.topics.due(batch.rows.iter().map(|r| r.topic.as_str()));
+                    self.look_up_topics(publisher, due).await;
                     self.in_flight = Some(self.send(publisher, batch));
                 }
                 Some(Err(error)) => {
@@ -960,14 +965,19 @@ impl Loop<'_> {
         self.paced = Some(turn + Duration::from_secs_f64(rows as f64 / f64::from(rate)));
     }
 
-    /// Asks the broker about the batch's topics not known yet (see
-    /// [`topics`]); a topic found missing again after a hold has its held
-    /// rows held longer, in the background.
-    async fn look_up_topics(&mut self, publisher: &mut Publisher, batch: &Batch) {
-        let due = self.topics.due(batch.rows.iter().map(|r| r.topic.as_str()));
+    /// Asks the broker about topics (a batch's not known yet, or missing
+    /// ones half way through their hold: see [`topics`]); a topic found
+    /// missing again has its held rows held longer, in the background.
+    async fn look_up_topics(&mut self, publisher: &mut Publisher, due: Vec<String>) {
         if due.is_empty() {
             return;
         }
+        if self.topics.paused() {
+            self.topics
+                .unanswered(due, "an earlier lookup got no answer");
+            return;
+        }
+        let due_again = due.clone();
         match publisher.lookup(due, topics::LOOKUP_TIMEOUT).await {
             Ok(answers) => {
                 for extend in self.topics.record(answers) {
@@ -981,7 +991,7 @@ impl Loop<'_> {
                     });
                 }
             }
-            Err(error) => self.topics.unanswered(&error),
+            Err(error) => self.topics.unanswered(due_again, &error),
         }
     }
 

@@ -17,35 +17,45 @@
 //! rows of it claimed meanwhile are held until the same time without asking
 //! the broker. The hold starts at a floor ([`RelayConfig::missing_topic_hold`](super::RelayConfig::missing_topic_hold))
 //! and doubles up to a cap, each stretched by a random share of itself (so
-//! relays and topics spread out). When a hold ends, the topic's rows come
-//! back into claims; the first claim that meets one asks the broker again:
-//! still missing, the topic is held longer and every held row of it is held
-//! until then in one statement (so a missing topic's rows are not released
-//! and claimed again a chunk at a time); present, its rows are sent, each
-//! key in order (a key's later rows stay behind its earlier held row, see
-//! [`held`](super::held)). A topic created meanwhile is published at the
-//! latest when its hold ends.
+//! relays and topics spread out). Half way through a hold the relay asks
+//! the broker again: still missing, the topic is held longer and every held
+//! row of it is held until then in one statement, before their hold ends (so
+//! a missing topic's rows do not come back into claims, a release at a
+//! time, while it is missing); present, its rows come back when their hold
+//! ends and are sent, each key in order (a key's later rows stay behind its
+//! earlier held row, see [`held`](super::held)). A topic created meanwhile
+//! is published at the latest when its hold ends. Rows that come back
+//! anyway (the relay was idle, or restarted) have their topic looked up
+//! again by the claim that meets them.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use crate::backoff::Backoff;
 
-/// How long a metadata request may take; an unanswered one leaves the
-/// topic unknown (its rows are sent, as without this check).
+/// How long a metadata request may take. Rows of a topic the broker did
+/// not answer about are held for [`LOOKUP_PAUSE`], then looked up again:
+/// sent unchecked, a missing topic's rows would hold up the batch.
 pub(crate) const LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// After a lookup that got no answer, none for this long (the broker may be
-/// down: the relay's outage handling takes over).
+/// down: the relay's outage handling takes over); the topics it was about
+/// are held as long.
 const LOOKUP_PAUSE: Duration = Duration::from_secs(1);
 
 /// A topic the broker does not have.
 struct Missing {
-    /// Its rows are held until then; then the broker is asked again.
+    /// Its rows are held until then.
     until: Instant,
+    /// Half way through the hold: the broker is asked again then, so that
+    /// a topic still missing has its held rows held longer before their
+    /// hold ends (they never come back into claims while it is missing).
+    recheck_at: Instant,
     hold: Backoff,
     /// Why, for `last_error`.
     reason: String,
+    /// Held only because the broker did not answer: not known missing.
+    unconfirmed: bool,
 }
 
 /// What the relay knows of its batches' topics on the broker.
@@ -90,9 +100,6 @@ impl Topics {
     /// not missing with a hold still running.
     pub fn due<'a>(&self, topics: impl IntoIterator<Item = &'a str>) -> Vec<String> {
         let now = Instant::now();
-        if self.paused_until.is_some_and(|until| until > now) {
-            return Vec::new();
-        }
         let mut due: Vec<String> = Vec::new();
         for topic in topics {
             if self.present.contains(topic)
@@ -120,18 +127,22 @@ impl Topics {
                     self.present.insert(topic);
                 }
                 Lookup::Missing(reason) => {
-                    let again = self.missing.contains_key(&topic);
+                    let again = self.missing.get(&topic).is_some_and(|m| !m.unconfirmed);
                     let missing = self
                         .missing
                         .entry(topic.clone())
                         .or_insert_with(|| Missing {
                             until: now,
+                            recheck_at: now,
                             hold: Backoff::jittered(self.first, self.max),
                             reason: String::new(),
+                            unconfirmed: false,
                         });
                     let hold = missing.hold.next();
                     missing.until = now + hold;
+                    missing.recheck_at = now + hold / 2;
                     missing.reason = reason;
+                    missing.unconfirmed = false;
                     tracing::error!(
                         %topic,
                         hold_s = hold.as_secs_f64(),
@@ -150,10 +161,61 @@ impl Topics {
         extend
     }
 
-    /// A lookup got no answer: no lookups for a while.
-    pub fn unanswered(&mut self, error: &str) {
-        tracing::debug!(error, "topic metadata lookup failed");
-        self.paused_until = Some(Instant::now() + LOOKUP_PAUSE);
+    /// The missing topics whose hold is half over: to ask the broker about
+    /// again (see [`Missing::recheck_at`]).
+    pub fn rechecks_due(&self) -> Vec<String> {
+        let now = Instant::now();
+        if self.paused() {
+            return Vec::new();
+        }
+        self.missing
+            .iter()
+            .filter(|(_, m)| m.recheck_at <= now)
+            .map(|(topic, _)| topic.clone())
+            .collect()
+    }
+
+    /// Whether lookups are paused after one that got no answer.
+    pub fn paused(&self) -> bool {
+        self.paused_until
+            .is_some_and(|until| until > Instant::now())
+    }
+
+    /// A lookup about `topics` got no answer (or lookups are paused): no
+    /// lookups for a while, and those of `topics` not known to be present
+    /// are held as long (a topic held as missing keeps its hold).
+    pub fn unanswered(&mut self, topics: Vec<String>, error: &str) {
+        let now = Instant::now();
+        if !self.paused() {
+            tracing::warn!(
+                error,
+                "topic metadata lookup got no answer: holding the topics' events briefly"
+            );
+            self.paused_until = Some(now + LOOKUP_PAUSE);
+        }
+        for topic in topics {
+            if self.present.contains(&topic) {
+                continue;
+            }
+            let reason = format!(
+                "topic `{topic}` could not be looked up on the broker ({error}): its events wait"
+            );
+            let (first, max) = (self.first, self.max);
+            let missing = self.missing.entry(topic).or_insert_with(|| Missing {
+                until: now,
+                recheck_at: now,
+                hold: Backoff::jittered(first, max),
+                reason: reason.clone(),
+                unconfirmed: true,
+            });
+            missing.recheck_at = now + LOOKUP_PAUSE;
+            if missing.until <= now {
+                missing.until = now + LOOKUP_PAUSE;
+                if missing.unconfirmed {
+                    missing.reason = reason;
+                }
+            }
+        }
     }
 
     /// A delivery to `topic` failed on the topic's account: ask the broker
@@ -204,6 +266,14 @@ mod tests {
             extend[0]
         );
 
+        // Half way through the second hold the broker is asked again.
+        assert!(topics.rechecks_due().is_empty());
+        std::thread::sleep(
+            Duration::from_secs_f64(extend[0].secs / 2.0) + Duration::from_millis(5),
+        );
+        assert_eq!(topics.rechecks_due(), ["b"]);
+        assert!(topics.held("b").is_some(), "still held meanwhile");
+
         // Created meanwhile: present, no longer held.
         topics.record(vec![("b".into(), Lookup::Present)]);
         assert!(topics.held("b").is_none());
@@ -212,8 +282,19 @@ mod tests {
         // A delivery failure on the topic's account: asked about again.
         topics.forget("a");
         assert_eq!(topics.due(["a"]), ["a"]);
-        // No answer: no lookups for a while.
-        topics.unanswered("timed out");
+        // No answer: the topic is held briefly (not known missing), and
+        // lookups pause.
+        topics.unanswered(vec!["a".into()], "timed out");
+        assert!(topics.paused());
         assert!(topics.due(["a"]).is_empty());
+        let (until, reason) = topics.held("a").unwrap();
+        assert!(reason.contains("could not be looked up"), "{reason}");
+        assert!(until - Instant::now() <= LOOKUP_PAUSE);
+        // Found missing after that: a first hold, nothing to extend.
+        assert!(
+            topics
+                .record(vec![("a".into(), Lookup::Missing("gone".into()))])
+                .is_empty()
+        );
     }
 }
