@@ -94,6 +94,9 @@ struct Args {
     /// Only the writers beside a draining relay (at each of `--relay-rates`).
     #[arg(long)]
     only_writers_relay: bool,
+    /// Only the relay's drains (without and behind held rows).
+    #[arg(long)]
+    only_drains: bool,
     /// Also write the results to this JSON file.
     #[arg(long)]
     json: Option<String>,
@@ -365,15 +368,16 @@ async fn writers_beside_relay(
 }
 
 /// A relay drain: events/s from its first published event to the `n`th,
-/// and the p99 of its claims meanwhile; NaN if it did not get there within
-/// `timeout` (the rate is then over what it published).
+/// the p99 of its claims meanwhile, whether it got there within `timeout`
+/// (the rate is otherwise over what it published), and events/s from the
+/// relay's start (its first claims included).
 async fn drain(
     url: &str,
     brokers: &str,
     n: u64,
     claims: &ClaimTimes,
     timeout: Duration,
-) -> Result<(f64, f64, bool), Box<dyn std::error::Error>> {
+) -> Result<(f64, f64, bool, f64), Box<dyn std::error::Error>> {
     let relay_pool = relay_pool(url).await?;
     claims.take();
     let handle = relay(&relay_pool, brokers)?;
@@ -399,10 +403,11 @@ async fn drain(
     }
     let published = handle.counts().published;
     let took = first.map_or(Duration::MAX, |f| f.elapsed());
+    let wall = published as f64 / spawned.elapsed().as_secs_f64();
     handle.shutdown().await?;
     relay_pool.close().await;
     let rate = published as f64 / took.as_secs_f64();
-    Ok((rate, p99(claims.take()), complete))
+    Ok((rate, p99(claims.take()), complete, wall))
 }
 
 /// One Unit of Work commit: a domain row and one ~200-byte event.
@@ -802,7 +807,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
         // The relay's drain.
         backlog(&pool, a.backlog, &topic).await?;
-        let (drain_rate, claim_p99, drained) =
+        let (drain_rate, claim_p99, drained, _) =
             drain(&db.url, &brokers, a.backlog as u64, &claims, timeout).await?;
         println!(
             "relay drain {drain_rate:.0} events/s, claim p99 {claim_p99:.1} ms{}",
@@ -817,10 +822,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         // The same behind rows of a missing topic.
         backlog(&pool, a.held, &missing).await?;
         backlog(&pool, a.backlog, &topic).await?;
-        let (held_rate, held_p99, held_drained) =
+        let (held_rate, held_p99, held_drained, held_wall) =
             drain(&db.url, &brokers, a.backlog as u64, &claims, timeout).await?;
         println!(
-            "relay drain with {} held rows {held_rate:.0} events/s, claim p99 {held_p99:.1} ms{}",
+            "relay drain with {} held rows {held_rate:.0} events/s ({held_wall:.0} from the \
+             relay's start), claim p99 {held_p99:.1} ms{}",
             a.held,
             if held_drained {
                 ""
@@ -829,6 +835,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         );
         reset(&pool, last).await?;
+        if a.only_drains {
+            results.push(json!({
+                "history": history,
+                "relay_drain_events_per_s": round(drain_rate, 0),
+                "claim_p99_ms": round(claim_p99, 2),
+                "held_relay_drain_events_per_s": round(held_rate, 0),
+                "held_relay_drain_from_start_events_per_s": round(held_wall, 0),
+                "held_relay_drained": held_drained,
+                "held_claim_p99_ms": round(held_p99, 2),
+            }));
+            continue;
+        }
 
         // Unit of Work commits/s, after a warm-up (connections, statements).
         writers(&writers_pool, &topic, Duration::from_millis(500), None).await?;
@@ -912,6 +930,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "claim_p99_ms": round(claim_p99, 2),
             "held_relay_drain_events_per_s": round(held_rate, 0),
             "held_relay_drained": held_drained,
+            "held_relay_drain_from_start_events_per_s": round(held_wall, 0),
             "held_claim_p99_ms": round(held_p99, 2),
             "uow_commits_per_s": round(uow_rate, 0),
             "dedup_events_per_s": round(dedup_rate, 0),
