@@ -18,10 +18,11 @@
 //! release any lane's rows: releasing only puts a row back in the claim's
 //! index, and the owner of its lane claims it.
 //!
-//! A missing topic's rows (see [`topics`](super::topics)) are held until
-//! its hold ends; when the broker still lacks it then, all its held rows
-//! are held longer at once ([`EXTEND`]), so they do not come back into
-//! claims a release at a time.
+//! A missing topic's rows (see [`topics`](super::topics)) are held well
+//! past the relay's next lookup; while the broker still lacks it, all its
+//! held rows are held longer at once ([`EXTEND`]) before that runs out, so
+//! they do not come back into claims a release at a time; once it has it,
+//! their holds end at once ([`RELEASE_TOPIC`]).
 //!
 //! Per-key order: the claim returns, with each row, whether an earlier row
 //! of its key is held on its topic (one probe of `ix_outbox_event_held_key`,
@@ -90,22 +91,29 @@ pub(crate) async fn release(
 }
 
 /// Holds every held row of topic `$1` until `$2` seconds from now, those
-/// held for less (a missing topic found missing again: see
+/// held for less (a missing topic still missing: see
 /// [`topics`](super::topics)), through `ix_outbox_event_held_key`.
 pub(crate) const EXTEND: &str = "\
 UPDATE outbox_event SET held_until = statement_timestamp() + make_interval(secs => $2)
 WHERE topic = $1 AND held_until IS NOT NULL AND published_at IS NULL
   AND held_until < statement_timestamp() + make_interval(secs => $2)";
 
-/// Runs [`EXTEND`] under the relay's `statement_timeout`; returns how many
-/// rows it held longer. Rows a claim holds right now are not among them
-/// (their hold is cleared): the claim holds them itself.
-pub(crate) async fn extend(
+/// Ends the holds of topic `$1`'s held rows (a missing topic created): one
+/// `held_until` for all, so they are released in id order.
+pub(crate) const RELEASE_TOPIC: &str = "\
+UPDATE outbox_event SET held_until = statement_timestamp()
+WHERE topic = $1 AND held_until > statement_timestamp() AND published_at IS NULL";
+
+/// Holds a topic's held rows longer, or ends their holds ([`EXTEND`],
+/// [`RELEASE_TOPIC`]), under the relay's `statement_timeout`; returns how
+/// many rows. Rows a claim holds right now are not among them (their hold
+/// is cleared): the claim holds them itself.
+pub(crate) async fn topic_rows(
     pool: &sqlx::PgPool,
-    topic: &str,
-    secs: f64,
+    action: &super::topics::Action,
     statement_timeout: std::time::Duration,
 ) -> crate::error::Result<u64> {
+    use super::topics::Action;
     let mut tx = pool.begin().await?;
     sqlx::query(&format!(
         "SET LOCAL statement_timeout = {}",
@@ -113,12 +121,11 @@ pub(crate) async fn extend(
     ))
     .execute(&mut *tx)
     .await?;
-    let extended = sqlx::query(EXTEND)
-        .bind(topic)
-        .bind(secs)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
+    let query = match action {
+        Action::Extend { topic, secs } => sqlx::query(EXTEND).bind(topic).bind(*secs),
+        Action::Release { topic } => sqlx::query(RELEASE_TOPIC).bind(topic),
+    };
+    let rows = query.execute(&mut *tx).await?.rows_affected();
     tx.commit().await?;
-    Ok(extended)
+    Ok(rows)
 }

@@ -966,8 +966,9 @@ impl Loop<'_> {
     }
 
     /// Asks the broker about topics (a batch's not known yet, or missing
-    /// ones half way through their hold: see [`topics`]); a topic found
-    /// missing again has its held rows held longer, in the background.
+    /// ones whose hold has ended: see [`topics`]); a topic found missing
+    /// again has its held rows held longer, one found created has them
+    /// released, in the background.
     async fn look_up_topics(&mut self, publisher: &mut Publisher, due: Vec<String>) {
         if due.is_empty() {
             return;
@@ -980,13 +981,11 @@ impl Loop<'_> {
         let due_again = due.clone();
         match publisher.lookup(due, topics::LOOKUP_TIMEOUT).await {
             Ok(answers) => {
-                for extend in self.topics.record(answers) {
+                for action in self.topics.record(answers) {
                     let (pool, timeout) = (self.pool.clone(), self.config.statement_timeout);
                     tokio::spawn(async move {
-                        if let Err(error) =
-                            held::extend(&pool, &extend.topic, extend.secs, timeout).await
-                        {
-                            tracing::debug!(%error, topic = %extend.topic, "holding a missing topic's rows longer failed");
+                        if let Err(error) = held::topic_rows(&pool, &action, timeout).await {
+                            tracing::debug!(%error, ?action, "updating a topic's held rows failed");
                         }
                     });
                 }

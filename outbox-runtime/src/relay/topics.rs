@@ -15,18 +15,21 @@
 //! A missing topic is held for a while: its rows in the batch are withheld
 //! and held in the table until then, with the reason in `last_error`, and
 //! rows of it claimed meanwhile are held until the same time without asking
-//! the broker. The hold starts at a floor ([`RelayConfig::missing_topic_hold`](super::RelayConfig::missing_topic_hold))
+//! the broker. The broker is asked again after a hold that starts at a
+//! floor ([`RelayConfig::missing_topic_hold`](super::RelayConfig::missing_topic_hold))
 //! and doubles up to a cap, each stretched by a random share of itself (so
-//! relays and topics spread out). Half way through a hold the relay asks
-//! the broker again: still missing, the topic is held longer and every held
-//! row of it is held until then in one statement, before their hold ends (so
-//! a missing topic's rows do not come back into claims, a release at a
-//! time, while it is missing); present, its rows come back when their hold
-//! ends and are sent, each key in order (a key's later rows stay behind its
-//! earlier held row, see [`held`](super::held)). A topic created meanwhile
-//! is published at the latest when its hold ends. Rows that come back
-//! anyway (the relay was idle, or restarted) have their topic looked up
-//! again by the claim that meets them.
+//! relays and topics spread out). In the table the rows are held longer:
+//! until twice the cap past the next lookup. Still missing at a lookup, the
+//! topic's held rows are held longer in one statement once that runs short
+//! (about once per cap), before their hold ends: a missing topic's rows do
+//! not come back into claims, a release at a time, while it is missing, and
+//! are touched once per cap, not per lookup. Found created, its rows' holds
+//! are ended in one statement: they come back in id order (one `held_until`
+//! for all) and are sent, each key in order (a key's later rows stay behind
+//! its earlier held row, see [`held`](super::held)). A topic created
+//! meanwhile is published after the next lookup, within about twice the cap.
+//! Rows that come back anyway (the relay was idle, or restarted) have their
+//! topic looked up again by the claim that meets them.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -45,11 +48,11 @@ const LOOKUP_PAUSE: Duration = Duration::from_secs(1);
 
 /// A topic the broker does not have.
 struct Missing {
-    /// Its rows are held until then.
+    /// Its rows are held in the table until then: twice the cap past the
+    /// next lookup, so that they do not come back into claims while it is
+    /// missing, and are touched again only once the cap runs short.
     until: Instant,
-    /// Half way through the hold: the broker is asked again then, so that
-    /// a topic still missing has its held rows held longer before their
-    /// hold ends (they never come back into claims while it is missing).
+    /// When the broker is asked again (the growing hold).
     recheck_at: Instant,
     hold: Backoff,
     /// Why, for `last_error`.
@@ -76,11 +79,13 @@ pub(crate) enum Lookup {
     Missing(String),
 }
 
-/// A topic found missing again: hold its held rows until `secs` from now.
-#[derive(Debug, Clone)]
-pub(crate) struct Extend {
-    pub topic: String,
-    pub secs: f64,
+/// What a lookup asks of the table's held rows of a topic.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Action {
+    /// Still missing: hold its held rows until `secs` from now.
+    Extend { topic: String, secs: f64 },
+    /// Created: end its rows' holds now.
+    Release { topic: String },
 }
 
 impl Topics {
@@ -113,16 +118,20 @@ impl Topics {
         due
     }
 
-    /// Records the broker's answers; returns the topics found missing again
-    /// after a hold (their held rows are to be held for the new hold).
-    pub fn record(&mut self, answers: Vec<(String, Lookup)>) -> Vec<Extend> {
+    /// Records the broker's answers; returns what to do to the held rows of
+    /// the topics (hold those of a topic still missing longer, once their
+    /// hold runs short; release those of a topic created).
+    pub fn record(&mut self, answers: Vec<(String, Lookup)>) -> Vec<Action> {
         let now = Instant::now();
-        let mut extend = Vec::new();
+        let mut actions = Vec::new();
         for (topic, answer) in answers {
             match answer {
                 Lookup::Present => {
                     if self.missing.remove(&topic).is_some() {
                         tracing::info!(%topic, "topic now exists on the broker: publishing its held events");
+                        actions.push(Action::Release {
+                            topic: topic.clone(),
+                        });
                     }
                     self.present.insert(topic);
                 }
@@ -139,8 +148,11 @@ impl Topics {
                             unconfirmed: false,
                         });
                     let hold = missing.hold.next();
-                    missing.until = now + hold;
-                    missing.recheck_at = now + hold / 2;
+                    missing.recheck_at = now + hold;
+                    let extend = !again || missing.until < missing.recheck_at + self.max;
+                    if extend {
+                        missing.until = missing.recheck_at + self.max * 2;
+                    }
                     missing.reason = reason;
                     missing.unconfirmed = false;
                     tracing::error!(
@@ -149,20 +161,20 @@ impl Topics {
                         error = %missing.reason,
                         "topic missing on the broker: holding its events back"
                     );
-                    if again {
-                        extend.push(Extend {
+                    if again && extend {
+                        actions.push(Action::Extend {
                             topic,
-                            secs: hold.as_secs_f64(),
+                            secs: missing.until.saturating_duration_since(now).as_secs_f64(),
                         });
                     }
                 }
             }
         }
-        extend
+        actions
     }
 
-    /// The missing topics whose hold is half over: to ask the broker about
-    /// again (see [`Missing::recheck_at`]).
+    /// The missing topics to ask the broker about again (see
+    /// [`Missing::recheck_at`]).
     pub fn rechecks_due(&self) -> Vec<String> {
         let now = Instant::now();
         if self.paused() {
@@ -236,46 +248,52 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_missing_topic_is_held_longer_each_time_and_asked_about_again_after() {
-        let (first, max) = (Duration::from_millis(200), Duration::from_millis(800));
+    fn a_missing_topic_is_looked_up_again_after_a_growing_hold_its_rows_held_longer() {
+        let (first, max) = (Duration::from_millis(100), Duration::from_millis(1000));
         let mut topics = Topics::new(first, max);
         assert_eq!(topics.due(["a", "b", "a"]), ["a", "b"]);
-        let extend = topics.record(vec![
+        let actions = topics.record(vec![
             ("a".into(), Lookup::Present),
             ("b".into(), Lookup::Missing("b is missing".into())),
         ]);
-        assert!(extend.is_empty(), "a first hold extends nothing");
+        assert!(actions.is_empty(), "a first hold touches no held row");
         assert!(topics.held("a").is_none());
         let (until, reason) = topics.held("b").unwrap();
         assert_eq!(reason, "b is missing");
+        // Held in the table for twice the cap past the next lookup.
         let hold = until - Instant::now();
-        assert!(hold > first / 2 && hold < first * 2, "{hold:?}");
+        assert!(hold > max * 2 && hold < first * 2 + max * 2, "{hold:?}");
         // Neither is asked about while present or held.
         assert!(topics.due(["a", "b"]).is_empty());
-
-        std::thread::sleep(until - Instant::now() + Duration::from_millis(5));
-        assert!(topics.held("b").is_none());
-        assert_eq!(topics.due(["a", "b"]), ["b"]);
-        let extend = topics.record(vec![("b".into(), Lookup::Missing("still".into()))]);
-        assert_eq!(extend.len(), 1);
-        assert_eq!(extend[0].topic, "b");
-        // The second hold: twice the first, stretched by up to itself.
-        assert!(
-            extend[0].secs >= 0.4 && extend[0].secs < 0.8,
-            "{:?}",
-            extend[0]
-        );
-
-        // Half way through the second hold the broker is asked again.
         assert!(topics.rechecks_due().is_empty());
-        std::thread::sleep(
-            Duration::from_secs_f64(extend[0].secs / 2.0) + Duration::from_millis(5),
-        );
-        assert_eq!(topics.rechecks_due(), ["b"]);
-        assert!(topics.held("b").is_some(), "still held meanwhile");
 
-        // Created meanwhile: present, no longer held.
-        topics.record(vec![("b".into(), Lookup::Present)]);
+        // The next lookup: after the first hold (100-200 ms).
+        std::thread::sleep(first * 2 + Duration::from_millis(5));
+        assert_eq!(topics.rechecks_due(), ["b"]);
+        let actions = topics.record(vec![("b".into(), Lookup::Missing("still".into()))]);
+        // The rows' hold still covers the next lookup and a cap: untouched.
+        assert!(actions.is_empty(), "{actions:?}");
+        assert!(topics.held("b").is_some(), "still held");
+        // Lookups until the rows' hold runs short: then it is extended.
+        let mut extended = None;
+        for _ in 0..8 {
+            while topics.rechecks_due().is_empty() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            assert!(topics.held("b").is_some(), "held past each lookup");
+            let actions = topics.record(vec![("b".into(), Lookup::Missing("still".into()))]);
+            if let Some(Action::Extend { topic, secs }) = actions.first() {
+                extended = Some((topic.clone(), *secs));
+                break;
+            }
+        }
+        let (topic, secs) = extended.expect("extended once the hold ran short");
+        assert_eq!(topic, "b");
+        assert!(secs > 2.0 && secs < 4.1, "{secs}");
+
+        // Created meanwhile: its rows are released, it is no longer held.
+        let actions = topics.record(vec![("b".into(), Lookup::Present)]);
+        assert_eq!(actions, [Action::Release { topic: "b".into() }]);
         assert!(topics.held("b").is_none());
         assert!(topics.due(["b"]).is_empty());
 
