@@ -81,8 +81,8 @@ pub struct RelayConfig {
     /// Cap of the per-key and per-topic retry delay.
     pub retry_backoff_max: Duration,
     /// First hold of a topic missing on the broker (default 5 s): its rows
-    /// are held that long without being sent, then the broker is asked
-    /// again (see [`topics`](self::topics)). Each hold is stretched by a
+    /// are held without being sent, and the broker is asked again after
+    /// it (see [`topics`](self::topics)). Each hold is stretched by a
     /// random share of itself (up to twice as long).
     pub missing_topic_hold: Duration,
     /// Cap of that hold, which doubles while the topic stays missing
