@@ -93,9 +93,9 @@
 
 pub use outbox_core::{
     Aggregate, AggregateRoot, BoxError, CommandFuture, CommandHandler, CommandOutput, Committed,
-    DomainEvent, Error, HandlerArg, HandlerContext, HandlerFuture, Headers, InboxHandler,
-    InboxOutput, IncomingEvent, LockPolicy, MIGRATOR, OutboxMessage, PendingEvents, Result,
-    TraceParent, UnitOfWork, execute, migrate, migrate_with, trace,
+    DomainEvent, Error, EventVersion, HandlerArg, HandlerContext, HandlerFuture, Headers,
+    InboxHandler, InboxOutput, IncomingEvent, LockPolicy, MIGRATOR, OutboxMessage, PendingEvents,
+    Result, TraceParent, UnitOfWork, execute, migrate, migrate_with, trace,
 };
 
 /// `#[derive(DomainEvent)]`: see [`DomainEvent`] for the `#[event(...)]` attributes.

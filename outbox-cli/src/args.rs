@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use outbox_runtime::Error;
+use outbox_runtime::cloudevents::CloudEventsMode;
 use outbox_runtime::settings::{KafkaSettings, RelaySettings, Settings};
 
 #[derive(Parser)]
@@ -191,6 +192,15 @@ pub(crate) struct RelayArgs {
     /// Serve Prometheus metrics on this address (GET /metrics), e.g. 127.0.0.1:9464.
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    /// CloudEvents binary-mode headers (ce_id, ce_type, ce_source, ...):
+    /// off, both (beside the framework's own headers) or only (instead of
+    /// them) (default off).
+    #[arg(long, value_name = "MODE")]
+    pub cloud_events: Option<CloudEventsMode>,
+    /// The ce_source of the events, a URI reference naming this service
+    /// (default /outbox).
+    #[arg(long, value_name = "URI")]
+    pub cloud_events_source: Option<String>,
 }
 
 impl RelayArgs {
@@ -206,6 +216,8 @@ impl RelayArgs {
         relay.statement_timeout_ms = self.statement_timeout_ms;
         relay.lane_timeout_ms = self.lane_timeout_ms;
         relay.metrics_addr = self.metrics_addr;
+        relay.cloud_events = self.cloud_events;
+        relay.cloud_events_source = self.cloud_events_source.clone();
         relay
     }
 }

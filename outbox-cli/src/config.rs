@@ -105,6 +105,8 @@ fn defaults() -> Settings {
     s.relay.outage_backoff_max_ms = ms(relay.outage_backoff_max);
     s.relay.statement_timeout_ms = ms(relay.statement_timeout);
     s.relay.lane_timeout_ms = ms(relay.lane_timeout);
+    s.relay.cloud_events = Some(relay.cloud_events.mode);
+    s.relay.cloud_events_source = Some(relay.cloud_events.source.clone());
     s
 }
 

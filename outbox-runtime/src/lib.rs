@@ -15,6 +15,7 @@
 
 mod backoff;
 pub mod cleanup;
+pub mod cloudevents;
 mod error;
 pub mod inbox;
 pub mod kafka;

@@ -481,6 +481,7 @@ impl ConsumerBuilder {
                 "the consumer has no handler: add one with .handler(..)".into(),
             ));
         }
+        self.registry.check().map_err(Error::Config)?;
         for (topic, event_type) in &self.ignored {
             self.registry
                 .ignore(topic, event_type)

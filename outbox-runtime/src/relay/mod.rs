@@ -41,6 +41,7 @@ use self::claim::{Batch, Failure, Row};
 use self::publish::{FailureKind, Outcome, Publisher};
 use self::wake::Waker;
 use crate::backoff::{self, Health};
+use crate::cloudevents::{CloudEvents, CloudEventsMode};
 use crate::error::{Error, Result};
 use crate::kafka;
 use crate::scope::OutboxScope;
@@ -102,6 +103,8 @@ pub struct RelayConfig {
     /// server side, and the longest the relay waits for an answer there.
     /// Rows it had claimed come free after [`RelayConfig::claim_idle_timeout`].
     pub lane_timeout: Duration,
+    /// CloudEvents headers (default off): see [`crate::cloudevents`].
+    pub cloud_events: CloudEvents,
 }
 
 impl std::fmt::Debug for RelayConfig {
@@ -123,6 +126,7 @@ impl std::fmt::Debug for RelayConfig {
             lanes,
             statement_timeout,
             lane_timeout,
+            cloud_events,
         } = self;
         f.debug_struct("RelayConfig")
             .field("brokers", brokers)
@@ -140,6 +144,7 @@ impl std::fmt::Debug for RelayConfig {
             .field("lanes", lanes)
             .field("statement_timeout", statement_timeout)
             .field("lane_timeout", lane_timeout)
+            .field("cloud_events", cloud_events)
             .finish()
     }
 }
@@ -162,6 +167,7 @@ impl Default for RelayConfig {
             lanes: 16,
             statement_timeout: Duration::from_secs(30),
             lane_timeout: Duration::from_secs(10),
+            cloud_events: CloudEvents::default(),
         }
     }
 }
@@ -209,7 +215,7 @@ impl RelayConfig {
         if self.lane_timeout < Duration::from_secs(1) {
             return bad("lane timeout must be >= 1 s".into());
         }
-        Ok(())
+        self.cloud_events.validate()
     }
 
     /// How long a claim transaction may stay idle before the server ends
@@ -311,6 +317,17 @@ impl RelayBuilder {
     /// `statement_timeout` of the relay's SQL (default 30 s; zero: none).
     pub fn statement_timeout(mut self, d: Duration) -> Self {
         self.config.statement_timeout = d;
+        self
+    }
+    /// Writes CloudEvents binary-mode headers (`ce_id`, `ce_type`,
+    /// `ce_source`, ...) beside the framework's own ([`CloudEventsMode::Both`])
+    /// or instead of them ([`CloudEventsMode::Only`]), with `source` as
+    /// `ce_source`. Default: off. See [`crate::cloudevents`].
+    pub fn cloud_events(mut self, mode: CloudEventsMode, source: impl Into<String>) -> Self {
+        self.config.cloud_events = CloudEvents {
+            mode,
+            source: source.into(),
+        };
         self
     }
     /// The configuration so far.
@@ -467,7 +484,8 @@ impl Relay {
     /// Runs the relay until `shutdown` is cancelled. Returns an error only for
     /// problems a retry cannot fix (e.g. an invalid producer configuration).
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
-        let mut publisher = Publisher::new(self.config.producer_config())?;
+        let mut publisher = Publisher::new(self.config.producer_config())?
+            .with_cloud_events(self.config.cloud_events.clone());
         let Some(scope) = self.outbox(&shutdown).await else {
             return Ok(());
         };

@@ -12,6 +12,7 @@ use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use rdkafka::types::RDKafkaErrorCode;
 
 use super::claim::Row;
+use crate::cloudevents::{CloudEvents, CloudEventsMode, header as ce};
 use crate::kafka::header;
 
 /// How a failed delivery is treated.
@@ -87,6 +88,7 @@ pub(crate) enum Outcome {
 pub(crate) struct Publisher {
     config: ClientConfig,
     producer: FutureProducer,
+    cloud_events: CloudEvents,
 }
 
 /// Settings the relay always applies; user overrides cannot weaken them.
@@ -98,7 +100,17 @@ impl Publisher {
             config.set(*key, *value);
         }
         let producer = crate::kafka::create(&config)?;
-        Ok(Self { config, producer })
+        Ok(Self {
+            config,
+            producer,
+            cloud_events: CloudEvents::default(),
+        })
+    }
+
+    /// Writes CloudEvents headers as `cloud_events` says.
+    pub fn with_cloud_events(mut self, cloud_events: CloudEvents) -> Self {
+        self.cloud_events = cloud_events;
+        self
     }
 
     /// Recreates the producer if librdkafka raised a fatal error; returns
@@ -189,7 +201,7 @@ impl Publisher {
         let record = FutureRecord::to(&row.topic)
             .key(row.partition_key.as_bytes())
             .payload(row.payload.as_bytes())
-            .headers(headers_of(row));
+            .headers(headers_of(row, &self.cloud_events));
         self.producer
             .send_result(record)
             .map_err(|(error, _)| match error.rdkafka_error_code() {
@@ -232,42 +244,66 @@ const IDENTITY: [&str; 6] = [
     header::CONTENT_TYPE,
 ];
 
-/// Kafka headers of a row: the event's identity and the stored headers.
-pub(crate) fn headers_of(row: &Row) -> OwnedHeaders {
+/// Kafka headers of a row: the event's identity (the framework's headers,
+/// CloudEvents headers, or both, as `ce` says) and the stored headers.
+pub(crate) fn headers_of(row: &Row, ce: &CloudEvents) -> OwnedHeaders {
     let version = row.event_version.to_string();
     let event_id = row.event_id.to_string();
-    let mut headers = OwnedHeaders::new_with_capacity(10)
-        .insert(Header {
-            key: header::EVENT_ID,
-            value: Some(event_id.as_bytes()),
-        })
-        .insert(Header {
-            key: header::EVENT_TYPE,
-            value: Some(row.event_type.as_bytes()),
-        })
-        .insert(Header {
-            key: header::EVENT_VERSION,
-            value: Some(version.as_bytes()),
-        })
-        .insert(Header {
-            key: header::AGGREGATE_TYPE,
-            value: Some(row.aggregate_type.as_bytes()),
-        })
-        .insert(Header {
-            key: header::AGGREGATE_ID,
-            value: Some(row.aggregate_id.as_bytes()),
-        })
-        .insert(Header {
-            key: header::CONTENT_TYPE,
-            value: Some(header::JSON.as_bytes()),
-        });
+    let mut headers = OwnedHeaders::new_with_capacity(16);
+    if ce.mode != CloudEventsMode::Only {
+        headers = headers
+            .insert(Header {
+                key: header::EVENT_ID,
+                value: Some(event_id.as_bytes()),
+            })
+            .insert(Header {
+                key: header::EVENT_TYPE,
+                value: Some(row.event_type.as_bytes()),
+            })
+            .insert(Header {
+                key: header::EVENT_VERSION,
+                value: Some(version.as_bytes()),
+            })
+            .insert(Header {
+                key: header::AGGREGATE_TYPE,
+                value: Some(row.aggregate_type.as_bytes()),
+            })
+            .insert(Header {
+                key: header::AGGREGATE_ID,
+                value: Some(row.aggregate_id.as_bytes()),
+            });
+    }
+    headers = headers.insert(Header {
+        key: header::CONTENT_TYPE,
+        value: Some(header::JSON.as_bytes()),
+    });
+    if ce.mode != CloudEventsMode::Off {
+        let time = row.created_at.format("%Y-%m-%dT%H:%M:%S%.6fZ").to_string();
+        for (key, value) in [
+            (ce::SPECVERSION, ce::SPEC_1_0),
+            (ce::ID, event_id.as_str()),
+            (ce::TYPE, row.event_type.as_str()),
+            (ce::SOURCE, ce.source.as_str()),
+            (ce::TIME, time.as_str()),
+            (ce::SUBJECT, row.aggregate_id.as_str()),
+            (ce::EVENT_VERSION, version.as_str()),
+            (ce::AGGREGATE_TYPE, row.aggregate_type.as_str()),
+        ] {
+            headers = headers.insert(Header {
+                key,
+                value: Some(value.as_bytes()),
+            });
+        }
+    }
     if row.headers.len() > 2 {
         if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(&row.headers) {
             for (key, value) in map {
                 // The identity headers above are the only ones: a stored
-                // entry of the same name (written by another tool or an
-                // older version) is not sent.
-                if IDENTITY.iter().any(|h| h.eq_ignore_ascii_case(&key)) {
+                // entry of the same name, or a `ce_` one (written by another
+                // tool or an older version), is not sent.
+                if IDENTITY.iter().any(|h| h.eq_ignore_ascii_case(&key))
+                    || key.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("ce_"))
+                {
                     continue;
                 }
                 let text = match value {

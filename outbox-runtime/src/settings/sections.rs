@@ -4,6 +4,8 @@ use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::cloudevents::CloudEventsMode;
+
 /// Relay settings, each optional (unset: the builder's default). Section
 /// `[relay]`; environment `OUTBOX_RELAY_<FIELD>`; flags of `outbox relay`
 /// with the same names (`--batch-size`).
@@ -40,6 +42,11 @@ pub struct RelaySettings {
     /// Where `outbox relay` serves Prometheus metrics (the builder does not
     /// use it: call [`crate::metrics::serve`]).
     pub metrics_addr: Option<SocketAddr>,
+    /// CloudEvents headers: `off` (default), `both` (beside the framework's
+    /// own) or `only` (instead of them). See [`crate::cloudevents`].
+    pub cloud_events: Option<CloudEventsMode>,
+    /// The `ce_source` of the events (default `/outbox`).
+    pub cloud_events_source: Option<String>,
 }
 
 impl RelaySettings {
@@ -60,6 +67,8 @@ impl RelaySettings {
             statement_timeout_ms: higher.statement_timeout_ms.or(self.statement_timeout_ms),
             lane_timeout_ms: higher.lane_timeout_ms.or(self.lane_timeout_ms),
             metrics_addr: higher.metrics_addr.or(self.metrics_addr),
+            cloud_events: higher.cloud_events.or(self.cloud_events),
+            cloud_events_source: higher.cloud_events_source.or(self.cloud_events_source),
         }
     }
 }

@@ -113,6 +113,7 @@ pub struct TestBus {
     faults: Faults,
     clock: TestClock,
     max_rounds: usize,
+    cloud_events: crate::cloudevents::CloudEvents,
 }
 
 impl std::fmt::Debug for TestBus {
@@ -162,6 +163,7 @@ impl TestBus {
             faults: Faults::default(),
             clock: TestClock::default(),
             max_rounds: DEFAULT_MAX_ROUNDS,
+            cloud_events: Default::default(),
         }
     }
 
@@ -213,6 +215,13 @@ impl TestBus {
     /// the next one the follow-up events, and so on.
     pub fn max_rounds(mut self, rounds: usize) -> Self {
         self.max_rounds = rounds.max(1);
+        self
+    }
+
+    /// Writes the headers a relay with this CloudEvents setting writes
+    /// (default: off, the framework's headers only).
+    pub fn cloud_events(mut self, cloud_events: crate::cloudevents::CloudEvents) -> Self {
+        self.cloud_events = cloud_events;
         self
     }
 
@@ -290,8 +299,8 @@ impl TestBus {
         let outbox = &self.outboxes[i];
         let mut tx = outbox.pool.begin().await?;
         let rows: Vec<Row> = sqlx::query_as(
-            "SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version, topic,
-                    partition_key, payload::text AS payload, headers::text AS headers, attempts,
+            "SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version,
+                    created_at, topic, partition_key, payload::text AS payload, headers::text AS headers, attempts,
                     NULL::float8 AS behind_held_secs, ctid::text AS tid
              FROM outbox_event WHERE published_at IS NULL AND parked_at IS NULL
              ORDER BY id FOR UPDATE SKIP LOCKED",
@@ -312,10 +321,11 @@ impl TestBus {
         let copies = if self.faults.twice { 2 } else { 1 };
         let mut messages = Vec::with_capacity(rows.len() * copies);
         for row in rows {
-            let headers: Vec<(String, Option<Vec<u8>>)> = crate::relay::publish::headers_of(&row)
-                .iter()
-                .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
-                .collect();
+            let headers: Vec<(String, Option<Vec<u8>>)> =
+                crate::relay::publish::headers_of(&row, &self.cloud_events)
+                    .iter()
+                    .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+                    .collect();
             for _ in 0..copies {
                 let offset = self.offsets.entry(row.topic.clone()).or_insert(0);
                 messages.push(Message {
