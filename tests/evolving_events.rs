@@ -393,3 +393,93 @@ async fn a_handler_registered_twice_is_refused_at_build(pool: PgPool) {
         .build()
         .unwrap();
 }
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn with_cloud_events_headers_only_events_are_deduplicated_and_versions_still_count(
+    pool: PgPool,
+) {
+    use outbox::runtime::cloudevents::{CloudEvents, CloudEventsMode};
+    use outbox::testing::Faults;
+    tables(&pool).await;
+    let (a, b, newer) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+    write_old(
+        &pool,
+        OrderPlacedV1 {
+            order_id: a,
+            amount: 1,
+        },
+    )
+    .await;
+    write_old(
+        &pool,
+        OrderPlacedV2 {
+            order_id: b,
+            amount_cents: 250,
+        },
+    )
+    .await;
+    write_old(
+        &pool,
+        OrderPlaced {
+            order_id: newer,
+            amount_cents: 5,
+            currency: "EUR".into(),
+        },
+    )
+    .await;
+    // A relay writing CloudEvents headers instead of its own, every message
+    // delivered twice, to a service on version 2.
+    let mut bus = TestBus::new()
+        .cloud_events(CloudEvents {
+            mode: CloudEventsMode::Only,
+            source: "/orders-service".into(),
+        })
+        .faults(Faults::new().deliver_twice())
+        .service(
+            Consumer::builder(pool.clone())
+                .group("billing")
+                .handler(book_order_v2),
+        );
+    let delivery = bus.deliver().await.unwrap();
+    for published in &delivery.published {
+        let names: Vec<&str> = published
+            .message_headers
+            .iter()
+            .map(|(k, _)| k.as_str())
+            .collect();
+        assert!(
+            names.contains(&"ce_id") && !names.contains(&"event_id"),
+            "{names:?}"
+        );
+    }
+    // Versions 1 and 2 handled once each (the copies are duplicates, by ce_id) …
+    assert_eq!(delivery.handled().count(), 2, "{delivery}");
+    assert_eq!(delivery.duplicates(), 2, "{delivery}");
+    assert_eq!(
+        booked(&pool).await,
+        vec![(a, 100, "EUR".into(), 1), (b, 250, "EUR".into(), 2)]
+    );
+    // … version 3 (`ce_eventversion`) is too new for it (both copies: a
+    // dead letter is kept per delivered message).
+    let newer_id: Uuid =
+        sqlx::query_scalar("SELECT event_id FROM outbox_event WHERE aggregate_id = $1")
+            .bind(newer.to_string())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let dead: Vec<_> = delivery.dead_lettered().collect();
+    assert_eq!(dead.len(), 2, "{delivery}");
+    for d in dead {
+        assert_eq!(d.event_id, Some(newer_id), "{delivery}");
+        assert!(
+            matches!(
+                &d.outcome,
+                Outcome::DeadLettered {
+                    reason: DeadLetterReason::UnsupportedVersion,
+                    ..
+                }
+            ),
+            "{delivery}"
+        );
+    }
+}

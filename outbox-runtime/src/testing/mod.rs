@@ -364,22 +364,32 @@ struct NewLetter {
     attempts: i32,
 }
 
-fn event_id(m: &Message) -> Option<Uuid> {
+fn header<'m>(m: &'m Message, name: &str) -> Option<&'m str> {
     m.headers
         .iter()
-        .find(|(k, _)| k == crate::kafka::header::EVENT_ID)
+        .find(|(k, _)| k == name)
         .and_then(|(_, v)| v.as_deref())
         .and_then(|v| std::str::from_utf8(v).ok())
-        .and_then(|v| v.parse().ok())
+}
+
+/// The event id the consumer uses: the `event_id` header, or that of a
+/// message with CloudEvents headers only.
+fn event_id(m: &Message) -> Option<Uuid> {
+    use crate::cloudevents::header as ce;
+    match header(m, crate::kafka::header::EVENT_ID) {
+        Some(id) => id.parse().ok(),
+        None => Some(crate::cloudevents::event_id(
+            header(m, ce::SOURCE)?,
+            header(m, ce::ID)?,
+        )),
+    }
 }
 
 fn event_type(m: &Message) -> String {
-    m.headers
-        .iter()
-        .find(|(k, _)| k == crate::kafka::header::EVENT_TYPE)
-        .and_then(|(_, v)| v.as_deref())
-        .map(|v| String::from_utf8_lossy(v).into_owned())
+    header(m, crate::kafka::header::EVENT_TYPE)
+        .or_else(|| header(m, crate::cloudevents::header::TYPE))
         .unwrap_or_default()
+        .to_owned()
 }
 
 /// Delivers one batch to `consumer` and records each message's outcome, as
