@@ -422,7 +422,8 @@ pub(crate) enum DeadLettersCommand {
         #[arg(long, value_parser = ["dead", "retry", "resolved", "all"])]
         status: Vec<String>,
         /// Only this reason (not_json, no_event_id, unknown_event_type,
-        /// payload_mismatch, oversized, handler_failed).
+        /// payload_mismatch, oversized, handler_failed, invalid_headers,
+        /// no_key, unsupported_version).
         #[arg(long)]
         reason: Option<String>,
         /// At most this many rows.

@@ -7,6 +7,9 @@
 //!   `orders-service` consumes it (inbox mode) and marks the order paid.
 //!
 //! Both are keyed by the order id, so an order's events stay in order.
+//! Each declares its schema version: a change a consumer cannot read as is
+//! gets the next version, with an upcaster from this one (see the README's
+//! "Evolving events").
 
 #![forbid(unsafe_code)]
 
@@ -20,7 +23,7 @@ pub const PAYMENTS_TOPIC: &str = "demo.payments";
 
 /// An order was placed and awaits payment.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, DomainEvent)]
-#[event(topic = "demo.orders", aggregate_type = "Order")]
+#[event(topic = "demo.orders", aggregate_type = "Order", version = 1)]
 pub struct OrderCreated {
     /// The order.
     #[event(aggregate_id)]
@@ -33,7 +36,7 @@ pub struct OrderCreated {
 
 /// A charge for an order was recorded.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, DomainEvent)]
-#[event(topic = "demo.payments", aggregate_type = "Payment")]
+#[event(topic = "demo.payments", aggregate_type = "Payment", version = 1)]
 pub struct PaymentCaptured {
     /// The charge.
     #[event(aggregate_id)]
@@ -53,5 +56,23 @@ mod tests {
     fn topics_match_the_constants() {
         assert_eq!(OrderCreated::TOPIC, ORDERS_TOPIC);
         assert_eq!(PaymentCaptured::TOPIC, PAYMENTS_TOPIC);
+    }
+
+    #[test]
+    fn events_carry_their_versions() {
+        use outbox::EventVersion;
+        assert_eq!(<OrderCreated as EventVersion>::VERSION, 1);
+        assert_eq!(<PaymentCaptured as EventVersion>::VERSION, 1);
+        // A version-2 message is not read as version 1.
+        let error = OrderCreated::from_versioned_payload(
+            "OrderCreated",
+            2,
+            br#"{"order_id":"00000000-0000-0000-0000-000000000000","customer":"c","amount_cents":1}"#,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(error, outbox::Error::UnsupportedVersion { version: 2, .. }),
+            "{error}"
+        );
     }
 }
