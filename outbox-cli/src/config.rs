@@ -286,6 +286,29 @@ mod tests {
     }
 
     #[test]
+    fn cloud_events_flags_become_relay_settings() {
+        use clap::Parser;
+        use outbox_runtime::cloudevents::CloudEventsMode;
+        let cli = crate::args::Cli::try_parse_from([
+            "outbox",
+            "relay",
+            "--cloud-events",
+            "only",
+            "--cloud-events-source",
+            "/orders",
+        ])
+        .unwrap();
+        let flags = cli.flag_settings().unwrap();
+        assert_eq!(flags.relay.cloud_events, Some(CloudEventsMode::Only));
+        assert_eq!(flags.relay.cloud_events_source.as_deref(), Some("/orders"));
+        let error = crate::args::Cli::try_parse_from(["outbox", "relay", "--cloud-events", "x"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(error.contains("off (default), both"), "{error}");
+    }
+
+    #[test]
     fn flags_beat_environment_beat_file_beat_defaults() {
         let file = parse(
             "[kafka]\nbrokers = \"file:1\"\n\"sasl.username\" = \"file\"\n\"client.id\" = \"file\"\n\

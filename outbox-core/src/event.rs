@@ -138,7 +138,7 @@ pub trait DomainEvent: Serialize + DeserializeOwned + Send + Sync + 'static {
     label = "not a struct deriving `DomainEvent`",
     note = "`upcast_from(...)` names the struct of the event type's previous version: a struct with `#[derive(DomainEvent)]` and `#[event(version = N)]`"
 )]
-pub trait EventVersion: DomainEvent {
+pub trait EventVersion {
     /// The event type name.
     const EVENT_TYPE: &'static str;
     /// The version this struct is.
@@ -152,7 +152,7 @@ pub trait EventVersion: DomainEvent {
 /// for a struct: `older` decodes a version before `E::VERSION` (through the
 /// previous version's struct) when the struct declares an upcaster.
 #[doc(hidden)]
-pub fn decode_version<E: EventVersion>(
+pub fn decode_version<E: EventVersion + DomainEvent>(
     event_type: &str,
     version: u32,
     payload: &[u8],

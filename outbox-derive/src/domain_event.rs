@@ -91,7 +91,7 @@ fn struct_versions(cont: &Container, event: &Event) -> (TokenStream, Option<Toke
             // that `Self` has no `From` for, is reported there.
             let version_of =
                 quote_spanned!(prev.span()=> <#prev as ::outbox::__private::EventVersion>);
-            let from = quote_spanned!(prev.span()=> <#ident as ::core::convert::From<#prev>>::from);
+            let from = quote_spanned!(prev.span()=> <Self as ::core::convert::From<#prev>>::from);
             let older = quote_spanned! {prev.span()=>
                 ::core::option::Option::Some(|event_type, version, payload| {
                     <#prev as ::outbox::__private::DomainEvent>::from_versioned_payload(

@@ -299,10 +299,12 @@ pub(crate) fn headers_of(row: &Row, ce: &CloudEvents) -> OwnedHeaders {
         if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(&row.headers) {
             for (key, value) in map {
                 // The identity headers above are the only ones: a stored
-                // entry of the same name, or a `ce_` one (written by another
-                // tool or an older version), is not sent.
+                // entry of the same name (written by another tool or an
+                // older version), or a `ce_` one while CloudEvents headers
+                // are written, is not sent.
                 if IDENTITY.iter().any(|h| h.eq_ignore_ascii_case(&key))
-                    || key.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("ce_"))
+                    || (ce.mode != CloudEventsMode::Off
+                        && key.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("ce_")))
                 {
                     continue;
                 }
