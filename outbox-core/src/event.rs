@@ -148,6 +148,10 @@ pub trait EventVersion {
     const OLDEST_VERSION: u32;
 }
 
+/// Decodes an older version (event type, version, payload) into `E`.
+#[doc(hidden)]
+pub type Older<E> = fn(&str, u32, &[u8]) -> Result<E>;
+
 /// The derive's implementation of [`DomainEvent::from_versioned_payload`]
 /// for a struct: `older` decodes a version before `E::VERSION` (through the
 /// previous version's struct) when the struct declares an upcaster.
@@ -156,7 +160,7 @@ pub fn decode_version<E: EventVersion + DomainEvent>(
     event_type: &str,
     version: u32,
     payload: &[u8],
-    older: Option<fn(&str, u32, &[u8]) -> Result<E>>,
+    older: Option<Older<E>>,
 ) -> Result<E> {
     if version == E::VERSION {
         return E::from_payload(event_type, payload);
