@@ -2,6 +2,12 @@
 //! deliveries: the whole batch is enqueued before any delivery is awaited;
 //! within a batch a key whose event failed to enqueue sends nothing after it.
 //! Also owns the producer itself, which nothing outside the relay can reach.
+//!
+//! A broker refuses a whole record batch for one bad record (a schema
+//! validation refusal, `INVALID_RECORD`, fails every message of the batch):
+//! a row that failed before is therefore sent alone, through a second
+//! producer that puts one message in each batch, so that its next outcome is
+//! its own. Only such an outcome can park it (see the relay's `evaluate`).
 
 use std::collections::HashSet;
 
@@ -87,6 +93,9 @@ pub(crate) enum Outcome {
 pub(crate) struct Publisher {
     config: ClientConfig,
     producer: FutureProducer,
+    /// One message per record batch, for rows that failed before; created
+    /// on first use.
+    alone: Option<FutureProducer>,
 }
 
 /// Settings the relay always applies; user overrides cannot weaken them.
@@ -98,16 +107,41 @@ impl Publisher {
             config.set(*key, *value);
         }
         let producer = crate::kafka::create(&config)?;
-        Ok(Self { config, producer })
+        Ok(Self {
+            config,
+            producer,
+            alone: None,
+        })
+    }
+
+    /// The producer of rows sent alone, created on first use.
+    fn alone(&mut self) -> Option<&FutureProducer> {
+        if self.alone.is_none() {
+            let mut config = self.config.clone();
+            config.set("batch.num.messages", "1");
+            config.set("linger.ms", "0");
+            match crate::kafka::create(&config) {
+                Ok(producer) => self.alone = Some(producer),
+                Err(error) => {
+                    tracing::error!(%error, "could not create the single-message producer")
+                }
+            }
+        }
+        self.alone.as_ref()
     }
 
     /// Recreates the producer if librdkafka raised a fatal error; returns
     /// whether it did.
     pub fn recover_if_fatal(&mut self) -> bool {
-        let Some((code, reason)) = self.producer.client().fatal_error() else {
-            return false;
-        };
-        self.recreate(&format!("{code}: {reason}"))
+        if let Some((code, reason)) = self.producer.client().fatal_error() {
+            return self.recreate(&format!("{code}: {reason}"));
+        }
+        if let Some((code, reason)) = self.alone.as_ref().and_then(|p| p.client().fatal_error()) {
+            tracing::error!(%code, reason, "single-message producer unusable: recreating it");
+            self.alone = None;
+            return true;
+        }
+        false
     }
 
     /// Replaces the producer by a new one (new producer id and epoch).
@@ -116,6 +150,7 @@ impl Publisher {
         match crate::kafka::create(&self.config) {
             Ok(producer) => {
                 self.producer = producer;
+                self.alone = None;
                 true
             }
             Err(error) => {
@@ -148,13 +183,18 @@ impl Publisher {
         if let Err(error) = self.producer.flush(timeout) {
             tracing::warn!(%error, "producer flush did not complete");
         }
+        if let Some(Err(error)) = self.alone.as_ref().map(|p| p.flush(timeout)) {
+            tracing::warn!(%error, "single-message producer flush did not complete");
+        }
     }
 
     /// Enqueues the rows `which` (indices into `rows`, in order) without
     /// waiting; returns the pending deliveries. `outcomes` receives
-    /// immediate failures and withheld rows.
+    /// immediate failures and withheld rows. A row that failed before goes
+    /// alone (see the module docs), and the later rows of its key wait for
+    /// the next batch: two producers do not keep each other's order.
     pub fn send(
-        &self,
+        &mut self,
         rows: &[Row],
         which: impl IntoIterator<Item = usize>,
         outcomes: &mut [Option<Outcome>],
@@ -168,7 +208,16 @@ impl Publisher {
                 outcomes[i] = Some(Outcome::Withheld);
                 continue;
             }
-            match self.send_one(row) {
+            let sent = if row.attempts > 0 {
+                failed_keys.insert(row.partition_key.as_str());
+                match self.alone() {
+                    Some(alone) => send_with(alone, row),
+                    None => Err(Outcome::Withheld),
+                }
+            } else {
+                self.send_one(row)
+            };
+            match sent {
                 Ok(delivery) => pending.push((i, delivery)),
                 Err(Outcome::Withheld) => {
                     queue_full = true;
@@ -186,17 +235,22 @@ impl Publisher {
     /// Enqueues one row without waiting. An immediate failure is returned
     /// as its outcome: `Withheld` when the producer's queue is full.
     pub fn send_one(&self, row: &Row) -> Result<DeliveryFuture, Outcome> {
-        let record = FutureRecord::to(&row.topic)
-            .key(row.partition_key.as_bytes())
-            .payload(row.payload.as_bytes())
-            .headers(headers_of(row));
-        self.producer
-            .send_result(record)
-            .map_err(|(error, _)| match error.rdkafka_error_code() {
-                Some(RDKafkaErrorCode::QueueFull) => Outcome::Withheld,
-                _ => Outcome::Failed(classify(&error), describe(&error, &row.topic)),
-            })
+        send_with(&self.producer, row)
     }
+}
+
+/// Enqueues `row` on `producer` without waiting.
+fn send_with(producer: &FutureProducer, row: &Row) -> Result<DeliveryFuture, Outcome> {
+    let record = FutureRecord::to(&row.topic)
+        .key(row.partition_key.as_bytes())
+        .payload(row.payload.as_bytes())
+        .headers(headers_of(row));
+    producer
+        .send_result(record)
+        .map_err(|(error, _)| match error.rdkafka_error_code() {
+            Some(RDKafkaErrorCode::QueueFull) => Outcome::Withheld,
+            _ => Outcome::Failed(classify(&error), describe(&error, &row.topic)),
+        })
 }
 
 /// Awaits the `pending` deliveries of `rows` into `outcomes`.
