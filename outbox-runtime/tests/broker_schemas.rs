@@ -27,6 +27,13 @@ struct Shipped {
     order_id: String,
     seq: u32,
     parcels: u32,
+    /// A nested type: its schema is a `$ref` into the event's `$defs`.
+    to: Destination,
+}
+
+#[derive(Serialize, Deserialize, schemars::JsonSchema)]
+struct Destination {
+    city: String,
 }
 
 impl DomainEvent for Shipped {
@@ -109,6 +116,9 @@ fn shipped(key: &str, seq: u32) -> Shipped {
         order_id: key.into(),
         seq,
         parcels: 1 + seq % 3,
+        to: Destination {
+            city: "Lyon".into(),
+        },
     }
 }
 
@@ -127,8 +137,8 @@ async fn the_broker_refuses_an_event_that_breaks_its_schema_and_the_relay_parks_
     let broker = ValidatingBroker::start(&catalogue);
     create_topic(&broker.brokers, TOPIC).await;
 
-    // Four keys, 40 events; k0's 10th event has a string where a number
-    // belongs, k2's 20th lacks a required field.
+    // Four keys, 40 events; k1's 3rd event has a string where a number
+    // belongs, k2's 5th lacks a required field.
     let mut valid = Vec::new();
     let mut bad = Vec::new();
     let mut uow = UnitOfWork::begin(&pool).await.unwrap();
@@ -137,11 +147,11 @@ async fn the_broker_refuses_an_event_that_breaks_its_schema_and_the_relay_parks_
         match seq {
             9 => bad.push(uow.record_message(broken(
                 &key,
-                serde_json::json!({"order_id": key, "seq": seq, "parcels": "many"}),
+                serde_json::json!({"order_id": key, "seq": seq, "parcels": "many", "to": {"city": "Lyon"}}),
             ))),
             18 => bad.push(uow.record_message(broken(
                 &key,
-                serde_json::json!({"order_id": key, "seq": seq}),
+                serde_json::json!({"order_id": key, "seq": seq, "parcels": 1}),
             ))),
             _ => valid.push(uow.record(shipped(&key, seq))),
         }
