@@ -120,6 +120,11 @@ pub use outbox_derive::command_handler;
 #[cfg(feature = "runtime")]
 pub use outbox_runtime as runtime;
 
+/// Event contracts: the catalogue of event types with their JSON Schemas, the
+/// AsyncAPI document and the compatibility check (feature `schemas`).
+#[cfg(feature = "schemas")]
+pub use outbox_core::contracts;
+
 /// The testing kit (feature `testing`): a [`TestBus`](testing::TestBus)
 /// delivers what the outbox holds to your inbox handlers through the
 /// consumer's real path, without a broker; see [`outbox_runtime::testing`].

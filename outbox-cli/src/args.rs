@@ -107,10 +107,42 @@ pub(crate) enum Command {
         #[command(flatten)]
         lock: LockArgs,
     },
+    /// Event schemas: export an application's (in a binary built with
+    /// `outbox_cli::run_with`), check them against a committed snapshot.
+    #[command(subcommand)]
+    Schema(SchemaCommand),
     /// Show the settings in effect and where each comes from (flag,
     /// environment, file, default); secrets as ***.
     Config {
         /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `outbox schema ...`.
+#[derive(Subcommand)]
+pub(crate) enum SchemaCommand {
+    /// Write the JSON Schema of each event type and version, per-topic files
+    /// for the broker's schema registry and `asyncapi.json` into DIR. Needs
+    /// the application's catalogue: available in an `outbox` binary the
+    /// application builds with `outbox_cli::run_with(catalogue)`.
+    Export {
+        /// The directory (created if missing).
+        dir: PathBuf,
+    },
+    /// Compare the current schemas with a committed snapshot; exit 1 on a
+    /// breaking change without a version bump, naming the event type,
+    /// version and field.
+    Check {
+        /// The committed snapshot (a directory written by `schema export`).
+        #[arg(long, value_name = "DIR")]
+        against: PathBuf,
+        /// The current schemas (a directory written by `schema export`);
+        /// default: this binary's catalogue, when it has one.
+        #[arg(long, value_name = "DIR")]
+        current: Option<PathBuf>,
+        /// Print JSON instead of lines.
         #[arg(long)]
         json: bool,
     },

@@ -9,6 +9,8 @@
 
 mod aggregate;
 mod command;
+#[cfg(feature = "schemas")]
+pub mod contracts;
 mod error;
 mod event;
 mod handler;

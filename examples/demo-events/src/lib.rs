@@ -10,10 +10,16 @@
 //! Each declares its schema version: a change a consumer cannot read as is
 //! gets the next version, with an upcaster from this one (see the README's
 //! "Evolving events").
+//!
+//! [`catalogue`] lists them with their JSON Schemas; `schemas/` holds the
+//! committed snapshot, and a test fails when a change would break a
+//! consumer without a new version (see the README).
 
 #![forbid(unsafe_code)]
 
+use outbox::contracts::Catalogue;
 use outbox::prelude::*;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The topic of the orders service's events.
@@ -22,7 +28,7 @@ pub const ORDERS_TOPIC: &str = "demo.orders";
 pub const PAYMENTS_TOPIC: &str = "demo.payments";
 
 /// An order was placed and awaits payment.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, DomainEvent)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema, DomainEvent)]
 #[event(topic = "demo.orders", aggregate_type = "Order", version = 1)]
 pub struct OrderCreated {
     /// The order.
@@ -35,7 +41,7 @@ pub struct OrderCreated {
 }
 
 /// A charge for an order was recorded.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, DomainEvent)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema, DomainEvent)]
 #[event(topic = "demo.payments", aggregate_type = "Payment", version = 1)]
 pub struct PaymentCaptured {
     /// The charge.
@@ -46,6 +52,23 @@ pub struct PaymentCaptured {
     pub order_id: Uuid,
     /// The amount charged, in cents.
     pub amount_cents: i64,
+}
+
+/// The demo's event types with a sample of each: the contracts exported to
+/// `schemas/` and checked against it.
+pub fn catalogue() -> Catalogue {
+    let order_id = Uuid::from_u128(0x0193_0000_0000_7000_8000_0000_0000_0001);
+    Catalogue::new("outbox demo")
+        .event(&OrderCreated {
+            order_id,
+            customer: "ada".into(),
+            amount_cents: 1250,
+        })
+        .event(&PaymentCaptured {
+            payment_id: Uuid::from_u128(0x0193_0000_0000_7000_8000_0000_0000_0002),
+            order_id,
+            amount_cents: 1250,
+        })
 }
 
 #[cfg(test)]

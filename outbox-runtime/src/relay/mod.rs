@@ -72,7 +72,8 @@ pub struct RelayConfig {
     pub poll_interval: Duration,
     /// LISTEN for the commit-time NOTIFY of new rows.
     pub listen: bool,
-    /// Message-level failures after which a row is parked.
+    /// Message-level failures after which a row is parked (at least 2: a
+    /// row is parked only on a failure it met sent alone, after its first).
     pub max_attempts: u32,
     /// First retry delay of a failed key or topic; doubles up to `retry_backoff_max`.
     pub retry_backoff: Duration,
@@ -287,7 +288,10 @@ impl RelayBuilder {
         self.config.listen = on;
         self
     }
-    /// Message-level failures before a row is parked (default 5).
+    /// Message-level failures before a row is parked (default 5). A row
+    /// that failed is retried alone in its record batch (a broker refuses a
+    /// whole batch for one bad record), and only such a failure parks it:
+    /// a row is never parked on its first failure.
     pub fn max_attempts(mut self, n: u32) -> Self {
         self.config.max_attempts = n;
         self
@@ -896,7 +900,7 @@ impl Loop<'_> {
     /// are held (a row of theirs is still locked unpublished) or blocked,
     /// rows of blocked topics, rows behind a held row of their key (see
     /// [`held`]), and the later rows of these rows' keys in the batch.
-    fn send(&mut self, publisher: &Publisher, batch: Batch) -> InFlight {
+    fn send(&mut self, publisher: &mut Publisher, batch: Batch) -> InFlight {
         self.batches += 1;
         let seq = self.batches;
         if batch.cut {
@@ -986,7 +990,10 @@ impl Loop<'_> {
                         }
                         FailureKind::Message => {
                             let attempts = u32::try_from(row.attempts).unwrap_or(0) + 1;
-                            let park = attempts >= self.config.max_attempts;
+                            // Only a failure of the row sent alone is surely
+                            // its own (a broker refuses a whole batch for one
+                            // bad record): a first failure never parks.
+                            let park = attempts >= self.config.max_attempts && row.attempts > 0;
                             if park {
                                 parked += 1;
                                 tracing::error!(

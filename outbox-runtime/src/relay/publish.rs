@@ -2,6 +2,12 @@
 //! deliveries: the whole batch is enqueued before any delivery is awaited;
 //! within a batch a key whose event failed to enqueue sends nothing after it.
 //! Also owns the producer itself, which nothing outside the relay can reach.
+//!
+//! A broker refuses a whole record batch for one bad record (a schema
+//! validation refusal, `INVALID_RECORD`, fails every message of the batch):
+//! a row that failed before is therefore sent alone, through a second
+//! producer that puts one message in each batch, so that its next outcome is
+//! its own. Only such an outcome can park it (see the relay's `evaluate`).
 
 use std::collections::HashSet;
 
@@ -89,6 +95,9 @@ pub(crate) struct Publisher {
     config: ClientConfig,
     producer: FutureProducer,
     cloud_events: CloudEvents,
+    /// One message per record batch, for rows that failed before; created
+    /// on first use.
+    alone: Option<FutureProducer>,
 }
 
 /// Settings the relay always applies; user overrides cannot weaken them.
@@ -104,6 +113,7 @@ impl Publisher {
             config,
             producer,
             cloud_events: CloudEvents::default(),
+            alone: None,
         })
     }
 
@@ -113,13 +123,34 @@ impl Publisher {
         self
     }
 
+    /// The producer of rows sent alone, created on first use.
+    fn alone(&mut self) -> Option<&FutureProducer> {
+        if self.alone.is_none() {
+            let mut config = self.config.clone();
+            config.set("batch.num.messages", "1");
+            config.set("linger.ms", "0");
+            match crate::kafka::create(&config) {
+                Ok(producer) => self.alone = Some(producer),
+                Err(error) => {
+                    tracing::error!(%error, "could not create the single-message producer")
+                }
+            }
+        }
+        self.alone.as_ref()
+    }
+
     /// Recreates the producer if librdkafka raised a fatal error; returns
     /// whether it did.
     pub fn recover_if_fatal(&mut self) -> bool {
-        let Some((code, reason)) = self.producer.client().fatal_error() else {
-            return false;
-        };
-        self.recreate(&format!("{code}: {reason}"))
+        if let Some((code, reason)) = self.producer.client().fatal_error() {
+            return self.recreate(&format!("{code}: {reason}"));
+        }
+        if let Some((code, reason)) = self.alone.as_ref().and_then(|p| p.client().fatal_error()) {
+            tracing::error!(%code, reason, "single-message producer unusable: recreating it");
+            self.alone = None;
+            return true;
+        }
+        false
     }
 
     /// Replaces the producer by a new one (new producer id and epoch).
@@ -128,6 +159,7 @@ impl Publisher {
         match crate::kafka::create(&self.config) {
             Ok(producer) => {
                 self.producer = producer;
+                self.alone = None;
                 true
             }
             Err(error) => {
@@ -160,13 +192,18 @@ impl Publisher {
         if let Err(error) = self.producer.flush(timeout) {
             tracing::warn!(%error, "producer flush did not complete");
         }
+        if let Some(Err(error)) = self.alone.as_ref().map(|p| p.flush(timeout)) {
+            tracing::warn!(%error, "single-message producer flush did not complete");
+        }
     }
 
     /// Enqueues the rows `which` (indices into `rows`, in order) without
     /// waiting; returns the pending deliveries. `outcomes` receives
-    /// immediate failures and withheld rows.
+    /// immediate failures and withheld rows. A row that failed before goes
+    /// alone (see the module docs), and the later rows of its key wait for
+    /// the next batch: two producers do not keep each other's order.
     pub fn send(
-        &self,
+        &mut self,
         rows: &[Row],
         which: impl IntoIterator<Item = usize>,
         outcomes: &mut [Option<Outcome>],
@@ -174,13 +211,23 @@ impl Publisher {
         let mut pending = Vec::new();
         let mut failed_keys: HashSet<&str> = HashSet::new();
         let mut queue_full = false;
+        let cloud_events = self.cloud_events.clone();
         for i in which {
             let row = &rows[i];
             if queue_full || failed_keys.contains(row.partition_key.as_str()) {
                 outcomes[i] = Some(Outcome::Withheld);
                 continue;
             }
-            match self.send_one(row) {
+            let sent = if row.attempts > 0 {
+                failed_keys.insert(row.partition_key.as_str());
+                match self.alone() {
+                    Some(alone) => send_with(alone, row, &cloud_events),
+                    None => Err(Outcome::Withheld),
+                }
+            } else {
+                self.send_one(row)
+            };
+            match sent {
                 Ok(delivery) => pending.push((i, delivery)),
                 Err(Outcome::Withheld) => {
                     queue_full = true;
@@ -198,17 +245,26 @@ impl Publisher {
     /// Enqueues one row without waiting. An immediate failure is returned
     /// as its outcome: `Withheld` when the producer's queue is full.
     pub fn send_one(&self, row: &Row) -> Result<DeliveryFuture, Outcome> {
-        let record = FutureRecord::to(&row.topic)
-            .key(row.partition_key.as_bytes())
-            .payload(row.payload.as_bytes())
-            .headers(headers_of(row, &self.cloud_events));
-        self.producer
-            .send_result(record)
-            .map_err(|(error, _)| match error.rdkafka_error_code() {
-                Some(RDKafkaErrorCode::QueueFull) => Outcome::Withheld,
-                _ => Outcome::Failed(classify(&error), describe(&error, &row.topic)),
-            })
+        send_with(&self.producer, row, &self.cloud_events)
     }
+}
+
+/// Enqueues `row` on `producer` without waiting.
+fn send_with(
+    producer: &FutureProducer,
+    row: &Row,
+    cloud_events: &CloudEvents,
+) -> Result<DeliveryFuture, Outcome> {
+    let record = FutureRecord::to(&row.topic)
+        .key(row.partition_key.as_bytes())
+        .payload(row.payload.as_bytes())
+        .headers(headers_of(row, cloud_events));
+    producer
+        .send_result(record)
+        .map_err(|(error, _)| match error.rdkafka_error_code() {
+            Some(RDKafkaErrorCode::QueueFull) => Outcome::Withheld,
+            _ => Outcome::Failed(classify(&error), describe(&error, &row.topic)),
+        })
 }
 
 /// Awaits the `pending` deliveries of `rows` into `outcomes`.
