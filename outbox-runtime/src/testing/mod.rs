@@ -31,11 +31,13 @@
 //! can (every event delivered twice, a batch delivered again after its
 //! transaction committed, keys interleaved); [`FailTimes`] makes a handler
 //! fail its first calls. [`TestTopics`] creates unique topics on a real
-//! broker for the same tests run end to end.
+//! broker for the same tests run end to end. [`TestDb`] gives each test a
+//! migrated database in milliseconds, cloned from a template.
 //!
 //! Files: `report.rs` (the [`Delivery`] and its assertions), `faults.rs`,
-//! `topics.rs`.
+//! `topics.rs`, `db.rs`.
 
+mod db;
 mod faults;
 mod report;
 mod topics;
@@ -47,6 +49,7 @@ use rdkafka::message::Headers as _;
 use sqlx::PgPool;
 use uuid::Uuid;
 
+pub use self::db::{TestDb, TestDbBuilder, TestDbError};
 pub use self::faults::{FailTimes, Faults};
 pub use self::report::{Delivered, Delivery, Outcome, Published, TypeCounts};
 pub use self::topics::TestTopics;

@@ -1,0 +1,723 @@
+//! Test databases ([`TestDb`]): a migrated database per test in
+//! milliseconds, for `#[tokio::test]`.
+//!
+//! Creating a database and running the migrations costs a second or more
+//! per test (`#[sqlx::test]` does both for each test). Here the migrations
+//! run once, into a template database named by a hash of the migration set
+//! (`outbox_tpl_<hash>`); tests get clones of it (`outbox_test_<hash>_<id>`)
+//! and give them back when they pass. A test first takes a free clone and
+//! resets it to the template's state (a few statements), and creates a new
+//! clone only when none is free. So the databases that exist are the
+//! template plus as many clones as tests ran at once.
+//!
+//! Coordination between tests and test processes is by PostgreSQL advisory
+//! locks held on a connection to the maintenance database (the one
+//! `DATABASE_URL` names): building a template holds its lock, and a test
+//! holds its clone's lock until the [`TestDb`] is dropped — a crashed test
+//! process releases it with its connection. A test that panics leaves its
+//! clone marked failed (with `COMMENT ON DATABASE`) and untouched for
+//! inspection; failed clones older than an hour, and the templates (with
+//! their clones) of a migration set unused for a day, are dropped by the
+//! next test process.
+//!
+//! Reset: the template holds a schema `_outbox_testdb` with a snapshot of
+//! its rows (tables that migrations seeded), its sequences, and a
+//! fingerprint of its schema. Taking a clone empties the tables a test
+//! filled, restores the seeded rows and the sequences, and compares the
+//! fingerprint: a clone whose schema a test changed (a table created or
+//! altered) is dropped instead, and another one taken or created.
+
+use std::collections::HashSet;
+use std::str::FromStr;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, Executor as _, PgConnection, PgPool};
+
+/// What can go wrong creating a [`TestDb`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TestDbError {
+    /// `DATABASE_URL` is not set (and no URL was given).
+    #[error("TestDb: DATABASE_URL is not set (a PostgreSQL URL whose user may create databases)")]
+    NoUrl,
+    /// A statement failed.
+    #[error("TestDb: {0}")]
+    Database(#[from] sqlx::Error),
+    /// A migration failed while building the template.
+    #[error("TestDb: building the template database {template}: {error}")]
+    Migrate {
+        /// The template being built.
+        template: String,
+        /// What failed.
+        error: String,
+    },
+}
+
+/// Advisory lock namespace (the first key of the two-key form): `"otdb"`.
+const LOCK_SPACE: i32 = 0x6f74_6462;
+
+/// Bumped when the template's layout (the `_outbox_testdb` schema) changes,
+/// so that templates of an older kit are rebuilt.
+const KIT_VERSION: &str = "testdb-1";
+
+/// Failed clones are kept this long for inspection.
+const KEEP_FAILED: &str = "1 hour";
+/// Templates (and clones) of a migration set no test process used for
+/// this long are dropped.
+const KEEP_UNUSED: &str = "1 day";
+
+/// The comments on the kit's databases (then a time): a failed clone, a
+/// template and when a test process last used it.
+const FAILED: &str = "failed at ";
+const USED: &str = "outbox test template, used ";
+
+/// The template's snapshot and the reset function, run in the template
+/// after the migrations.
+const SNAPSHOT_SQL: &str = r#"
+CREATE SCHEMA _outbox_testdb;
+
+CREATE FUNCTION _outbox_testdb.fingerprint() RETURNS text LANGUAGE sql STABLE AS $f$
+  WITH user_ns AS (
+    SELECT oid, nspname FROM pg_namespace
+    WHERE nspname NOT IN ('pg_catalog', 'information_schema', '_outbox_testdb')
+      AND nspname NOT LIKE 'pg\_toast%' AND nspname NOT LIKE 'pg\_temp%'
+  ), rels AS (
+    SELECT c.oid, n.nspname, c.relname, c.relkind FROM pg_class c JOIN user_ns n ON n.oid = c.relnamespace
+  ), items AS (
+    SELECT 'n:' || nspname AS item FROM user_ns
+    UNION ALL SELECT format('r:%s.%s:%s', nspname, relname, relkind) FROM rels
+    UNION ALL SELECT format('a:%s.%s.%s:%s:%s:%s', r.nspname, r.relname, a.attname,
+                            format_type(a.atttypid, a.atttypmod), a.attnotnull,
+                            pg_get_expr(d.adbin, d.adrelid))
+      FROM rels r JOIN pg_attribute a ON a.attrelid = r.oid AND a.attnum > 0 AND NOT a.attisdropped
+      LEFT JOIN pg_attrdef d ON d.adrelid = r.oid AND d.adnum = a.attnum
+    UNION ALL SELECT format('c:%s.%s:%s', r.nspname, co.conname, pg_get_constraintdef(co.oid))
+      FROM pg_constraint co JOIN rels r ON r.oid = co.conrelid
+    UNION ALL SELECT 'i:' || pg_get_indexdef(i.indexrelid) FROM pg_index i JOIN rels r ON r.oid = i.indrelid
+    UNION ALL SELECT 't:' || pg_get_triggerdef(t.oid) FROM pg_trigger t JOIN rels r ON r.oid = t.tgrelid
+      WHERE NOT t.tgisinternal
+    UNION ALL SELECT format('v:%s.%s:%s', r.nspname, r.relname, pg_get_viewdef(r.oid))
+      FROM rels r WHERE r.relkind IN ('v', 'm')
+    UNION ALL SELECT format('f:%s:%s', p.oid::regprocedure, md5(p.prosrc))
+      FROM pg_proc p JOIN user_ns n ON n.oid = p.pronamespace
+    UNION ALL SELECT format('y:%s.%s:%s', n.nspname, t.typname, t.typtype)
+      FROM pg_type t JOIN user_ns n ON n.oid = t.typnamespace WHERE t.typtype IN ('e', 'd', 'c')
+    UNION ALL SELECT format('e:%s:%s', e.enumtypid::regtype, e.enumlabel) FROM pg_enum e
+    UNION ALL SELECT format('x:%s:%s', extname, extversion) FROM pg_extension
+  )
+  SELECT md5(string_agg(item, E'\n' ORDER BY item)) FROM items
+$f$;
+
+-- The user tables (the migrations' bookkeeping aside).
+CREATE FUNCTION _outbox_testdb.tables() RETURNS SETOF regclass LANGUAGE sql STABLE AS $f$
+  SELECT c.oid::regclass FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+  WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition
+    AND n.nspname NOT IN ('pg_catalog', 'information_schema', '_outbox_testdb')
+    AND n.nspname NOT LIKE 'pg\_toast%' AND n.nspname NOT LIKE 'pg\_temp%'
+    AND c.oid <> to_regclass('public._sqlx_migrations')
+$f$;
+
+CREATE TABLE _outbox_testdb.sequences (seq regclass PRIMARY KEY, last_value bigint NOT NULL, is_called bool NOT NULL);
+CREATE TABLE _outbox_testdb.seeds (tbl regclass PRIMARY KEY, copy text NOT NULL, columns text NOT NULL);
+CREATE TABLE _outbox_testdb.fingerprint (value text NOT NULL);
+
+-- Resets a clone to the template's state; false when its schema differs
+-- from the template's (then it is not reused).
+CREATE FUNCTION _outbox_testdb.reset() RETURNS boolean LANGUAGE plpgsql AS $f$
+DECLARE
+  t regclass;
+  filled text[] := '{}';
+  nonempty boolean;
+  s record;
+BEGIN
+  IF _outbox_testdb.fingerprint() IS DISTINCT FROM (SELECT value FROM _outbox_testdb.fingerprint) THEN
+    RETURN false;
+  END IF;
+  FOR t IN SELECT * FROM _outbox_testdb.tables() LOOP
+    EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s)', t) INTO nonempty;
+    IF nonempty OR EXISTS (SELECT 1 FROM _outbox_testdb.seeds WHERE tbl = t) THEN
+      filled := filled || t::text;
+    END IF;
+  END LOOP;
+  IF cardinality(filled) > 0 THEN
+    EXECUTE 'TRUNCATE ' || array_to_string(filled, ', ') || ' CASCADE';
+  END IF;
+  FOR s IN SELECT * FROM _outbox_testdb.seeds LOOP
+    EXECUTE format('INSERT INTO %s (%s) OVERRIDING SYSTEM VALUE SELECT %s FROM _outbox_testdb.%I',
+                   s.tbl, s.columns, s.columns, s.copy);
+  END LOOP;
+  FOR s IN SELECT * FROM _outbox_testdb.sequences LOOP
+    PERFORM setval(s.seq, s.last_value, s.is_called);
+  END LOOP;
+  RETURN true;
+END
+$f$;
+
+-- The snapshot of the migrated state.
+DO $d$
+DECLARE
+  t regclass;
+  s regclass;
+  n int := 0;
+  nonempty boolean;
+  cols text;
+  v record;
+BEGIN
+  FOR t IN SELECT * FROM _outbox_testdb.tables() LOOP
+    EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s)', t) INTO nonempty;
+    IF nonempty THEN
+      n := n + 1;
+      SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) INTO cols
+        FROM pg_attribute WHERE attrelid = t AND attnum > 0 AND NOT attisdropped AND attgenerated = '';
+      EXECUTE format('CREATE TABLE _outbox_testdb.%I AS SELECT %s FROM %s', 'seed_' || n, cols, t);
+      INSERT INTO _outbox_testdb.seeds VALUES (t, 'seed_' || n, cols);
+    END IF;
+  END LOOP;
+  FOR s IN SELECT c.oid::regclass FROM pg_class c JOIN pg_namespace ns ON ns.oid = c.relnamespace
+           WHERE c.relkind = 'S' AND ns.nspname NOT IN ('pg_catalog', 'information_schema', '_outbox_testdb')
+             AND ns.nspname NOT LIKE 'pg\_temp%' LOOP
+    EXECUTE format('SELECT last_value, is_called FROM %s', s) INTO v;
+    INSERT INTO _outbox_testdb.sequences VALUES (s, v.last_value, v.is_called);
+  END LOOP;
+  INSERT INTO _outbox_testdb.fingerprint SELECT _outbox_testdb.fingerprint();
+END
+$d$;
+"#;
+
+/// Templates this process made sure of (and whether it swept already).
+static READY: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+/// Builds a [`TestDb`]: the migrations and SQL its template starts from.
+#[derive(Debug, Default)]
+pub struct TestDbBuilder {
+    url: Option<String>,
+    migrators: Vec<&'static Migrator>,
+    sql: Vec<String>,
+    outbox: bool,
+}
+
+impl TestDbBuilder {
+    /// Runs `migrator` into the template too, after the outbox's migrations
+    /// and the migrators given before (the application's own migrations;
+    /// give it `ignore_missing`, as beside the outbox's).
+    pub fn migrator(mut self, migrator: &'static Migrator) -> Self {
+        self.migrators.push(migrator);
+        self
+    }
+
+    /// Runs `sql` (any number of statements) into the template after the
+    /// migrations: tables a test needs that are no migration.
+    pub fn sql(mut self, sql: impl Into<String>) -> Self {
+        self.sql.push(sql.into());
+        self
+    }
+
+    /// Leaves out the outbox's own migrations (an application whose
+    /// migrator includes them).
+    pub fn without_outbox_migrations(mut self) -> Self {
+        self.outbox = false;
+        self
+    }
+
+    /// Connects as `url` instead of `DATABASE_URL` (its database is the
+    /// maintenance database, where the kit takes its locks).
+    pub fn url(mut self, url: impl Into<String>) -> Self {
+        self.url = Some(url.into());
+        self
+    }
+
+    /// The key of the template: a hash of the migration set.
+    fn key(&self) -> String {
+        let mut hash = Sha256::new();
+        hash.update(KIT_VERSION);
+        let outbox = self.outbox.then_some(&outbox_core::MIGRATOR);
+        for migrator in outbox.into_iter().chain(self.migrators.iter().copied()) {
+            hash.update(b"migrator");
+            for m in migrator.iter() {
+                hash.update(m.version.to_le_bytes());
+                hash.update([u8::from(m.migration_type.is_down_migration())]);
+                hash.update(&*m.checksum);
+            }
+        }
+        for sql in &self.sql {
+            hash.update(b"sql");
+            hash.update(sql.len().to_le_bytes());
+            hash.update(sql);
+        }
+        hash.finalize()[..8]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    /// Takes a free clone of the template, or creates one; builds the
+    /// template first when no test built it for this migration set.
+    ///
+    /// # Errors
+    ///
+    /// When `DATABASE_URL` is not set, the server refuses (the user needs
+    /// `CREATEDB`), or a migration fails.
+    pub async fn create(self) -> Result<TestDb, TestDbError> {
+        let url = match self
+            .url
+            .clone()
+            .or_else(|| std::env::var("DATABASE_URL").ok())
+        {
+            Some(url) => url,
+            None => return Err(TestDbError::NoUrl),
+        };
+        let maintenance = PgConnectOptions::from_str(&url)?;
+        let key = self.key();
+        let template = format!("outbox_tpl_{key}");
+        let mut conn = maintenance.connect().await?;
+        let known = READY
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(|ready| ready.contains(&template));
+        if !known {
+            self.ensure_template(&mut conn, &maintenance, &template)
+                .await?;
+            sweep(&mut conn, &template).await;
+            READY
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert_with(HashSet::new)
+                .insert(template.clone());
+        }
+        let prefix = format!("outbox_test_{key}_");
+        loop {
+            if let Some((name, pool)) = claim_free(&mut conn, &maintenance, &prefix).await? {
+                return Ok(TestDb::claimed(name, pool, conn, maintenance));
+            }
+            let name = format!("{prefix}{}", uuid::Uuid::new_v4().simple());
+            if !try_lock(&mut conn, &name).await? {
+                continue;
+            }
+            let strategy = if server_version(&mut conn).await? >= 150_000 {
+                // WAL_LOG (the default since 15) copies the template's pages
+                // through the WAL; FILE_COPY copies its files but costs two
+                // checkpoints, many times slower for a small template.
+                " STRATEGY WAL_LOG"
+            } else {
+                ""
+            };
+            exec(
+                &mut conn,
+                format!(r#"CREATE DATABASE "{name}" TEMPLATE "{template}"{strategy}"#),
+            )
+            .await?;
+            let pool = pool(&maintenance, &name);
+            return Ok(TestDb::claimed(name, pool, conn, maintenance));
+        }
+    }
+
+    /// The template this migration set is cloned from.
+    pub fn template_name(&self) -> String {
+        format!("outbox_tpl_{}", self.key())
+    }
+
+    /// Drops this migration set's template and its clones no test is
+    /// using (those in use stay): for a test that made a migration set of
+    /// its own. Unused sets are dropped after a day anyway.
+    ///
+    /// # Errors
+    ///
+    /// When `DATABASE_URL` is not set or a statement fails.
+    pub async fn drop_databases(self) -> Result<(), TestDbError> {
+        let url = match self
+            .url
+            .clone()
+            .or_else(|| std::env::var("DATABASE_URL").ok())
+        {
+            Some(url) => url,
+            None => return Err(TestDbError::NoUrl),
+        };
+        let mut conn = PgConnectOptions::from_str(&url)?.connect().await?;
+        let key = self.key();
+        let template = format!("outbox_tpl_{key}");
+        drop_free_clones(&mut conn, &format!("outbox_test_{key}_")).await?;
+        lock(&mut conn, &template).await?;
+        let dropped = drop_template(&mut conn, &template).await;
+        unlock(&mut conn, &template).await?;
+        READY
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert_with(HashSet::new)
+            .remove(&template);
+        let _ = conn.close().await;
+        Ok(dropped?)
+    }
+
+    /// Builds the template unless it is there: under its lock, so test
+    /// processes starting at once build it once.
+    async fn ensure_template(
+        &self,
+        conn: &mut PgConnection,
+        maintenance: &PgConnectOptions,
+        template: &str,
+    ) -> Result<(), TestDbError> {
+        if is_ready(conn, template).await? {
+            comment(conn, template, USED).await?;
+            return Ok(());
+        }
+        lock(conn, template).await?;
+        let built = self.build_template(conn, maintenance, template).await;
+        unlock(conn, template).await?;
+        built
+    }
+
+    fn migrators(&self) -> Vec<&'static Migrator> {
+        let outbox = self.outbox.then_some(&outbox_core::MIGRATOR);
+        outbox
+            .into_iter()
+            .chain(self.migrators.iter().copied())
+            .collect()
+    }
+
+    /// Builds the template (its lock held).
+    async fn build_template(
+        &self,
+        conn: &mut PgConnection,
+        maintenance: &PgConnectOptions,
+        template: &str,
+    ) -> Result<(), TestDbError> {
+        if is_ready(conn, template).await? {
+            return Ok(());
+        }
+        // Left half-built by a process that died: start again.
+        exec(conn, format!(r#"DROP DATABASE IF EXISTS "{template}""#)).await?;
+        exec(conn, format!(r#"CREATE DATABASE "{template}""#)).await?;
+        let mut tpl = maintenance.clone().database(template).connect().await?;
+        for migrator in self.migrators() {
+            if let Err(e) = migrator.run_direct(&mut tpl).await {
+                return Err(migrate_error(template, e.to_string()));
+            }
+        }
+        for sql in &self.sql {
+            if let Err(e) = exec(&mut tpl, sql.clone()).await {
+                return Err(migrate_error(template, e.to_string()));
+            }
+        }
+        if let Err(e) = exec(&mut tpl, SNAPSHOT_SQL.to_owned()).await {
+            return Err(migrate_error(template, format!("the snapshot: {e}")));
+        }
+        tpl.close().await?;
+        // No connections from now on: a clone needs a template nobody is
+        // connected to.
+        let seal = r#"WITH ALLOW_CONNECTIONS false IS_TEMPLATE true"#;
+        exec(conn, format!(r#"ALTER DATABASE "{template}" {seal}"#)).await?;
+        comment(conn, template, USED).await?;
+        Ok(())
+    }
+}
+
+async fn drop_template(conn: &mut PgConnection, template: &str) -> Result<(), sqlx::Error> {
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+            .bind(template.to_owned())
+            .fetch_one(&mut *conn)
+            .await?;
+    if exists {
+        exec(
+            conn,
+            format!(r#"ALTER DATABASE "{template}" IS_TEMPLATE false"#),
+        )
+        .await?;
+        exec(conn, format!(r#"DROP DATABASE IF EXISTS "{template}""#)).await?;
+    }
+    Ok(())
+}
+
+fn migrate_error(template: &str, error: String) -> TestDbError {
+    TestDbError::Migrate {
+        template: template.to_owned(),
+        error,
+    }
+}
+
+async fn is_ready(conn: &mut PgConnection, template: &str) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_database
+         WHERE datname = $1 AND datistemplate AND NOT datallowconn)",
+    )
+    .bind(template.to_owned())
+    .fetch_one(&mut *conn)
+    .await
+}
+
+/// Sets the comment of database `name` to `text` followed by the server's
+/// time (`COMMENT` takes only a literal: built server-side). The names are
+/// the kit's own (hex digits and underscores).
+async fn comment(conn: &mut PgConnection, name: &str, text: &str) -> Result<(), sqlx::Error> {
+    exec(&mut *conn, format!(
+        "DO $$ BEGIN EXECUTE format('COMMENT ON DATABASE %I IS %L', '{name}', '{text}' || now()); END $$"
+    ))
+    .await
+    .map(|_| ())
+}
+
+/// Runs `sql` (statements without parameters) on `conn`.
+async fn exec(conn: &mut PgConnection, sql: String) -> Result<(), sqlx::Error> {
+    conn.execute(sql.as_str()).await.map(|_| ())
+}
+
+fn pool(maintenance: &PgConnectOptions, name: &str) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(5)
+        .idle_timeout(Some(Duration::from_secs(5)))
+        .connect_lazy_with(maintenance.clone().database(name))
+}
+
+async fn server_version(conn: &mut PgConnection) -> Result<i32, sqlx::Error> {
+    let v: String = sqlx::query_scalar("SHOW server_version_num")
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(v.parse().unwrap_or(0))
+}
+
+async fn try_lock(conn: &mut PgConnection, name: &str) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT pg_try_advisory_lock($1, hashtext($2))")
+        .bind(LOCK_SPACE)
+        .bind(name)
+        .fetch_one(&mut *conn)
+        .await
+}
+
+async fn lock(conn: &mut PgConnection, name: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT pg_advisory_lock($1, hashtext($2))")
+        .bind(LOCK_SPACE)
+        .bind(name)
+        .execute(&mut *conn)
+        .await
+        .map(|_| ())
+}
+
+async fn unlock(conn: &mut PgConnection, name: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT pg_advisory_unlock($1, hashtext($2))")
+        .bind(LOCK_SPACE)
+        .bind(name)
+        .execute(&mut *conn)
+        .await
+        .map(|_| ())
+}
+
+/// Takes the first free, not failed clone named `prefix…`, reset; `None`
+/// when there is none.
+async fn claim_free(
+    conn: &mut PgConnection,
+    maintenance: &PgConnectOptions,
+    prefix: &str,
+) -> Result<Option<(String, PgPool)>, TestDbError> {
+    let free: Vec<String> = sqlx::query_scalar(
+        "SELECT datname FROM pg_database
+         WHERE starts_with(datname, $1)
+           AND coalesce(shobj_description(oid, 'pg_database'), '') NOT LIKE 'failed%'
+         ORDER BY datname",
+    )
+    .bind(prefix)
+    .fetch_all(&mut *conn)
+    .await?;
+    for name in free {
+        if !try_lock(conn, &name).await? {
+            continue;
+        }
+        // Dropped or marked failed between the listing and the lock?
+        let usable: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1
+               AND coalesce(shobj_description(oid, 'pg_database'), '') NOT LIKE 'failed%')",
+        )
+        .bind(&name)
+        .fetch_one(&mut *conn)
+        .await?;
+        if !usable {
+            unlock(conn, &name).await?;
+            continue;
+        }
+        let pool = pool(maintenance, &name);
+        let reset: Result<bool, sqlx::Error> = sqlx::query_scalar("SELECT _outbox_testdb.reset()")
+            .fetch_one(&pool)
+            .await;
+        if let Ok(true) = reset {
+            return Ok(Some((name, pool)));
+        }
+        // A test changed its schema: not reusable.
+        pool.close().await;
+        let _ = exec(&mut *conn, format!(r#"DROP DATABASE IF EXISTS "{name}""#)).await;
+        unlock(conn, &name).await?;
+    }
+    Ok(None)
+}
+
+/// Drops failed clones older than [`KEEP_FAILED`] and the templates (and
+/// free clones) of migration sets unused for [`KEEP_UNUSED`]. Best effort.
+async fn sweep(conn: &mut PgConnection, current: &str) {
+    let stale: Result<Vec<String>, sqlx::Error> = sqlx::query_scalar(&format!(
+        "SELECT datname FROM pg_database d
+         WHERE (starts_with(datname, 'outbox_test_')
+                AND coalesce(shobj_description(oid, 'pg_database'), '') LIKE 'failed at %'
+                AND substr(shobj_description(oid, 'pg_database'), {failed_len})::timestamptz
+                    < now() - interval '{KEEP_FAILED}')
+            OR (starts_with(datname, 'outbox_test_')
+                AND NOT EXISTS (SELECT 1 FROM pg_database t
+                                WHERE t.datname = 'outbox_tpl_' || split_part(d.datname, '_', 3)))
+            OR (starts_with(datname, 'outbox_tpl_') AND datname <> $1 AND datistemplate
+                AND coalesce(shobj_description(oid, 'pg_database'), '') LIKE 'outbox test template, used %'
+                AND substr(shobj_description(oid, 'pg_database'), {used_len})::timestamptz
+                    < now() - interval '{KEEP_UNUSED}')
+         ORDER BY datname DESC",
+        failed_len = FAILED.len() + 1,
+        used_len = USED.len() + 1,
+    ))
+    .bind(current)
+    .fetch_all(&mut *conn)
+    .await;
+    let Ok(stale) = stale else { return };
+    for name in stale {
+        if !matches!(try_lock(conn, &name).await, Ok(true)) {
+            continue;
+        }
+        if name.starts_with("outbox_tpl_") {
+            let prefix = format!("outbox_test_{}_", &name["outbox_tpl_".len()..]);
+            let _ = drop_free_clones(conn, &prefix).await;
+            let _ = exec(
+                &mut *conn,
+                format!(r#"ALTER DATABASE "{name}" IS_TEMPLATE false"#),
+            )
+            .await;
+        }
+        let _ = exec(&mut *conn, format!(r#"DROP DATABASE IF EXISTS "{name}""#)).await;
+        let _ = unlock(conn, &name).await;
+    }
+}
+
+async fn drop_free_clones(conn: &mut PgConnection, prefix: &str) -> Result<(), sqlx::Error> {
+    let clones: Vec<String> =
+        sqlx::query_scalar("SELECT datname FROM pg_database WHERE starts_with(datname, $1)")
+            .bind(prefix)
+            .fetch_all(&mut *conn)
+            .await?;
+    for name in clones {
+        if try_lock(conn, &name).await? {
+            let _ = exec(&mut *conn, format!(r#"DROP DATABASE IF EXISTS "{name}""#)).await;
+            unlock(conn, &name).await?;
+        }
+    }
+    Ok(())
+}
+
+/// A database for one test, with the migrations applied and nothing else
+/// in it — in milliseconds (see the module docs). Use it with
+/// `#[tokio::test]`; it goes back to the pool of clones when dropped, or is
+/// kept for inspection (and named on stderr) when the test panicked.
+///
+/// ```no_run
+/// # async fn f() {
+/// use outbox_runtime::testing::TestDb;
+/// let db = TestDb::new().await.unwrap(); // the outbox's tables, empty
+/// let pool = db.pool();
+/// # let _ = pool;
+/// # }
+/// ```
+///
+/// With the application's migrations (and SQL) too:
+///
+/// ```no_run
+/// # static APP_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate::Migrator::DEFAULT;
+/// # async fn f() {
+/// use outbox_runtime::testing::TestDb;
+/// let db = TestDb::builder().migrator(&APP_MIGRATOR).create().await.unwrap();
+/// # }
+/// ```
+pub struct TestDb {
+    name: String,
+    pool: PgPool,
+    /// The maintenance connection holding the clone's lock.
+    _claim: PgConnection,
+    maintenance: PgConnectOptions,
+}
+
+impl std::fmt::Debug for TestDb {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestDb")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TestDb {
+    /// A database with the outbox's migrations applied: `DATABASE_URL`'s
+    /// server, a clone of the template (see the module docs).
+    ///
+    /// # Errors
+    ///
+    /// As [`TestDbBuilder::create`].
+    pub async fn new() -> Result<Self, TestDbError> {
+        Self::builder().create().await
+    }
+
+    /// A builder: the application's migrations and SQL for the template.
+    pub fn builder() -> TestDbBuilder {
+        TestDbBuilder {
+            outbox: true,
+            ..TestDbBuilder::default()
+        }
+    }
+
+    /// A pool on the database (at most 5 connections).
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The database's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn claimed(
+        name: String,
+        pool: PgPool,
+        claim: PgConnection,
+        maintenance: PgConnectOptions,
+    ) -> Self {
+        Self {
+            name,
+            pool,
+            _claim: claim,
+            maintenance,
+        }
+    }
+}
+
+impl Drop for TestDb {
+    /// Releases the clone (its lock goes with the maintenance connection).
+    /// During a panic, first marks it failed, so that it is kept as the
+    /// test left it.
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let (name, maintenance) = (self.name.clone(), self.maintenance.clone());
+        let marking = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            runtime.block_on(async {
+                let mut conn = maintenance.connect().await.ok()?;
+                comment(&mut conn, &name, FAILED).await.ok()?;
+                conn.close().await.ok()
+            })
+        });
+        if marking.join().ok().flatten().is_some() {
+            eprintln!(
+                "TestDb: the test failed; its database {} is kept for an hour",
+                self.name
+            );
+        }
+    }
+}
