@@ -275,3 +275,43 @@ async fn a_migration_that_fails_says_which_template_and_why() {
     assert!(again.contains("already exists"), "{again}");
     set(&sql).drop_databases().await.unwrap();
 }
+
+/// Test processes starting at once with a new migration set: this test
+/// runs the next one (ignored otherwise) in three processes of its own.
+#[tokio::test]
+async fn test_processes_starting_at_once_build_the_template_once() {
+    let sql = unique(PLANS);
+    let children: Vec<_> = (0..3)
+        .map(|_| {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "a_child_process_takes_a_clone", "--ignored"])
+                .env("OUTBOX_TESTDB_SET", &sql)
+                .output()
+        })
+        .collect();
+    for child in children {
+        let out = child.unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let template = set(&sql).template_name();
+    assert_eq!(databases(&template).await.len(), 1, "one template");
+    set(&sql).drop_databases().await.unwrap();
+    assert!(databases(&template).await.is_empty());
+    assert!(databases(&clone_prefix(&template)).await.is_empty());
+}
+
+#[tokio::test]
+#[ignore = "run by test_processes_starting_at_once_build_the_template_once"]
+async fn a_child_process_takes_a_clone() {
+    let sql = std::env::var("OUTBOX_TESTDB_SET").expect("OUTBOX_TESTDB_SET");
+    let db = set(&sql).create().await.unwrap();
+    assert_eq!(
+        scalar::<i64>(db.pool(), "SELECT count(*) FROM plans").await,
+        2
+    );
+}

@@ -36,6 +36,7 @@ use sha2::{Digest, Sha256};
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, Executor as _, PgConnection, PgPool};
+use tokio::sync::{mpsc, oneshot};
 
 /// What can go wrong creating a [`TestDb`].
 #[derive(Debug, thiserror::Error)]
@@ -62,7 +63,7 @@ const LOCK_SPACE: i32 = 0x6f74_6462;
 
 /// Bumped when the template's layout (the `_outbox_testdb` schema) changes,
 /// so that templates of an older kit are rebuilt.
-const KIT_VERSION: &str = "testdb-1";
+const KIT_VERSION: &str = "testdb-2";
 
 /// Failed clones are kept this long for inspection.
 const KEEP_FAILED: &str = "1 hour";
@@ -118,7 +119,7 @@ CREATE FUNCTION _outbox_testdb.tables() RETURNS SETOF regclass LANGUAGE sql STAB
   WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition
     AND n.nspname NOT IN ('pg_catalog', 'information_schema', '_outbox_testdb')
     AND n.nspname NOT LIKE 'pg\_toast%' AND n.nspname NOT LIKE 'pg\_temp%'
-    AND c.oid <> to_regclass('public._sqlx_migrations')
+    AND c.oid IS DISTINCT FROM to_regclass('public._sqlx_migrations')
 $f$;
 
 CREATE TABLE _outbox_testdb.sequences (seq regclass PRIMARY KEY, last_value bigint NOT NULL, is_called bool NOT NULL);
@@ -126,11 +127,17 @@ CREATE TABLE _outbox_testdb.seeds (tbl regclass PRIMARY KEY, copy text NOT NULL,
 CREATE TABLE _outbox_testdb.fingerprint (value text NOT NULL);
 
 -- Resets a clone to the template's state; false when its schema differs
--- from the template's (then it is not reused).
+-- from the template's (then it is not reused). Rows go with DELETE: on
+-- the small tables of a test it costs a fraction of TRUNCATE, which
+-- creates new files for each table and index; tables over 8 MB, and
+-- tables a pass of DELETEs cannot empty (foreign keys in a cycle, delete
+-- triggers writing to emptied tables), are truncated.
 CREATE FUNCTION _outbox_testdb.reset() RETURNS boolean LANGUAGE plpgsql AS $f$
 DECLARE
   t regclass;
-  filled text[] := '{}';
+  filled regclass[] := '{}';
+  pending regclass[];
+  big regclass[] := '{}';
   nonempty boolean;
   s record;
 BEGIN
@@ -139,12 +146,36 @@ BEGIN
   END IF;
   FOR t IN SELECT * FROM _outbox_testdb.tables() LOOP
     EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s)', t) INTO nonempty;
-    IF nonempty OR EXISTS (SELECT 1 FROM _outbox_testdb.seeds WHERE tbl = t) THEN
-      filled := filled || t::text;
+    IF nonempty AND pg_relation_size(t) > 8 * 1024 * 1024 THEN
+      big := big || t;
+    ELSIF nonempty THEN
+      filled := filled || t;
     END IF;
   END LOOP;
-  IF cardinality(filled) > 0 THEN
-    EXECUTE 'TRUNCATE ' || array_to_string(filled, ', ') || ' CASCADE';
+  -- A table other rows still reference waits for the next pass.
+  WHILE cardinality(filled) > 0 LOOP
+    pending := '{}';
+    FOREACH t IN ARRAY filled LOOP
+      BEGIN
+        EXECUTE format('DELETE FROM %s', t);
+      EXCEPTION WHEN foreign_key_violation THEN
+        pending := pending || t;
+      END;
+    END LOOP;
+    IF cardinality(pending) = cardinality(filled) THEN
+      big := big || pending;
+      EXIT;
+    END IF;
+    filled := pending;
+  END LOOP;
+  FOR t IN SELECT * FROM _outbox_testdb.tables() LOOP
+    EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s)', t) INTO nonempty;
+    IF nonempty AND NOT t = ANY (big) THEN
+      big := big || t;
+    END IF;
+  END LOOP;
+  IF cardinality(big) > 0 THEN
+    EXECUTE 'TRUNCATE ' || array_to_string(big::text[], ', ') || ' CASCADE';
   END IF;
   FOR s IN SELECT * FROM _outbox_testdb.seeds LOOP
     EXECUTE format('INSERT INTO %s (%s) OVERRIDING SYSTEM VALUE SELECT %s FROM _outbox_testdb.%I',
@@ -188,11 +219,8 @@ END
 $d$;
 "#;
 
-/// Templates this process made sure of (and whether it swept already).
-static READY: Mutex<Option<HashSet<String>>> = Mutex::new(None);
-
 /// Builds a [`TestDb`]: the migrations and SQL its template starts from.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct TestDbBuilder {
     url: Option<String>,
     migrators: Vec<&'static Migrator>,
@@ -234,8 +262,7 @@ impl TestDbBuilder {
     fn key(&self) -> String {
         let mut hash = Sha256::new();
         hash.update(KIT_VERSION);
-        let outbox = self.outbox.then_some(&outbox_core::MIGRATOR);
-        for migrator in outbox.into_iter().chain(self.migrators.iter().copied()) {
+        for migrator in self.migrators() {
             hash.update(b"migrator");
             for m in migrator.iter() {
                 hash.update(m.version.to_le_bytes());
@@ -254,14 +281,20 @@ impl TestDbBuilder {
             .collect()
     }
 
-    /// Takes a free clone of the template, or creates one; builds the
-    /// template first when no test built it for this migration set.
-    ///
-    /// # Errors
-    ///
-    /// When `DATABASE_URL` is not set, the server refuses (the user needs
-    /// `CREATEDB`), or a migration fails.
-    pub async fn create(self) -> Result<TestDb, TestDbError> {
+    fn migrators(&self) -> Vec<&'static Migrator> {
+        let outbox = self.outbox.then_some(&outbox_core::MIGRATOR);
+        outbox
+            .into_iter()
+            .chain(self.migrators.iter().copied())
+            .collect()
+    }
+
+    /// The template this migration set is cloned from.
+    pub fn template_name(&self) -> String {
+        format!("outbox_tpl_{}", self.key())
+    }
+
+    fn coordinator(&self) -> Result<Coordinator, TestDbError> {
         let url = match self
             .url
             .clone()
@@ -270,55 +303,54 @@ impl TestDbBuilder {
             Some(url) => url,
             None => return Err(TestDbError::NoUrl),
         };
-        let maintenance = PgConnectOptions::from_str(&url)?;
-        let key = self.key();
-        let template = format!("outbox_tpl_{key}");
-        let mut conn = maintenance.connect().await?;
-        let known = READY
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .is_some_and(|ready| ready.contains(&template));
-        if !known {
-            self.ensure_template(&mut conn, &maintenance, &template)
-                .await?;
-            sweep(&mut conn, &template).await;
-            READY
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get_or_insert_with(HashSet::new)
-                .insert(template.clone());
-        }
-        let prefix = format!("outbox_test_{key}_");
-        loop {
-            if let Some((name, pool)) = claim_free(&mut conn, &maintenance, &prefix).await? {
-                return Ok(TestDb::claimed(name, pool, conn, maintenance));
-            }
-            let name = format!("{prefix}{}", uuid::Uuid::new_v4().simple());
-            if !try_lock(&mut conn, &name).await? {
-                continue;
-            }
-            let strategy = if server_version(&mut conn).await? >= 150_000 {
-                // WAL_LOG (the default since 15) copies the template's pages
-                // through the WAL; FILE_COPY copies its files but costs two
-                // checkpoints, many times slower for a small template.
-                " STRATEGY WAL_LOG"
-            } else {
-                ""
-            };
-            exec(
-                &mut conn,
-                format!(r#"CREATE DATABASE "{name}" TEMPLATE "{template}"{strategy}"#),
-            )
-            .await?;
-            let pool = pool(&maintenance, &name);
-            return Ok(TestDb::claimed(name, pool, conn, maintenance));
-        }
+        Coordinator::of(&url)
     }
 
-    /// The template this migration set is cloned from.
-    pub fn template_name(&self) -> String {
-        format!("outbox_tpl_{}", self.key())
+    /// Takes a free clone of the template and resets it, or creates one;
+    /// builds the template first when no test built it for this migration
+    /// set.
+    ///
+    /// # Errors
+    ///
+    /// When `DATABASE_URL` is not set, the server refuses (the user needs
+    /// `CREATEDB`), or a migration fails.
+    pub async fn create(self) -> Result<TestDb, TestDbError> {
+        let coordinator = self.coordinator()?;
+        loop {
+            let (tx, rx) = oneshot::channel();
+            coordinator.send(Request::Claim {
+                set: self.clone(),
+                reply: tx,
+            })?;
+            let Claimed { name, fresh } = rx.await.map_err(|_| gone())??;
+            let pool = pool(&coordinator.maintenance, &name);
+            let db = TestDb {
+                name,
+                pool,
+                coordinator: coordinator.clone(),
+            };
+            if fresh {
+                return Ok(db);
+            }
+            // Reset on the test's first connection.
+            match sqlx::query_scalar("SELECT _outbox_testdb.reset()")
+                .fetch_one(&db.pool)
+                .await
+            {
+                Ok(true) => return Ok(db),
+                // A test changed its schema: not reusable.
+                Ok(false) => {}
+                Err(error) => tracing::warn!(%error, db = db.name, "resetting a test database"),
+            }
+            db.pool.close().await;
+            let (tx, rx) = oneshot::channel();
+            coordinator.send(Request::Discard {
+                name: db.name.clone(),
+                reply: tx,
+            })?;
+            drop(db.take());
+            rx.await.map_err(|_| gone())?;
+        }
     }
 
     /// Drops this migration set's template and its clones no test is
@@ -329,93 +361,271 @@ impl TestDbBuilder {
     ///
     /// When `DATABASE_URL` is not set or a statement fails.
     pub async fn drop_databases(self) -> Result<(), TestDbError> {
-        let url = match self
-            .url
-            .clone()
-            .or_else(|| std::env::var("DATABASE_URL").ok())
-        {
-            Some(url) => url,
-            None => return Err(TestDbError::NoUrl),
-        };
-        let mut conn = PgConnectOptions::from_str(&url)?.connect().await?;
-        let key = self.key();
-        let template = format!("outbox_tpl_{key}");
-        drop_free_clones(&mut conn, &format!("outbox_test_{key}_")).await?;
-        lock(&mut conn, &template).await?;
-        let dropped = drop_template(&mut conn, &template).await;
-        unlock(&mut conn, &template).await?;
-        READY
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get_or_insert_with(HashSet::new)
-            .remove(&template);
-        let _ = conn.close().await;
-        Ok(dropped?)
-    }
-
-    /// Builds the template unless it is there: under its lock, so test
-    /// processes starting at once build it once.
-    async fn ensure_template(
-        &self,
-        conn: &mut PgConnection,
-        maintenance: &PgConnectOptions,
-        template: &str,
-    ) -> Result<(), TestDbError> {
-        if is_ready(conn, template).await? {
-            comment(conn, template, USED).await?;
-            return Ok(());
-        }
-        lock(conn, template).await?;
-        let built = self.build_template(conn, maintenance, template).await;
-        unlock(conn, template).await?;
-        built
-    }
-
-    fn migrators(&self) -> Vec<&'static Migrator> {
-        let outbox = self.outbox.then_some(&outbox_core::MIGRATOR);
-        outbox
-            .into_iter()
-            .chain(self.migrators.iter().copied())
-            .collect()
-    }
-
-    /// Builds the template (its lock held).
-    async fn build_template(
-        &self,
-        conn: &mut PgConnection,
-        maintenance: &PgConnectOptions,
-        template: &str,
-    ) -> Result<(), TestDbError> {
-        if is_ready(conn, template).await? {
-            return Ok(());
-        }
-        // Left half-built by a process that died: start again.
-        exec(conn, format!(r#"DROP DATABASE IF EXISTS "{template}""#)).await?;
-        exec(conn, format!(r#"CREATE DATABASE "{template}""#)).await?;
-        let mut tpl = maintenance.clone().database(template).connect().await?;
-        for migrator in self.migrators() {
-            if let Err(e) = migrator.run_direct(&mut tpl).await {
-                return Err(migrate_error(template, e.to_string()));
-            }
-        }
-        for sql in &self.sql {
-            if let Err(e) = exec(&mut tpl, sql.clone()).await {
-                return Err(migrate_error(template, e.to_string()));
-            }
-        }
-        if let Err(e) = exec(&mut tpl, SNAPSHOT_SQL.to_owned()).await {
-            return Err(migrate_error(template, format!("the snapshot: {e}")));
-        }
-        tpl.close().await?;
-        // No connections from now on: a clone needs a template nobody is
-        // connected to.
-        let seal = r#"WITH ALLOW_CONNECTIONS false IS_TEMPLATE true"#;
-        exec(conn, format!(r#"ALTER DATABASE "{template}" {seal}"#)).await?;
-        comment(conn, template, USED).await?;
-        Ok(())
+        let coordinator = self.coordinator()?;
+        let (tx, rx) = oneshot::channel();
+        coordinator.send(Request::DropSet {
+            set: self,
+            reply: tx,
+        })?;
+        rx.await.map_err(|_| gone())?
     }
 }
 
+fn gone() -> TestDbError {
+    TestDbError::Database(sqlx::Error::WorkerCrashed)
+}
+
+/// A clone handed to a test: `fresh` when just created (no reset needed).
+struct Claimed {
+    name: String,
+    fresh: bool,
+}
+
+/// What the coordinator does for the tests of its process.
+enum Request {
+    Claim {
+        set: TestDbBuilder,
+        reply: oneshot::Sender<Result<Claimed, TestDbError>>,
+    },
+    /// A clone whose schema a test changed: dropped.
+    Discard {
+        name: String,
+        reply: oneshot::Sender<()>,
+    },
+    /// A test is done with its clone; `failed`: keep it, and say when
+    /// marked.
+    Release {
+        name: String,
+        failed: Option<std::sync::mpsc::Sender<bool>>,
+    },
+    DropSet {
+        set: TestDbBuilder,
+        reply: oneshot::Sender<Result<(), TestDbError>>,
+    },
+}
+
+/// The process's coordinator for one server: a thread of its own (tests
+/// each run on a runtime of their own, a connection outlives none of
+/// them) holding one connection to the maintenance database, on which it
+/// takes the locks of the clones the process's tests hold. Claiming and
+/// releasing cost no connection of their own.
+#[derive(Clone)]
+struct Coordinator {
+    requests: mpsc::UnboundedSender<Request>,
+    maintenance: PgConnectOptions,
+}
+
+/// The coordinators of this process, by URL.
+static COORDINATORS: Mutex<Vec<(String, Coordinator)>> = Mutex::new(Vec::new());
+
+impl Coordinator {
+    fn of(url: &str) -> Result<Self, TestDbError> {
+        let mut all = COORDINATORS.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|(_, c)| !c.requests.is_closed());
+        if let Some((_, c)) = all.iter().find(|(u, _)| u == url) {
+            return Ok(c.clone());
+        }
+        let maintenance = PgConnectOptions::from_str(url)?;
+        let (requests, receiver) = mpsc::unbounded_channel();
+        let options = maintenance.clone();
+        std::thread::Builder::new()
+            .name("outbox-testdb".into())
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build();
+                if let Ok(runtime) = runtime {
+                    runtime.block_on(serve(options, receiver));
+                }
+            })
+            .map_err(|e| TestDbError::Database(sqlx::Error::Io(e)))?;
+        let coordinator = Self {
+            requests,
+            maintenance,
+        };
+        all.push((url.to_owned(), coordinator.clone()));
+        Ok(coordinator)
+    }
+
+    fn send(&self, request: Request) -> Result<(), TestDbError> {
+        self.requests.send(request).map_err(|_| gone())
+    }
+}
+
+/// The coordinator's state: its connection, the templates it made sure
+/// of, the clones its tests hold.
+struct State {
+    options: PgConnectOptions,
+    conn: Option<PgConnection>,
+    ready: HashSet<String>,
+    held: HashSet<String>,
+}
+
+async fn serve(options: PgConnectOptions, mut requests: mpsc::UnboundedReceiver<Request>) {
+    let mut state = State {
+        options,
+        conn: None,
+        ready: HashSet::new(),
+        held: HashSet::new(),
+    };
+    while let Some(request) = requests.recv().await {
+        match request {
+            Request::Claim { set, reply } => {
+                let _ = reply.send(state.claim(&set).await);
+            }
+            Request::Discard { name, reply } => {
+                if let Ok(conn) = state.conn().await {
+                    let _ = exec(conn, format!(r#"DROP DATABASE IF EXISTS "{name}""#)).await;
+                    let _ = unlock(conn, &name).await;
+                }
+                state.held.remove(&name);
+                let _ = reply.send(());
+            }
+            Request::Release { name, failed } => {
+                let mut marked = false;
+                if let Ok(conn) = state.conn().await {
+                    if failed.is_some() {
+                        marked = comment(conn, &name, FAILED).await.is_ok();
+                    }
+                    let _ = unlock(conn, &name).await;
+                }
+                state.held.remove(&name);
+                if let Some(done) = failed {
+                    let _ = done.send(marked);
+                }
+            }
+            Request::DropSet { set, reply } => {
+                let _ = reply.send(state.drop_set(&set).await);
+            }
+        }
+    }
+}
+
+impl State {
+    /// The connection, opened again if it broke (the locks it held are
+    /// gone then: a test holding a clone may see it reset by another
+    /// process — a server restart in the middle of a test run).
+    async fn conn(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
+        if let Some(conn) = &mut self.conn {
+            if conn.ping().await.is_err() {
+                self.conn = None;
+            }
+        }
+        if self.conn.is_none() {
+            self.conn = Some(self.options.connect().await?);
+        }
+        Ok(self.conn.as_mut().expect("connected"))
+    }
+
+    async fn claim(&mut self, set: &TestDbBuilder) -> Result<Claimed, TestDbError> {
+        let key = set.key();
+        let template = format!("outbox_tpl_{key}");
+        let options = self.options.clone();
+        if !self.ready.contains(&template) {
+            let held = self.held.clone();
+            let conn = self.conn().await?;
+            ensure_template(conn, &options, set, &template).await?;
+            sweep(conn, &template, &held).await;
+            self.ready.insert(template.clone());
+        }
+        let prefix = format!("outbox_test_{key}_");
+        let held = self.held.clone();
+        let conn = self.conn().await?;
+        if let Some(name) = claim_free(conn, &prefix, &held).await? {
+            self.held.insert(name.clone());
+            return Ok(Claimed { name, fresh: false });
+        }
+        let name = format!("{prefix}{}", uuid::Uuid::new_v4().simple());
+        lock(conn, &name).await?;
+        let strategy = if server_version(conn).await? >= 150_000 {
+            // WAL_LOG (the default since 15) copies the template's pages
+            // through the WAL; FILE_COPY copies its files but costs two
+            // checkpoints, many times slower for a small template.
+            " STRATEGY WAL_LOG"
+        } else {
+            ""
+        };
+        let created = exec(
+            conn,
+            format!(r#"CREATE DATABASE "{name}" TEMPLATE "{template}"{strategy}"#),
+        )
+        .await;
+        if let Err(error) = created {
+            let _ = unlock(conn, &name).await;
+            return Err(error.into());
+        }
+        self.held.insert(name.clone());
+        Ok(Claimed { name, fresh: true })
+    }
+
+    async fn drop_set(&mut self, set: &TestDbBuilder) -> Result<(), TestDbError> {
+        let key = set.key();
+        let template = format!("outbox_tpl_{key}");
+        let held = self.held.clone();
+        let conn = self.conn().await?;
+        drop_free_clones(conn, &format!("outbox_test_{key}_"), &held).await?;
+        lock(conn, &template).await?;
+        let dropped = drop_template(conn, &template).await;
+        unlock(conn, &template).await?;
+        self.ready.remove(&template);
+        Ok(dropped?)
+    }
+}
+
+/// Builds the template unless it is there: under its lock, so test
+/// processes starting at once build it once.
+async fn ensure_template(
+    conn: &mut PgConnection,
+    options: &PgConnectOptions,
+    set: &TestDbBuilder,
+    template: &str,
+) -> Result<(), TestDbError> {
+    if is_ready(conn, template).await? {
+        comment(conn, template, USED).await?;
+        return Ok(());
+    }
+    lock(conn, template).await?;
+    let built = build_template(conn, options, set, template).await;
+    unlock(conn, template).await?;
+    built
+}
+
+/// Builds the template (its lock held).
+async fn build_template(
+    conn: &mut PgConnection,
+    options: &PgConnectOptions,
+    set: &TestDbBuilder,
+    template: &str,
+) -> Result<(), TestDbError> {
+    if is_ready(conn, template).await? {
+        return Ok(());
+    }
+    // Left half-built by a process that died, or by a failed migration:
+    // start again.
+    exec(conn, format!(r#"DROP DATABASE IF EXISTS "{template}""#)).await?;
+    exec(conn, format!(r#"CREATE DATABASE "{template}""#)).await?;
+    let mut tpl = options.clone().database(template).connect().await?;
+    for migrator in set.migrators() {
+        if let Err(e) = migrator.run_direct(&mut tpl).await {
+            return Err(migrate_error(template, e.to_string()));
+        }
+    }
+    for sql in &set.sql {
+        if let Err(e) = exec(&mut tpl, sql.clone()).await {
+            return Err(migrate_error(template, e.to_string()));
+        }
+    }
+    if let Err(e) = exec(&mut tpl, SNAPSHOT_SQL.to_owned()).await {
+        return Err(migrate_error(template, format!("the snapshot: {e}")));
+    }
+    tpl.close().await?;
+    // No connections from now on: a clone needs a template nobody is
+    // connected to.
+    let seal = r#"WITH ALLOW_CONNECTIONS false IS_TEMPLATE true"#;
+    exec(conn, format!(r#"ALTER DATABASE "{template}" {seal}"#)).await?;
+    comment(conn, template, USED).await?;
+    Ok(())
+}
 async fn drop_template(conn: &mut PgConnection, template: &str) -> Result<(), sqlx::Error> {
     let exists: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
@@ -506,24 +716,25 @@ async fn unlock(conn: &mut PgConnection, name: &str) -> Result<(), sqlx::Error> 
         .map(|_| ())
 }
 
-/// Takes the first free, not failed clone named `prefix…`, reset; `None`
-/// when there is none.
+/// Takes the first free, not failed clone named `prefix…` (not one of
+/// `held`, this session's own: advisory locks are re-entrant); `None` when
+/// there is none.
 async fn claim_free(
     conn: &mut PgConnection,
-    maintenance: &PgConnectOptions,
     prefix: &str,
-) -> Result<Option<(String, PgPool)>, TestDbError> {
+    held: &HashSet<String>,
+) -> Result<Option<String>, TestDbError> {
     let free: Vec<String> = sqlx::query_scalar(
-        "SELECT datname FROM pg_database
+        "SELECT datname::text FROM pg_database
          WHERE starts_with(datname, $1)
            AND coalesce(shobj_description(oid, 'pg_database'), '') NOT LIKE 'failed%'
          ORDER BY datname",
     )
-    .bind(prefix)
+    .bind(prefix.to_owned())
     .fetch_all(&mut *conn)
     .await?;
     for name in free {
-        if !try_lock(conn, &name).await? {
+        if held.contains(&name) || !try_lock(conn, &name).await? {
             continue;
         }
         // Dropped or marked failed between the listing and the lock?
@@ -531,23 +742,12 @@ async fn claim_free(
             "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1
                AND coalesce(shobj_description(oid, 'pg_database'), '') NOT LIKE 'failed%')",
         )
-        .bind(&name)
+        .bind(name.clone())
         .fetch_one(&mut *conn)
         .await?;
-        if !usable {
-            unlock(conn, &name).await?;
-            continue;
+        if usable {
+            return Ok(Some(name));
         }
-        let pool = pool(maintenance, &name);
-        let reset: Result<bool, sqlx::Error> = sqlx::query_scalar("SELECT _outbox_testdb.reset()")
-            .fetch_one(&pool)
-            .await;
-        if let Ok(true) = reset {
-            return Ok(Some((name, pool)));
-        }
-        // A test changed its schema: not reusable.
-        pool.close().await;
-        let _ = exec(&mut *conn, format!(r#"DROP DATABASE IF EXISTS "{name}""#)).await;
         unlock(conn, &name).await?;
     }
     Ok(None)
@@ -555,7 +755,7 @@ async fn claim_free(
 
 /// Drops failed clones older than [`KEEP_FAILED`] and the templates (and
 /// free clones) of migration sets unused for [`KEEP_UNUSED`]. Best effort.
-async fn sweep(conn: &mut PgConnection, current: &str) {
+async fn sweep(conn: &mut PgConnection, current: &str, held: &HashSet<String>) {
     let stale: Result<Vec<String>, sqlx::Error> = sqlx::query_scalar(&format!(
         "SELECT datname FROM pg_database d
          WHERE (starts_with(datname, 'outbox_test_')
@@ -578,12 +778,12 @@ async fn sweep(conn: &mut PgConnection, current: &str) {
     .await;
     let Ok(stale) = stale else { return };
     for name in stale {
-        if !matches!(try_lock(conn, &name).await, Ok(true)) {
+        if held.contains(&name) || !matches!(try_lock(conn, &name).await, Ok(true)) {
             continue;
         }
         if name.starts_with("outbox_tpl_") {
             let prefix = format!("outbox_test_{}_", &name["outbox_tpl_".len()..]);
-            let _ = drop_free_clones(conn, &prefix).await;
+            let _ = drop_free_clones(conn, &prefix, held).await;
             let _ = exec(
                 &mut *conn,
                 format!(r#"ALTER DATABASE "{name}" IS_TEMPLATE false"#),
@@ -595,14 +795,18 @@ async fn sweep(conn: &mut PgConnection, current: &str) {
     }
 }
 
-async fn drop_free_clones(conn: &mut PgConnection, prefix: &str) -> Result<(), sqlx::Error> {
+async fn drop_free_clones(
+    conn: &mut PgConnection,
+    prefix: &str,
+    held: &HashSet<String>,
+) -> Result<(), sqlx::Error> {
     let clones: Vec<String> =
         sqlx::query_scalar("SELECT datname FROM pg_database WHERE starts_with(datname, $1)")
             .bind(prefix)
             .fetch_all(&mut *conn)
             .await?;
     for name in clones {
-        if try_lock(conn, &name).await? {
+        if !held.contains(&name) && try_lock(conn, &name).await? {
             let _ = exec(&mut *conn, format!(r#"DROP DATABASE IF EXISTS "{name}""#)).await;
             unlock(conn, &name).await?;
         }
@@ -636,9 +840,7 @@ async fn drop_free_clones(conn: &mut PgConnection, prefix: &str) -> Result<(), s
 pub struct TestDb {
     name: String,
     pool: PgPool,
-    /// The maintenance connection holding the clone's lock.
-    _claim: PgConnection,
-    maintenance: PgConnectOptions,
+    coordinator: Coordinator,
 }
 
 impl std::fmt::Debug for TestDb {
@@ -678,42 +880,33 @@ impl TestDb {
         &self.name
     }
 
-    fn claimed(
-        name: String,
-        pool: PgPool,
-        claim: PgConnection,
-        maintenance: PgConnectOptions,
-    ) -> Self {
-        Self {
-            name,
-            pool,
-            _claim: claim,
-            maintenance,
-        }
+    /// Empties the name: dropping `self` then releases nothing.
+    fn take(mut self) -> Self {
+        self.name.clear();
+        self
     }
 }
 
 impl Drop for TestDb {
-    /// Releases the clone (its lock goes with the maintenance connection).
-    /// During a panic, first marks it failed, so that it is kept as the
-    /// test left it.
+    /// Gives the clone back. During a panic, first marks it failed (and
+    /// waits for that), so that it is kept as the test left it.
     fn drop(&mut self) {
-        if !std::thread::panicking() {
+        if self.name.is_empty() {
             return;
         }
-        let (name, maintenance) = (self.name.clone(), self.maintenance.clone());
-        let marking = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
-            runtime.block_on(async {
-                let mut conn = maintenance.connect().await.ok()?;
-                comment(&mut conn, &name, FAILED).await.ok()?;
-                conn.close().await.ok()
-            })
+        let name = self.name.clone();
+        if !std::thread::panicking() {
+            let _ = self
+                .coordinator
+                .send(Request::Release { name, failed: None });
+            return;
+        }
+        let (done, marked) = std::sync::mpsc::channel();
+        let _ = self.coordinator.send(Request::Release {
+            name,
+            failed: Some(done),
         });
-        if marking.join().ok().flatten().is_some() {
+        if marked.recv_timeout(Duration::from_secs(10)) == Ok(true) {
             eprintln!(
                 "TestDb: the test failed; its database {} is kept for an hour",
                 self.name
