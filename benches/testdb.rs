@@ -231,6 +231,10 @@ async fn main() {
         "TestDb, a free clone (reset and reuse)",
         &["claim", "test", "release"],
     );
+    // The body again on the same pool: what the test costs once its
+    // connections are open.
+    let mut warm = Phases::new("the test's body on open connections", &["test"]);
+    let mut connections = Vec::new();
     // Every clone held: each claim clones the template.
     let mut held = vec![builder().create().await.unwrap()];
     for _ in 0..rounds {
@@ -252,12 +256,18 @@ async fn main() {
         let t = Instant::now();
         handler_test(db.pool()).await;
         let test = t.elapsed();
+        connections.push(db.pool().size());
+        let t = Instant::now();
+        handler_test(db.pool()).await;
+        warm.add(&[ms(t.elapsed())]);
         let t = Instant::now();
         drop(db);
         let release = t.elapsed();
         reuse.add(&[ms(claim), ms(test), ms(release)]);
     }
     reuse.print(&mut json);
+    warm.print(&mut json);
+    println!("connections the test's pool opened: {connections:?}");
     builder().drop_databases().await.unwrap();
 
     let json = serde_json::json!({"rounds": rounds, "template_ms": template, "variants": json});

@@ -102,6 +102,11 @@ pub struct RelayConfig {
     /// server side, and the longest the relay waits for an answer there.
     /// Rows it had claimed come free after [`RelayConfig::claim_idle_timeout`].
     pub lane_timeout: Duration,
+    /// Prepended to every event's topic (default empty): an event of topic
+    /// `orders` goes to `{topic_prefix}orders`. Tests use it to run on
+    /// topics of their own (`testing::TestTopics`); consumers take the same
+    /// prefix ([`ConsumerConfig::topic_prefix`](crate::ConsumerConfig::topic_prefix)).
+    pub topic_prefix: String,
 }
 
 impl std::fmt::Debug for RelayConfig {
@@ -123,6 +128,7 @@ impl std::fmt::Debug for RelayConfig {
             lanes,
             statement_timeout,
             lane_timeout,
+            topic_prefix,
         } = self;
         f.debug_struct("RelayConfig")
             .field("brokers", brokers)
@@ -140,6 +146,7 @@ impl std::fmt::Debug for RelayConfig {
             .field("lanes", lanes)
             .field("statement_timeout", statement_timeout)
             .field("lane_timeout", lane_timeout)
+            .field("topic_prefix", topic_prefix)
             .finish()
     }
 }
@@ -162,6 +169,7 @@ impl Default for RelayConfig {
             lanes: 16,
             statement_timeout: Duration::from_secs(30),
             lane_timeout: Duration::from_secs(10),
+            topic_prefix: String::new(),
         }
     }
 }
@@ -323,6 +331,12 @@ impl RelayBuilder {
         self.config.lane_timeout = d;
         self
     }
+    /// Prepended to every event's topic (default none). See
+    /// [`RelayConfig::topic_prefix`].
+    pub fn topic_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.config.topic_prefix = prefix.into();
+        self
+    }
     /// Replaces the whole configuration.
     pub fn config(mut self, config: RelayConfig) -> Self {
         self.config = config;
@@ -467,7 +481,8 @@ impl Relay {
     /// Runs the relay until `shutdown` is cancelled. Returns an error only for
     /// problems a retry cannot fix (e.g. an invalid producer configuration).
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
-        let mut publisher = Publisher::new(self.config.producer_config())?;
+        let mut publisher =
+            Publisher::new(self.config.producer_config())?.topic_prefix(&self.config.topic_prefix);
         let Some(scope) = self.outbox(&shutdown).await else {
             return Ok(());
         };

@@ -87,6 +87,8 @@ pub(crate) enum Outcome {
 pub(crate) struct Publisher {
     config: ClientConfig,
     producer: FutureProducer,
+    /// Prepended to each row's topic ([`RelayConfig::topic_prefix`](super::RelayConfig::topic_prefix)).
+    topic_prefix: String,
 }
 
 /// Settings the relay always applies; user overrides cannot weaken them.
@@ -98,7 +100,17 @@ impl Publisher {
             config.set(*key, *value);
         }
         let producer = crate::kafka::create(&config)?;
-        Ok(Self { config, producer })
+        Ok(Self {
+            config,
+            producer,
+            topic_prefix: String::new(),
+        })
+    }
+
+    /// Sends to `{prefix}{topic}` instead of each row's topic.
+    pub fn topic_prefix(mut self, prefix: &str) -> Self {
+        self.topic_prefix = prefix.to_owned();
+        self
     }
 
     /// Recreates the producer if librdkafka raised a fatal error; returns
@@ -186,7 +198,12 @@ impl Publisher {
     /// Enqueues one row without waiting. An immediate failure is returned
     /// as its outcome: `Withheld` when the producer's queue is full.
     pub fn send_one(&self, row: &Row) -> Result<DeliveryFuture, Outcome> {
-        let record = FutureRecord::to(&row.topic)
+        let topic = if self.topic_prefix.is_empty() {
+            std::borrow::Cow::Borrowed(row.topic.as_str())
+        } else {
+            std::borrow::Cow::Owned(format!("{}{}", self.topic_prefix, row.topic))
+        };
+        let record = FutureRecord::to(&topic)
             .key(row.partition_key.as_bytes())
             .payload(row.payload.as_bytes())
             .headers(headers_of(row));
@@ -194,7 +211,7 @@ impl Publisher {
             .send_result(record)
             .map_err(|(error, _)| match error.rdkafka_error_code() {
                 Some(RDKafkaErrorCode::QueueFull) => Outcome::Withheld,
-                _ => Outcome::Failed(classify(&error), describe(&error, &row.topic)),
+                _ => Outcome::Failed(classify(&error), describe(&error, &topic)),
             })
     }
 }

@@ -257,7 +257,26 @@ impl TestBus {
                 });
             }
             for consumer in &self.consumers {
-                let mine: Vec<&Message> = messages
+                // A consumer with a topic prefix reads the topics as the
+                // relay with that prefix names them.
+                let prefix = consumer.config().topic_prefix.as_str();
+                let renamed: Vec<Message> = if prefix.is_empty() {
+                    Vec::new()
+                } else {
+                    messages
+                        .iter()
+                        .map(|m| Message {
+                            topic: Arc::from(format!("{prefix}{}", m.topic)),
+                            ..m.clone()
+                        })
+                        .collect()
+                };
+                let all = if prefix.is_empty() {
+                    &messages
+                } else {
+                    &renamed
+                };
+                let mine: Vec<&Message> = all
                     .iter()
                     .filter(|m| consumer.subscribes(&m.topic))
                     .collect();
