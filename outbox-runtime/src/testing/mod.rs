@@ -30,8 +30,9 @@
 //! [`Faults`] make the bus misbehave as a broker and a crashing consumer
 //! can (every event delivered twice, a batch delivered again after its
 //! transaction committed, keys interleaved); [`FailTimes`] makes a handler
-//! fail its first calls. [`TestTopics`] creates unique topics on a real
-//! broker for the same tests run end to end. [`TestDb`] gives each test a
+//! fail its first calls. [`TestTopics`] creates a test's own topics on a
+//! real broker and points relays and consumers at them (a topic prefix),
+//! for the same typed tests run end to end. [`TestDb`] gives each test a
 //! migrated database in milliseconds, cloned from a template.
 //!
 //! Files: `report.rs` (the [`Delivery`] and its assertions), `faults.rs`,
