@@ -781,8 +781,8 @@ async fn sweep(conn: &mut PgConnection, current: &str, held: &HashSet<String>) {
         if held.contains(&name) || !matches!(try_lock(conn, &name).await, Ok(true)) {
             continue;
         }
-        if name.starts_with("outbox_tpl_") {
-            let prefix = format!("outbox_test_{}_", &name["outbox_tpl_".len()..]);
+        if let Some(key) = name.strip_prefix("outbox_tpl_") {
+            let prefix = format!("outbox_test_{key}_");
             let _ = drop_free_clones(conn, &prefix, held).await;
             let _ = exec(
                 &mut *conn,
