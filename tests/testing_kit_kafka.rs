@@ -27,7 +27,8 @@ fn read_first(brokers: &str, topic: &str) -> Received {
         .create()
         .expect("consumer");
     let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(topic, 0, Offset::Beginning)
+    // After the warm-up record.
+    tpl.add_partition_offset(topic, 0, Offset::Offset(outbox::testing::FIRST_OFFSET))
         .expect("partition");
     consumer.assign(&tpl).expect("assign");
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -192,6 +193,8 @@ async fn orders_are_charged_end_to_end_on_the_tests_own_topics(orders: usize) {
                 .group("billing")
                 .handler(charge),
         )
+        .await
+        .unwrap()
         .spawn()
         .unwrap();
     let shipping = topics
@@ -200,6 +203,8 @@ async fn orders_are_charged_end_to_end_on_the_tests_own_topics(orders: usize) {
                 .group("orders")
                 .handler(mark_paid),
         )
+        .await
+        .unwrap()
         .spawn()
         .unwrap();
 

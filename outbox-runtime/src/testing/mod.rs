@@ -53,7 +53,7 @@ use uuid::Uuid;
 pub use self::db::{TestDb, TestDbBuilder, TestDbError};
 pub use self::faults::{FailTimes, Faults};
 pub use self::report::{Delivered, Delivery, Outcome, Published, TypeCounts};
-pub use self::topics::TestTopics;
+pub use self::topics::{FIRST_OFFSET, TestTopics};
 pub use crate::inbox::TestClock;
 use crate::inbox::harness::{Driver, Message, Routed};
 use crate::inbox::{ConsumerBuilder, DeadLetterReason, Mode};
