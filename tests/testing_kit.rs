@@ -612,3 +612,19 @@ fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
         .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
         .unwrap_or_default()
 }
+
+/// A consumer configured with a topic prefix (as `TestTopics` wires it)
+/// gets its events on the bus too, on the prefixed topic.
+#[tokio::test]
+async fn a_consumer_with_a_topic_prefix_gets_its_events_on_the_bus() {
+    let db = TestDb::builder().sql(TABLES).create().await.unwrap();
+    let pool = db.pool().clone();
+    let mut bus = TestBus::new().service(billing(&pool).topic_prefix("test-x."));
+    let cmd = PlaceOrder { amount_cents: 700 };
+    let order_id = outbox::execute(&pool, place_order, cmd).await.unwrap();
+    let delivery = bus.deliver().await.unwrap();
+    delivery.assert_handled::<OrderPlaced>(|e| e.order_id == order_id);
+    // Reported under the event's own topic.
+    assert_eq!(delivery.delivered[0].topic, "kit-orders");
+    assert_eq!(count(&pool, "SELECT count(*) FROM charges").await, 1);
+}

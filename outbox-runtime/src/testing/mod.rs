@@ -477,7 +477,12 @@ async fn deliver_chunk(
         delivery.delivered.push(Delivered {
             group: group.clone(),
             event_id: id,
-            topic: m.topic.to_string(),
+            // The event's topic, as recorded (without a consumer's prefix).
+            topic: m
+                .topic
+                .strip_prefix(consumer.config().topic_prefix.as_str())
+                .unwrap_or(&m.topic)
+                .to_owned(),
             key: m
                 .key
                 .as_deref()
