@@ -11,14 +11,19 @@
 //! template plus as many clones as tests ran at once.
 //!
 //! Coordination between tests and test processes is by PostgreSQL advisory
-//! locks held on a connection to the maintenance database (the one
-//! `DATABASE_URL` names): building a template holds its lock, and a test
-//! holds its clone's lock until the [`TestDb`] is dropped — a crashed test
-//! process releases it with its connection. A test that panics leaves its
-//! clone marked failed (with `COMMENT ON DATABASE`) and untouched for
-//! inspection; failed clones older than an hour, and the templates (with
-//! their clones) of a migration set unused for a day, are dropped by the
-//! next test process.
+//! locks on the maintenance database (the one `DATABASE_URL` names), held
+//! by one connection per test process (a thread of its own serves the
+//! process's tests): building a template holds its lock, and a clone's lock
+//! is held while a test uses it — a crashed test process releases its
+//! locks with its connection. A test that panics leaves its clone marked
+//! failed (with `COMMENT ON DATABASE`) and untouched for inspection;
+//! failed clones older than an hour, and the templates (with their clones)
+//! of a migration set unused for a day, are dropped by the next test
+//! process.
+//!
+//! On a loopback server and without an `sslmode` in the URL (or
+//! `PGSSLMODE`), the kit connects without TLS: a TLS connection costs more
+//! than the rest of a handler test.
 //!
 //! Reset: the template holds a schema `_outbox_testdb` with a snapshot of
 //! its rows (tables that migrations seeded), its sequences, and a
@@ -34,7 +39,7 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use sqlx::migrate::Migrator;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use sqlx::{ConnectOptions, Connection, Executor as _, PgConnection, PgPool};
 use tokio::sync::{mpsc, oneshot};
 
@@ -425,7 +430,15 @@ impl Coordinator {
         if let Some((_, c)) = all.iter().find(|(u, _)| u == url) {
             return Ok(c.clone());
         }
-        let maintenance = PgConnectOptions::from_str(url)?;
+        let mut maintenance = PgConnectOptions::from_str(url)?;
+        if local_without_ssl_mode(url, &maintenance) {
+            // TLS costs each new connection more than the rest of a
+            // handler test (loading the trust store, the handshake: ~100 ms
+            // on a busy 2-core machine), and a loopback server's traffic
+            // does not leave the host. A URL or PGSSLMODE that names a mode
+            // is followed.
+            maintenance = maintenance.ssl_mode(PgSslMode::Disable);
+        }
         let (requests, receiver) = mpsc::unbounded_channel();
         let options = maintenance.clone();
         std::thread::Builder::new()
@@ -450,6 +463,23 @@ impl Coordinator {
     fn send(&self, request: Request) -> Result<(), TestDbError> {
         self.requests.send(request).map_err(|_| gone())
     }
+}
+
+/// Whether `url` reaches the server over loopback (or a Unix socket)
+/// without naming an `sslmode` (in the URL or `PGSSLMODE`).
+fn local_without_ssl_mode(url: &str, options: &PgConnectOptions) -> bool {
+    let named = url
+        .split_once('?')
+        .is_some_and(|(_, query)| query.split('&').any(|p| p.starts_with("sslmode=")))
+        || std::env::var_os("PGSSLMODE").is_some();
+    let host = options.get_host();
+    let local = host.starts_with('/')
+        || host == "localhost"
+        || host
+            .trim_matches(['[', ']'])
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    local && !named
 }
 
 /// The coordinator's state: its connection, the templates it made sure
