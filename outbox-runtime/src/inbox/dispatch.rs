@@ -173,6 +173,17 @@ impl Registry {
         }
     }
 
+    /// Routes by the topics as named on the broker: `{prefix}{topic}`.
+    pub fn prefix_topics(&mut self, prefix: &str) {
+        if prefix.is_empty() {
+            return;
+        }
+        self.topics = std::mem::take(&mut self.topics)
+            .into_iter()
+            .map(|(topic, routes)| (format!("{prefix}{topic}"), routes))
+            .collect();
+    }
+
     /// Records an explicitly ignored event type (`"*"`: every event type
     /// without a handler). Fails for a topic no handler subscribes to.
     pub fn ignore(&mut self, topic: &str, event_type: &str) -> Result<(), String> {

@@ -106,6 +106,11 @@ pub struct RelayConfig {
     pub lane_timeout: Duration,
     /// CloudEvents headers (default off): see [`crate::cloudevents`].
     pub cloud_events: CloudEvents,
+    /// Prepended to every event's topic (default empty): an event of topic
+    /// `orders` goes to `{topic_prefix}orders`. Tests use it to run on
+    /// topics of their own (`testing::TestTopics`); consumers take the same
+    /// prefix ([`ConsumerConfig::topic_prefix`](crate::ConsumerConfig::topic_prefix)).
+    pub topic_prefix: String,
 }
 
 impl std::fmt::Debug for RelayConfig {
@@ -128,6 +133,7 @@ impl std::fmt::Debug for RelayConfig {
             statement_timeout,
             lane_timeout,
             cloud_events,
+            topic_prefix,
         } = self;
         f.debug_struct("RelayConfig")
             .field("brokers", brokers)
@@ -146,6 +152,7 @@ impl std::fmt::Debug for RelayConfig {
             .field("statement_timeout", statement_timeout)
             .field("lane_timeout", lane_timeout)
             .field("cloud_events", cloud_events)
+            .field("topic_prefix", topic_prefix)
             .finish()
     }
 }
@@ -169,6 +176,7 @@ impl Default for RelayConfig {
             statement_timeout: Duration::from_secs(30),
             lane_timeout: Duration::from_secs(10),
             cloud_events: CloudEvents::default(),
+            topic_prefix: String::new(),
         }
     }
 }
@@ -344,6 +352,12 @@ impl RelayBuilder {
         self.config.lane_timeout = d;
         self
     }
+    /// Prepended to every event's topic (default none). See
+    /// [`RelayConfig::topic_prefix`].
+    pub fn topic_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.config.topic_prefix = prefix.into();
+        self
+    }
     /// Replaces the whole configuration.
     pub fn config(mut self, config: RelayConfig) -> Self {
         self.config = config;
@@ -489,7 +503,8 @@ impl Relay {
     /// problems a retry cannot fix (e.g. an invalid producer configuration).
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
         let mut publisher = Publisher::new(self.config.producer_config())?
-            .with_cloud_events(self.config.cloud_events.clone());
+            .with_cloud_events(self.config.cloud_events.clone())
+            .topic_prefix(&self.config.topic_prefix);
         let Some(scope) = self.outbox(&shutdown).await else {
             return Ok(());
         };

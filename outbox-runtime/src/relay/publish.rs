@@ -98,6 +98,8 @@ pub(crate) struct Publisher {
     /// One message per record batch, for rows that failed before; created
     /// on first use.
     alone: Option<FutureProducer>,
+    /// Prepended to each row's topic ([`RelayConfig::topic_prefix`](super::RelayConfig::topic_prefix)).
+    topic_prefix: String,
 }
 
 /// Settings the relay always applies; user overrides cannot weaken them.
@@ -114,7 +116,14 @@ impl Publisher {
             producer,
             cloud_events: CloudEvents::default(),
             alone: None,
+            topic_prefix: String::new(),
         })
+    }
+
+    /// Sends to `{prefix}{topic}` instead of each row's topic.
+    pub fn topic_prefix(mut self, prefix: &str) -> Self {
+        self.topic_prefix = prefix.to_owned();
+        self
     }
 
     /// Writes CloudEvents headers as `cloud_events` says.
@@ -212,6 +221,7 @@ impl Publisher {
         let mut failed_keys: HashSet<&str> = HashSet::new();
         let mut queue_full = false;
         let cloud_events = self.cloud_events.clone();
+        let topic_prefix = self.topic_prefix.clone();
         for i in which {
             let row = &rows[i];
             if queue_full || failed_keys.contains(row.partition_key.as_str()) {
@@ -221,7 +231,7 @@ impl Publisher {
             let sent = if row.attempts > 0 {
                 failed_keys.insert(row.partition_key.as_str());
                 match self.alone() {
-                    Some(alone) => send_with(alone, row, &cloud_events),
+                    Some(alone) => send_with(alone, row, &cloud_events, &topic_prefix),
                     None => Err(Outcome::Withheld),
                 }
             } else {
@@ -245,7 +255,7 @@ impl Publisher {
     /// Enqueues one row without waiting. An immediate failure is returned
     /// as its outcome: `Withheld` when the producer's queue is full.
     pub fn send_one(&self, row: &Row) -> Result<DeliveryFuture, Outcome> {
-        send_with(&self.producer, row, &self.cloud_events)
+        send_with(&self.producer, row, &self.cloud_events, &self.topic_prefix)
     }
 }
 
@@ -254,8 +264,14 @@ fn send_with(
     producer: &FutureProducer,
     row: &Row,
     cloud_events: &CloudEvents,
+    topic_prefix: &str,
 ) -> Result<DeliveryFuture, Outcome> {
-    let record = FutureRecord::to(&row.topic)
+    let topic = if topic_prefix.is_empty() {
+        std::borrow::Cow::Borrowed(row.topic.as_str())
+    } else {
+        std::borrow::Cow::Owned(format!("{topic_prefix}{}", row.topic))
+    };
+    let record = FutureRecord::to(&topic)
         .key(row.partition_key.as_bytes())
         .payload(row.payload.as_bytes())
         .headers(headers_of(row, cloud_events));
@@ -263,7 +279,7 @@ fn send_with(
         .send_result(record)
         .map_err(|(error, _)| match error.rdkafka_error_code() {
             Some(RDKafkaErrorCode::QueueFull) => Outcome::Withheld,
-            _ => Outcome::Failed(classify(&error), describe(&error, &row.topic)),
+            _ => Outcome::Failed(classify(&error), describe(&error, &topic)),
         })
 }
 

@@ -30,12 +30,15 @@
 //! [`Faults`] make the bus misbehave as a broker and a crashing consumer
 //! can (every event delivered twice, a batch delivered again after its
 //! transaction committed, keys interleaved); [`FailTimes`] makes a handler
-//! fail its first calls. [`TestTopics`] creates unique topics on a real
-//! broker for the same tests run end to end.
+//! fail its first calls. [`TestTopics`] creates a test's own topics on a
+//! real broker and points relays and consumers at them (a topic prefix),
+//! for the same typed tests run end to end. [`TestDb`] gives each test a
+//! migrated database in milliseconds, cloned from a template.
 //!
 //! Files: `report.rs` (the [`Delivery`] and its assertions), `faults.rs`,
-//! `topics.rs`.
+//! `topics.rs`, `db.rs`.
 
+mod db;
 mod faults;
 mod report;
 mod topics;
@@ -47,9 +50,10 @@ use rdkafka::message::Headers as _;
 use sqlx::PgPool;
 use uuid::Uuid;
 
+pub use self::db::{TestDb, TestDbBuilder, TestDbError};
 pub use self::faults::{FailTimes, Faults};
 pub use self::report::{Delivered, Delivery, Outcome, Published, TypeCounts};
-pub use self::topics::TestTopics;
+pub use self::topics::{FIRST_OFFSET, TestTopics};
 pub use crate::inbox::TestClock;
 use crate::inbox::harness::{Driver, Message, Routed};
 use crate::inbox::{ConsumerBuilder, DeadLetterReason, Mode};
@@ -263,7 +267,26 @@ impl TestBus {
                 });
             }
             for consumer in &self.consumers {
-                let mine: Vec<&Message> = messages
+                // A consumer with a topic prefix reads the topics as the
+                // relay with that prefix names them.
+                let prefix = consumer.config().topic_prefix.as_str();
+                let renamed: Vec<Message> = if prefix.is_empty() {
+                    Vec::new()
+                } else {
+                    messages
+                        .iter()
+                        .map(|m| Message {
+                            topic: Arc::from(format!("{prefix}{}", m.topic)),
+                            ..m.clone()
+                        })
+                        .collect()
+                };
+                let all = if prefix.is_empty() {
+                    &messages
+                } else {
+                    &renamed
+                };
+                let mine: Vec<&Message> = all
                     .iter()
                     .filter(|m| consumer.subscribes(&m.topic))
                     .collect();
@@ -474,7 +497,12 @@ async fn deliver_chunk(
         delivery.delivered.push(Delivered {
             group: group.clone(),
             event_id: id,
-            topic: m.topic.to_string(),
+            // The event's topic, as recorded (without a consumer's prefix).
+            topic: m
+                .topic
+                .strip_prefix(consumer.config().topic_prefix.as_str())
+                .unwrap_or(&m.topic)
+                .to_owned(),
             key: m
                 .key
                 .as_deref()
