@@ -93,9 +93,9 @@
 
 pub use outbox_core::{
     Aggregate, AggregateRoot, BoxError, CommandFuture, CommandHandler, CommandOutput, Committed,
-    DomainEvent, Error, HandlerArg, HandlerContext, HandlerFuture, Headers, InboxHandler,
-    InboxOutput, IncomingEvent, LockPolicy, MIGRATOR, OutboxMessage, PendingEvents, Result,
-    TraceParent, UnitOfWork, execute, migrate, migrate_with, trace,
+    DomainEvent, Error, EventVersion, HandlerArg, HandlerContext, HandlerFuture, Headers,
+    InboxHandler, InboxOutput, IncomingEvent, LockPolicy, MIGRATOR, OutboxMessage, PendingEvents,
+    Result, TraceParent, UnitOfWork, execute, migrate, migrate_with, trace,
 };
 
 /// `#[derive(DomainEvent)]`: see [`DomainEvent`] for the `#[event(...)]` attributes.
@@ -119,6 +119,11 @@ pub use outbox_derive::command_handler;
 /// The relay and consumer runtime.
 #[cfg(feature = "runtime")]
 pub use outbox_runtime as runtime;
+
+/// Event contracts: the catalogue of event types with their JSON Schemas, the
+/// AsyncAPI document and the compatibility check (feature `schemas`).
+#[cfg(feature = "schemas")]
+pub use outbox_core::contracts;
 
 /// The testing kit (feature `testing`): a [`TestBus`](testing::TestBus)
 /// delivers what the outbox holds to your inbox handlers through the

@@ -1,5 +1,5 @@
 //! The testing kit (`outbox::testing`, feature `testing`) against a real
-//! PostgreSQL (a fresh database per test), no broker: commands record
+//! PostgreSQL (a `TestDb` per test), no broker: commands record
 //! events, the `TestBus` delivers them through the consumer's real path,
 //! the tests check what the database and the bus's report say — also under
 //! the fault modes, with retries on the test clock, across two outboxes,
@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use outbox::prelude::*;
 use outbox::runtime::{Consumer, DeadLetterReason, Mode};
-use outbox::testing::{Error as BusError, FailTimes, Faults, Outcome, TestBus};
+use outbox::testing::{Error as BusError, FailTimes, Faults, Outcome, TestBus, TestDb};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
@@ -108,14 +108,14 @@ async fn next_step(ctx: &mut HandlerContext<'_>, event: StepDone) -> Result<(), 
     Ok(())
 }
 
+/// The tables of the tests' services, in the template of their databases.
+const TABLES: &str = "
+    CREATE TABLE orders (id uuid PRIMARY KEY, amount_cents bigint NOT NULL, status text NOT NULL, paid_times int NOT NULL DEFAULT 0);
+    CREATE TABLE charges (id uuid PRIMARY KEY, order_id uuid NOT NULL, amount_cents bigint NOT NULL);
+    CREATE TABLE steps (seq bigserial PRIMARY KEY, job text NOT NULL, step int NOT NULL);";
+
 async fn tables(pool: &PgPool) {
-    for sql in [
-        "CREATE TABLE orders (id uuid PRIMARY KEY, amount_cents bigint NOT NULL, status text NOT NULL, paid_times int NOT NULL DEFAULT 0)",
-        "CREATE TABLE charges (id uuid PRIMARY KEY, order_id uuid NOT NULL, amount_cents bigint NOT NULL)",
-        "CREATE TABLE steps (seq bigserial PRIMARY KEY, job text NOT NULL, step int NOT NULL)",
-    ] {
-        sqlx::query(sql).execute(pool).await.unwrap();
-    }
+    sqlx::raw_sql(TABLES).execute(pool).await.unwrap();
 }
 
 async fn count(pool: &PgPool, sql: &str) -> i64 {
@@ -147,14 +147,11 @@ mod orders {
     }
 }
 
-async fn create_tables(pool: &PgPool) {
-    tables(pool).await;
-}
-
 // README: Testing your handlers (begin)
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
-async fn placing_an_order_charges_it_and_marks_it_paid(pool: PgPool) {
-    create_tables(&pool).await;
+#[tokio::test]
+async fn placing_an_order_charges_it_and_marks_it_paid() {
+    let db = TestDb::builder().sql(TABLES).create().await.unwrap(); // in ms
+    let pool = db.pool().clone();
     // The services' own consumers: no broker, no relay.
     let mut bus = TestBus::new()
         .service(billing::consumer(pool.clone()))
@@ -191,9 +188,10 @@ fn the_readme_example_is_this_files_test() {
     assert!(block.lines().count() <= 20, "{block}");
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
-async fn an_order_is_charged_and_marked_paid_without_a_broker(pool: PgPool) {
-    tables(&pool).await;
+#[tokio::test]
+async fn an_order_is_charged_and_marked_paid_without_a_broker() {
+    let db = TestDb::builder().sql(TABLES).create().await.unwrap();
+    let pool = db.pool().clone();
     let started = Instant::now();
     let mut bus = TestBus::new()
         .service(billing(&pool))
@@ -254,9 +252,10 @@ async fn an_order_is_charged_and_marked_paid_without_a_broker(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
-async fn every_event_delivered_twice_is_applied_once(pool: PgPool) {
-    tables(&pool).await;
+#[tokio::test]
+async fn every_event_delivered_twice_is_applied_once() {
+    let db = TestDb::builder().sql(TABLES).create().await.unwrap();
+    let pool = db.pool().clone();
     for mode in [Mode::Dedup, Mode::Inbox] {
         let mut bus = TestBus::new()
             .service(billing(&pool).mode(mode))
@@ -286,9 +285,10 @@ async fn every_event_delivered_twice_is_applied_once(pool: PgPool) {
     assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 0);
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
-async fn a_batch_redelivered_after_the_commit_is_applied_once(pool: PgPool) {
-    tables(&pool).await;
+#[tokio::test]
+async fn a_batch_redelivered_after_the_commit_is_applied_once() {
+    let db = TestDb::builder().sql(TABLES).create().await.unwrap();
+    let pool = db.pool().clone();
     for mode in [Mode::Dedup, Mode::Inbox] {
         let mut bus = TestBus::new()
             .service(billing(&pool).mode(mode))
@@ -320,9 +320,10 @@ async fn a_batch_redelivered_after_the_commit_is_applied_once(pool: PgPool) {
     }
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
-async fn a_handler_failing_twice_is_retried_on_the_test_clock(pool: PgPool) {
-    tables(&pool).await;
+#[tokio::test]
+async fn a_handler_failing_twice_is_retried_on_the_test_clock() {
+    let db = TestDb::builder().sql(TABLES).create().await.unwrap();
+    let pool = db.pool().clone();
     for mode in [Mode::Dedup, Mode::Inbox] {
         let started = Instant::now();
         let mut bus = TestBus::new().service(
@@ -353,11 +354,10 @@ async fn a_handler_failing_twice_is_retried_on_the_test_clock(pool: PgPool) {
     }
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
-async fn a_handler_that_keeps_failing_is_dead_lettered_and_its_follow_ups_are_not_written(
-    pool: PgPool,
-) {
-    tables(&pool).await;
+#[tokio::test]
+async fn a_handler_that_keeps_failing_is_dead_lettered_and_its_follow_ups_are_not_written() {
+    let db = TestDb::builder().sql(TABLES).create().await.unwrap();
+    let pool = db.pool().clone();
     for mode in [Mode::Dedup, Mode::Inbox] {
         let group = format!("billing-{mode}");
         let mut bus = TestBus::new().service(
@@ -406,9 +406,10 @@ async fn a_handler_that_keeps_failing_is_dead_lettered_and_its_follow_ups_are_no
     assert_eq!(count(&pool, "SELECT count(*) FROM charges").await, 0);
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
-async fn interleaved_keys_keep_each_keys_order(pool: PgPool) {
-    tables(&pool).await;
+#[tokio::test]
+async fn interleaved_keys_keep_each_keys_order() {
+    let db = TestDb::builder().sql(TABLES).create().await.unwrap();
+    let pool = db.pool().clone();
     let mut bus = TestBus::new()
         .service(
             Consumer::builder(pool.clone())
@@ -508,8 +509,10 @@ async fn two_services_with_their_own_outboxes_talk_through_the_bus(pool: PgPool)
     billing_pool.close().await;
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
-async fn an_endless_cascade_stops_with_a_clear_error(pool: PgPool) {
+#[tokio::test]
+async fn an_endless_cascade_stops_with_a_clear_error() {
+    let db = TestDb::builder().sql(TABLES).create().await.unwrap();
+    let pool = db.pool().clone();
     let mut bus = TestBus::new()
         .service(
             Consumer::builder(pool.clone())
@@ -534,9 +537,10 @@ async fn an_endless_cascade_stops_with_a_clear_error(pool: PgPool) {
     assert!(error.to_string().contains("after 5 rounds"), "{error}");
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
-async fn failed_assertions_show_what_was_there_instead(pool: PgPool) {
-    tables(&pool).await;
+#[tokio::test]
+async fn failed_assertions_show_what_was_there_instead() {
+    let db = TestDb::builder().sql(TABLES).create().await.unwrap();
+    let pool = db.pool().clone();
     let mut bus = TestBus::new().service(billing(&pool));
     let order_id = outbox::execute(&pool, place_order, PlaceOrder { amount_cents: 500 })
         .await
@@ -577,9 +581,10 @@ async fn failed_assertions_show_what_was_there_instead(pool: PgPool) {
     assert!(message.contains("none delivered"), "{message}");
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
-async fn an_ignored_event_type_is_reported_as_ignored(pool: PgPool) {
-    tables(&pool).await;
+#[tokio::test]
+async fn an_ignored_event_type_is_reported_as_ignored() {
+    let db = TestDb::builder().sql(TABLES).create().await.unwrap();
+    let pool = db.pool().clone();
     let mut bus =
         TestBus::new().service(billing(&pool).ignore_event_type("kit-orders", "OrderCancelled"));
     let mut uow = UnitOfWork::begin(&pool).await.unwrap();
@@ -606,4 +611,20 @@ fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
         .cloned()
         .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
         .unwrap_or_default()
+}
+
+/// A consumer configured with a topic prefix (as `TestTopics` wires it)
+/// gets its events on the bus too, on the prefixed topic.
+#[tokio::test]
+async fn a_consumer_with_a_topic_prefix_gets_its_events_on_the_bus() {
+    let db = TestDb::builder().sql(TABLES).create().await.unwrap();
+    let pool = db.pool().clone();
+    let mut bus = TestBus::new().service(billing(&pool).topic_prefix("test-x."));
+    let cmd = PlaceOrder { amount_cents: 700 };
+    let order_id = outbox::execute(&pool, place_order, cmd).await.unwrap();
+    let delivery = bus.deliver().await.unwrap();
+    delivery.assert_handled::<OrderPlaced>(|e| e.order_id == order_id);
+    // Reported under the event's own topic.
+    assert_eq!(delivery.delivered[0].topic, "kit-orders");
+    assert_eq!(count(&pool, "SELECT count(*) FROM charges").await, 1);
 }

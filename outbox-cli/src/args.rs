@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use outbox_runtime::Error;
+use outbox_runtime::cloudevents::CloudEventsMode;
 use outbox_runtime::settings::{KafkaSettings, RelaySettings, Settings};
 
 #[derive(Parser)]
@@ -106,10 +107,42 @@ pub(crate) enum Command {
         #[command(flatten)]
         lock: LockArgs,
     },
+    /// Event schemas: export an application's (in a binary built with
+    /// `outbox_cli::run_with`), check them against a committed snapshot.
+    #[command(subcommand)]
+    Schema(SchemaCommand),
     /// Show the settings in effect and where each comes from (flag,
     /// environment, file, default); secrets as ***.
     Config {
         /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `outbox schema ...`.
+#[derive(Subcommand)]
+pub(crate) enum SchemaCommand {
+    /// Write the JSON Schema of each event type and version, per-topic files
+    /// for the broker's schema registry and `asyncapi.json` into DIR. Needs
+    /// the application's catalogue: available in an `outbox` binary the
+    /// application builds with `outbox_cli::run_with(catalogue)`.
+    Export {
+        /// The directory (created if missing).
+        dir: PathBuf,
+    },
+    /// Compare the current schemas with a committed snapshot; exit 1 on a
+    /// breaking change without a version bump, naming the event type,
+    /// version and field.
+    Check {
+        /// The committed snapshot (a directory written by `schema export`).
+        #[arg(long, value_name = "DIR")]
+        against: PathBuf,
+        /// The current schemas (a directory written by `schema export`);
+        /// default: this binary's catalogue, when it has one.
+        #[arg(long, value_name = "DIR")]
+        current: Option<PathBuf>,
+        /// Print JSON instead of lines.
         #[arg(long)]
         json: bool,
     },
@@ -196,6 +229,15 @@ pub(crate) struct RelayArgs {
     /// Serve Prometheus metrics on this address (GET /metrics), e.g. 127.0.0.1:9464.
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    /// CloudEvents binary-mode headers (ce_id, ce_type, ce_source, ...):
+    /// off, both (beside the framework's own headers) or only (instead of
+    /// them) (default off).
+    #[arg(long, value_name = "MODE")]
+    pub cloud_events: Option<CloudEventsMode>,
+    /// The ce_source of the events, a URI reference naming this service
+    /// (default /outbox).
+    #[arg(long, value_name = "URI")]
+    pub cloud_events_source: Option<String>,
 }
 
 impl RelayArgs {
@@ -212,6 +254,8 @@ impl RelayArgs {
         relay.lane_timeout_ms = self.lane_timeout_ms;
         relay.max_events_per_second = self.max_events_per_second;
         relay.metrics_addr = self.metrics_addr;
+        relay.cloud_events = self.cloud_events;
+        relay.cloud_events_source = self.cloud_events_source.clone();
         relay
     }
 }
@@ -416,7 +460,8 @@ pub(crate) enum DeadLettersCommand {
         #[arg(long, value_parser = ["dead", "retry", "resolved", "all"])]
         status: Vec<String>,
         /// Only this reason (not_json, no_event_id, unknown_event_type,
-        /// payload_mismatch, oversized, handler_failed).
+        /// payload_mismatch, oversized, handler_failed, invalid_headers,
+        /// no_key, unsupported_version).
         #[arg(long)]
         reason: Option<String>,
         /// At most this many rows.

@@ -159,6 +159,8 @@ pub(crate) async fn run(ctx: Ctx, command: Command) -> Result<(), Error> {
             );
         }
         Command::Config { json } => show_config(&ctx, json),
+        // Run before settings are loaded (`schema::run`): no database.
+        Command::Schema(_) => {}
     }
     Ok(())
 }

@@ -107,6 +107,8 @@ fn defaults() -> Settings {
     s.relay.outage_backoff_max_ms = ms(relay.outage_backoff_max);
     s.relay.statement_timeout_ms = ms(relay.statement_timeout);
     s.relay.lane_timeout_ms = ms(relay.lane_timeout);
+    s.relay.cloud_events = Some(relay.cloud_events.mode);
+    s.relay.cloud_events_source = Some(relay.cloud_events.source.clone());
     s
 }
 
@@ -283,6 +285,29 @@ mod tests {
             (entry.value.as_str(), entry.source),
             ("16777216", "default")
         );
+    }
+
+    #[test]
+    fn cloud_events_flags_become_relay_settings() {
+        use clap::Parser;
+        use outbox_runtime::cloudevents::CloudEventsMode;
+        let cli = crate::args::Cli::try_parse_from([
+            "outbox",
+            "relay",
+            "--cloud-events",
+            "only",
+            "--cloud-events-source",
+            "/orders",
+        ])
+        .unwrap();
+        let flags = cli.flag_settings().unwrap();
+        assert_eq!(flags.relay.cloud_events, Some(CloudEventsMode::Only));
+        assert_eq!(flags.relay.cloud_events_source.as_deref(), Some("/orders"));
+        let error = crate::args::Cli::try_parse_from(["outbox", "relay", "--cloud-events", "x"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(error.contains("off (default), both"), "{error}");
     }
 
     #[test]

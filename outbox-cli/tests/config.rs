@@ -278,3 +278,44 @@ async fn configuration_mistakes_exit_2_naming_the_culprit() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("OUTBOX_RELAY_BATCHSIZE"), "{}", text(&o));
 }
+
+#[tokio::test]
+async fn cloud_events_settings_come_from_the_file_and_the_environment() {
+    let file = TempFile::new(
+        "outbox.toml",
+        "[relay]\ncloud_events = \"both\"\ncloud_events_source = \"/from-file\"\n",
+    );
+    let config = |env: Vec<(&'static str, String)>| {
+        let file = file.path().to_owned();
+        async move {
+            let mut env: Vec<(&str, String)> = env;
+            env.push(("OUTBOX_CONFIG", file));
+            let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            outbox(&env, &["config", "--json"]).await
+        }
+    };
+    let o = config(vec![]).await;
+    assert!(o.status.success(), "{}", text(&o));
+    let json: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    assert_eq!(setting(&json, "relay.cloud_events"), ("both", "file"));
+    assert_eq!(
+        setting(&json, "relay.cloud_events_source"),
+        ("/from-file", "file")
+    );
+
+    let o = config(vec![("OUTBOX_RELAY_CLOUD_EVENTS", "only".into())]).await;
+    let json: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    assert_eq!(
+        setting(&json, "relay.cloud_events"),
+        ("only", "environment")
+    );
+
+    // A mode that does not exist names the variable and the modes.
+    let o = config(vec![("OUTBOX_RELAY_CLOUD_EVENTS", "binary".into())]).await;
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let all = text(&o);
+    assert!(
+        all.contains("OUTBOX_RELAY_CLOUD_EVENTS") && all.contains("binary"),
+        "{all}"
+    );
+}

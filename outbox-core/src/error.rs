@@ -48,6 +48,22 @@ pub enum Error {
         decoded: &'static str,
     },
 
+    /// The message's schema version is not one the Rust type reads: newer
+    /// than its declared version, or older than its oldest upcaster.
+    #[error("{}", unsupported_version(event_type, *version, rust_type, *oldest, *current))]
+    UnsupportedVersion {
+        /// The event type named by the message.
+        event_type: String,
+        /// The version named by the message (`event_version` header).
+        version: u32,
+        /// The Rust type that was asked to decode it.
+        rust_type: &'static str,
+        /// The oldest version it reads (through its upcasters).
+        oldest: u32,
+        /// The version it declares.
+        current: u32,
+    },
+
     /// A W3C `traceparent` handed to the Unit of Work is malformed.
     #[error(transparent)]
     InvalidTraceParent(#[from] crate::trace::InvalidTraceParent),
@@ -103,6 +119,30 @@ pub enum Error {
         /// Time spent trying.
         waited: std::time::Duration,
     },
+}
+
+fn unsupported_version(
+    event_type: &str,
+    version: u32,
+    rust_type: &str,
+    oldest: u32,
+    current: u32,
+) -> String {
+    let reads = match oldest == current {
+        true => format!("version {current} only"),
+        false => format!("versions {oldest} to {current}"),
+    };
+    if version > current {
+        format!(
+            "event `{event_type}` version {version} is newer than `{rust_type}` reads ({reads}): \
+             deploy a handler that knows version {version}, then retry the dead letter"
+        )
+    } else {
+        format!(
+            "event `{event_type}` version {version} is older than `{rust_type}` reads ({reads}): \
+             declare an upcaster from it (`upcast_from(...)` on the version after it)"
+        )
+    }
 }
 
 /// `Result` with this crate's [`Error`] as the default error type.

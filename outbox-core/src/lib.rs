@@ -9,6 +9,8 @@
 
 mod aggregate;
 mod command;
+#[cfg(feature = "schemas")]
+pub mod contracts;
 mod error;
 mod event;
 mod handler;
@@ -20,7 +22,7 @@ mod uow;
 pub use aggregate::{Aggregate, AggregateRoot, PendingEvents};
 pub use command::{CommandFuture, CommandHandler, CommandOutput, execute};
 pub use error::{Error, Result};
-pub use event::DomainEvent;
+pub use event::{DomainEvent, EventVersion};
 pub use handler::{
     BoxError, HandlerArg, HandlerContext, HandlerFuture, InboxHandler, InboxOutput, IncomingEvent,
 };
@@ -34,7 +36,9 @@ pub use uow::{Committed, KEY_LOCK_CLASS, UnitOfWork, insert_messages};
 pub mod __private {
     pub use crate::aggregate::{Aggregate, AggregateRoot, PendingEvents};
     pub use crate::command::{CommandFuture, CommandHandler, CommandOutput};
-    pub use crate::event::DomainEvent;
+    pub use crate::event::{
+        DomainEvent, EventVersion, decode_variant_version, decode_version, str_eq,
+    };
     pub use crate::handler::{
         BoxError, HandlerArg, HandlerContext, HandlerFuture, InboxHandler, InboxOutput,
     };

@@ -3,6 +3,7 @@
 
 use proc_macro2::TokenStream;
 use quote::{ToTokens, quote, quote_spanned};
+use syn::spanned::Spanned;
 use syn::{DeriveInput, Ident};
 
 use crate::internals::ast::{Container, Data, Event, Field};
@@ -41,6 +42,10 @@ fn expand(cont: &Container) -> TokenStream {
         Data::Struct(event) => struct_body(event, cont.default_version()),
         Data::Enum(variants) => enum_body(variants, cont.default_version()),
     };
+    let (versions, version_items) = match &cont.data {
+        Data::Struct(event) => struct_versions(cont, event),
+        Data::Enum(variants) => (enum_versions(variants, cont.default_version()), None),
+    };
 
     quote! {
         const _: () = {
@@ -51,8 +56,101 @@ fn expand(cont: &Container) -> TokenStream {
                 const EVENT_TYPES: &'static [&'static str] = &[#(#event_types),*];
 
                 #body
+                #versions
             }
+
+            #version_items
         };
+    }
+}
+
+/// A struct's versions: `from_versioned_payload` through its upcaster, if
+/// any, and (after the `DomainEvent` impl) its `EventVersion` impl and the
+/// compile-time checks of the upcaster it names.
+fn struct_versions(cont: &Container, event: &Event) -> (TokenStream, Option<TokenStream>) {
+    let ident = cont.ident;
+    let (impl_generics, ty_generics, where_clause) = cont.generics.split_for_impl();
+    let event_type = event.event_type();
+    let version = event.version(cont.default_version());
+    let name = ident.to_string();
+
+    let (older, oldest, checks) = match &cont.attrs.upcast_from {
+        None => (quote!(::core::option::Option::None), quote!(#version), None),
+        Some((_, prev)) => {
+            let prev_name = prev.to_token_stream().to_string().replace(' ', "");
+            let gap = format!(
+                "`{name}` is version {version} of `{event_type}`: `upcast_from({prev_name})` \
+                 must name its version {}, the one just before (a chain of upcasters has no gaps)",
+                version - 1
+            );
+            let other_type = format!(
+                "`upcast_from({prev_name})` on `{name}`: `{prev_name}` must be a version of \
+                 event type `{event_type}` (set its `event_type`)"
+            );
+            // Spanned at the named type: a type that is no event version, or
+            // that `Self` has no `From` for, is reported there.
+            let version_of =
+                quote_spanned!(prev.span()=> <#prev as ::outbox::__private::EventVersion>);
+            let from = quote_spanned!(prev.span()=> <Self as ::core::convert::From<#prev>>::from);
+            let older = quote_spanned! {prev.span()=>
+                ::core::option::Option::Some(|event_type, version, payload| {
+                    <#prev as ::outbox::__private::DomainEvent>::from_versioned_payload(
+                        event_type, version, payload,
+                    )
+                    .map(#from)
+                })
+            };
+            let checks = quote! {
+                const _: () = {
+                    ::core::assert!(#version_of::VERSION + 1 == #version, #gap);
+                    ::core::assert!(
+                        ::outbox::__private::str_eq(#version_of::EVENT_TYPE, #event_type),
+                        #other_type
+                    );
+                };
+            };
+            (older, quote!(#version_of::OLDEST_VERSION), Some(checks))
+        }
+    };
+
+    let method = quote! {
+        fn from_versioned_payload(
+            event_type: &str,
+            version: u32,
+            payload: &[u8],
+        ) -> ::outbox::Result<Self> {
+            ::outbox::__private::decode_version::<Self>(event_type, version, payload, #older)
+        }
+    };
+    let items = quote! {
+        #[automatically_derived]
+        impl #impl_generics ::outbox::__private::EventVersion for #ident #ty_generics #where_clause {
+            const EVENT_TYPE: &'static str = #event_type;
+            const VERSION: u32 = #version;
+            const OLDEST_VERSION: u32 = #oldest;
+        }
+
+        #checks
+    };
+    (method, Some(items))
+}
+
+/// An enum's versions: each variant reads its declared version only.
+fn enum_versions(variants: &[Event], default_version: u32) -> TokenStream {
+    let versions = variants.iter().map(|e| e.version(default_version));
+    quote! {
+        fn from_versioned_payload(
+            event_type: &str,
+            version: u32,
+            payload: &[u8],
+        ) -> ::outbox::Result<Self> {
+            ::outbox::__private::decode_variant_version::<Self>(
+                event_type,
+                version,
+                payload,
+                &[#(#versions),*],
+            )
+        }
     }
 }
 

@@ -3,7 +3,8 @@
 //! with typed handlers, dead letters), the operations queries behind the
 //! `outbox` CLI ([`ops`]), replay ([`replay`]), retention ([`cleanup`]), the
 //! partitioned layout ([`partition`]), Prometheus metrics ([`metrics`]), the
-//! shared Kafka client configuration ([`kafka`]), settings from the
+//! shared Kafka client configuration ([`kafka`]), CloudEvents headers
+//! ([`cloudevents`]), settings from the
 //! environment and configuration files ([`settings`]), and which outbox of a
 //! database they all work on ([`scope`]).
 //!
@@ -15,6 +16,7 @@
 
 mod backoff;
 pub mod cleanup;
+pub mod cloudevents;
 mod error;
 pub mod inbox;
 pub mod kafka;

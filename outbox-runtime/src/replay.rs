@@ -259,7 +259,7 @@ async fn narrowed(pool: &PgPool, filter: &ReplayFilter) -> Result<ReplayFilter> 
 fn page_sql(filter: &ReplayFilter) -> String {
     let filter = filter_sql(filter);
     format!(
-        "SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version,
+        "SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version, created_at,
                 COALESCE($8, topic) AS topic, partition_key, payload::text AS payload,
                 (headers || jsonb_build_object('{REPLAY_HEADER}', $9::text))::text AS headers,
                 attempts, NULL::float8 AS behind_held_secs, ctid::text AS tid

@@ -1,5 +1,5 @@
-//! The billing service's consumer against a real PostgreSQL (a fresh
-//! database per test, the service's migrations applied), driven by the
+//! The billing service's consumer against a real PostgreSQL (a `TestDb`
+//! per test: a clone of a template with the service's migrations), driven by the
 //! testing kit: `OrderCreated` events recorded in the outbox are delivered
 //! to the service's consumer — configured as the service runs it — through
 //! the consumer's real path, without a broker.
@@ -10,7 +10,7 @@ use billing_service::consumer;
 use demo_events::{OrderCreated, PaymentCaptured};
 use outbox::prelude::*;
 use outbox::runtime::DeadLetterReason;
-use outbox::testing::{Faults, Outcome, TestBus};
+use outbox::testing::{Faults, Outcome, TestBus, TestDb};
 use sqlx::PgPool;
 
 async fn count(pool: &PgPool, sql: &str) -> i64 {
@@ -31,9 +31,14 @@ async fn order_created(pool: &PgPool, amount_cents: i64) -> OrderCreated {
     event
 }
 
-#[sqlx::test(migrations = false)]
-async fn an_order_is_charged_once_and_its_payment_recorded_with_the_charge(pool: PgPool) {
-    billing_service::migrate(&pool).await.unwrap();
+#[tokio::test]
+async fn an_order_is_charged_once_and_its_payment_recorded_with_the_charge() {
+    let db = TestDb::builder()
+        .migrator(&billing_service::MIGRATOR)
+        .create()
+        .await
+        .unwrap();
+    let pool = db.pool().clone();
     // The orders service's relay may publish an event twice, and billing
     // may die between its commit and its offset commit.
     let mut bus = TestBus::new()
@@ -71,11 +76,14 @@ async fn an_order_is_charged_once_and_its_payment_recorded_with_the_charge(pool:
     );
 }
 
-#[sqlx::test(migrations = false)]
-async fn a_charge_the_database_refuses_is_retried_then_dead_lettered_without_a_payment(
-    pool: PgPool,
-) {
-    billing_service::migrate(&pool).await.unwrap();
+#[tokio::test]
+async fn a_charge_the_database_refuses_is_retried_then_dead_lettered_without_a_payment() {
+    let db = TestDb::builder()
+        .migrator(&billing_service::MIGRATOR)
+        .create()
+        .await
+        .unwrap();
+    let pool = db.pool().clone();
     let mut bus = TestBus::new().service(
         consumer(pool.clone(), "billing")
             .max_attempts(3)

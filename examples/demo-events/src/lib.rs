@@ -7,10 +7,19 @@
 //!   `orders-service` consumes it (inbox mode) and marks the order paid.
 //!
 //! Both are keyed by the order id, so an order's events stay in order.
+//! Each declares its schema version: a change a consumer cannot read as is
+//! gets the next version, with an upcaster from this one (see the README's
+//! "Evolving events").
+//!
+//! [`catalogue`] lists them with their JSON Schemas; `schemas/` holds the
+//! committed snapshot, and a test fails when a change would break a
+//! consumer without a new version (see the README).
 
 #![forbid(unsafe_code)]
 
+use outbox::contracts::Catalogue;
 use outbox::prelude::*;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The topic of the orders service's events.
@@ -19,8 +28,8 @@ pub const ORDERS_TOPIC: &str = "demo.orders";
 pub const PAYMENTS_TOPIC: &str = "demo.payments";
 
 /// An order was placed and awaits payment.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, DomainEvent)]
-#[event(topic = "demo.orders", aggregate_type = "Order")]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema, DomainEvent)]
+#[event(topic = "demo.orders", aggregate_type = "Order", version = 1)]
 pub struct OrderCreated {
     /// The order.
     #[event(aggregate_id)]
@@ -32,8 +41,8 @@ pub struct OrderCreated {
 }
 
 /// A charge for an order was recorded.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, DomainEvent)]
-#[event(topic = "demo.payments", aggregate_type = "Payment")]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema, DomainEvent)]
+#[event(topic = "demo.payments", aggregate_type = "Payment", version = 1)]
 pub struct PaymentCaptured {
     /// The charge.
     #[event(aggregate_id)]
@@ -45,6 +54,23 @@ pub struct PaymentCaptured {
     pub amount_cents: i64,
 }
 
+/// The demo's event types with a sample of each: the contracts exported to
+/// `schemas/` and checked against it.
+pub fn catalogue() -> Catalogue {
+    let order_id = Uuid::from_u128(0x0193_0000_0000_7000_8000_0000_0000_0001);
+    Catalogue::new("outbox demo")
+        .event(&OrderCreated {
+            order_id,
+            customer: "ada".into(),
+            amount_cents: 1250,
+        })
+        .event(&PaymentCaptured {
+            payment_id: Uuid::from_u128(0x0193_0000_0000_7000_8000_0000_0000_0002),
+            order_id,
+            amount_cents: 1250,
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -53,5 +79,23 @@ mod tests {
     fn topics_match_the_constants() {
         assert_eq!(OrderCreated::TOPIC, ORDERS_TOPIC);
         assert_eq!(PaymentCaptured::TOPIC, PAYMENTS_TOPIC);
+    }
+
+    #[test]
+    fn events_carry_their_versions() {
+        use outbox::EventVersion;
+        assert_eq!(<OrderCreated as EventVersion>::VERSION, 1);
+        assert_eq!(<PaymentCaptured as EventVersion>::VERSION, 1);
+        // A version-2 message is not read as version 1.
+        let error = OrderCreated::from_versioned_payload(
+            "OrderCreated",
+            2,
+            br#"{"order_id":"00000000-0000-0000-0000-000000000000","customer":"c","amount_cents":1}"#,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(error, outbox::Error::UnsupportedVersion { version: 2, .. }),
+            "{error}"
+        );
     }
 }

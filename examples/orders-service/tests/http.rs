@@ -1,5 +1,5 @@
-//! The orders service's HTTP API against a real PostgreSQL (a fresh
-//! database per test, the service's migrations applied); the payments
+//! The orders service's HTTP API against a real PostgreSQL (a `TestDb` per
+//! test: a clone of a template with the service's migrations); the payments
 //! consumer is tested in `payments.rs`.
 //!
 //! Requests go through the router itself (`tower::ServiceExt::oneshot`), as
@@ -16,6 +16,7 @@ use demo_events::OrderCreated;
 use orders_service::api::{Limits, OrderView, router};
 use outbox::DomainEvent;
 use outbox::prelude::*;
+use outbox::testing::TestDb;
 use serde_json::Value;
 use sqlx::PgPool;
 use tower::ServiceExt;
@@ -25,7 +26,6 @@ async fn app(pool: &PgPool) -> Router {
 }
 
 async fn app_with(pool: &PgPool, limits: Limits) -> Router {
-    orders_service::migrate(pool).await.expect("migrations");
     router(pool.clone(), limits)
 }
 
@@ -61,8 +61,14 @@ async fn count(pool: &PgPool, sql: &str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
 }
 
-#[sqlx::test(migrations = false)]
-async fn bad_input_answers_4xx_with_a_json_error_and_writes_nothing(pool: PgPool) {
+#[tokio::test]
+async fn bad_input_answers_4xx_with_a_json_error_and_writes_nothing() {
+    let db = TestDb::builder()
+        .migrator(&orders_service::MIGRATOR)
+        .create()
+        .await
+        .unwrap();
+    let pool = db.pool().clone();
     let app = app(&pool).await;
     // (body, expected status, a fragment the error message must contain)
     let cases: &[(&str, StatusCode, &str)] = &[
@@ -194,8 +200,14 @@ async fn bad_input_answers_4xx_with_a_json_error_and_writes_nothing(pool: PgPool
     );
 }
 
-#[sqlx::test(migrations = false)]
-async fn an_order_is_created_then_shown_and_its_event_is_in_the_outbox(pool: PgPool) {
+#[tokio::test]
+async fn an_order_is_created_then_shown_and_its_event_is_in_the_outbox() {
+    let db = TestDb::builder()
+        .migrator(&orders_service::MIGRATOR)
+        .create()
+        .await
+        .unwrap();
+    let pool = db.pool().clone();
     let app = app(&pool).await;
     let (status, _, created) = send(
         &app,
@@ -254,8 +266,14 @@ async fn an_order_is_created_then_shown_and_its_event_is_in_the_outbox(pool: PgP
     assert!(!published);
 }
 
-#[sqlx::test(migrations = false)]
-async fn unknown_ids_paths_and_methods_answer_a_json_error(pool: PgPool) {
+#[tokio::test]
+async fn unknown_ids_paths_and_methods_answer_a_json_error() {
+    let db = TestDb::builder()
+        .migrator(&orders_service::MIGRATOR)
+        .create()
+        .await
+        .unwrap();
+    let pool = db.pool().clone();
     let app = app(&pool).await;
     let (status, _, answer) = send(&app, get("/orders/%00")).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
@@ -308,8 +326,14 @@ async fn send_keyed(app: &Router, request: Request<Body>) -> (StatusCode, Option
     )
 }
 
-#[sqlx::test(migrations = false)]
-async fn an_idempotency_key_places_one_order_however_often_it_is_sent(pool: PgPool) {
+#[tokio::test]
+async fn an_idempotency_key_places_one_order_however_often_it_is_sent() {
+    let db = TestDb::builder()
+        .migrator(&orders_service::MIGRATOR)
+        .create()
+        .await
+        .unwrap();
+    let pool = db.pool().clone();
     let app = app(&pool).await;
     let body = r#"{"customer": "ann", "amount_cents": 1250}"#;
     let (status, replayed, first) = send_keyed(&app, post_keyed("checkout-41", body)).await;
@@ -368,8 +392,14 @@ async fn an_idempotency_key_places_one_order_however_often_it_is_sent(pool: PgPo
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_event").await, 4);
 }
 
-#[sqlx::test(migrations = false)]
-async fn a_malformed_idempotency_key_is_refused_and_writes_nothing(pool: PgPool) {
+#[tokio::test]
+async fn a_malformed_idempotency_key_is_refused_and_writes_nothing() {
+    let db = TestDb::builder()
+        .migrator(&orders_service::MIGRATOR)
+        .create()
+        .await
+        .unwrap();
+    let pool = db.pool().clone();
     let app = app(&pool).await;
     let body = r#"{"customer": "ann", "amount_cents": 1250}"#;
     let long = "k".repeat(256);
@@ -436,8 +466,14 @@ async fn waiting_for_locks(pool: &PgPool, n: i64) {
     }
 }
 
-#[sqlx::test(migrations = false)]
-async fn requests_beyond_the_concurrency_limit_are_refused_with_retry_after(pool: PgPool) {
+#[tokio::test]
+async fn requests_beyond_the_concurrency_limit_are_refused_with_retry_after() {
+    let db = TestDb::builder()
+        .migrator(&orders_service::MIGRATOR)
+        .create()
+        .await
+        .unwrap();
+    let pool = db.pool().clone();
     let app = app_with(
         &pool,
         Limits {
@@ -489,8 +525,14 @@ async fn requests_beyond_the_concurrency_limit_are_refused_with_retry_after(pool
     assert_eq!(status, StatusCode::CREATED);
 }
 
-#[sqlx::test(migrations = false)]
-async fn a_request_past_its_timeout_answers_503_and_commits_nothing(pool: PgPool) {
+#[tokio::test]
+async fn a_request_past_its_timeout_answers_503_and_commits_nothing() {
+    let db = TestDb::builder()
+        .migrator(&orders_service::MIGRATOR)
+        .create()
+        .await
+        .unwrap();
+    let pool = db.pool().clone();
     let app = app_with(
         &pool,
         Limits {

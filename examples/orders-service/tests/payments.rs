@@ -1,7 +1,7 @@
 //! The payments consumer, and the whole flow orders → billing → orders,
-//! against a real PostgreSQL (a fresh database per test), driven by the
+//! against a real PostgreSQL (`TestDb`s), driven by the
 //! testing kit without a broker. Orders and billing each have their own
-//! outbox (billing in a schema of its own, as in a database of its own);
+//! database and outbox (a `TestDb` each);
 //! the bus carries events between them as the broker would. Both consumers
 //! are configured as their services run them.
 
@@ -13,27 +13,18 @@ use demo_events::{OrderCreated, PaymentCaptured};
 use orders_service::api::{Limits, OrderView, router};
 use outbox::prelude::*;
 use outbox::runtime::DeadLetterReason;
-use outbox::testing::{Faults, Outcome, TestBus};
+use outbox::testing::{Faults, Outcome, TestBus, TestDb};
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
 use tower::ServiceExt;
 
-/// The billing service's database: a schema of the test's database.
-async fn billing_database(pool: &PgPool) -> PgPool {
-    sqlx::query("CREATE SCHEMA billing")
-        .execute(pool)
+/// The billing service's database: a database of its own, as in
+/// production.
+async fn billing_database() -> TestDb {
+    TestDb::builder()
+        .migrator(&billing_service::MIGRATOR)
+        .create()
         .await
-        .unwrap();
-    let options = (*pool.connect_options())
-        .clone()
-        .options([("search_path", "billing")]);
-    let billing = PgPoolOptions::new()
-        .max_connections(4)
-        .connect_with(options)
-        .await
-        .unwrap();
-    billing_service::migrate(&billing).await.unwrap();
-    billing
+        .unwrap()
 }
 
 /// `POST /orders` through the orders service's router; returns the id.
@@ -71,10 +62,16 @@ async fn order(pool: &PgPool, id: Uuid) -> OrderView {
     serde_json::from_slice(&body).unwrap()
 }
 
-#[sqlx::test(migrations = false)]
-async fn a_placed_order_is_charged_by_billing_and_marked_paid(pool: PgPool) {
-    orders_service::migrate(&pool).await.unwrap();
-    let billing = billing_database(&pool).await;
+#[tokio::test]
+async fn a_placed_order_is_charged_by_billing_and_marked_paid() {
+    let db = TestDb::builder()
+        .migrator(&orders_service::MIGRATOR)
+        .create()
+        .await
+        .unwrap();
+    let pool = db.pool().clone();
+    let billing_db = billing_database().await;
+    let billing = billing_db.pool().clone();
     // Every event twice, every batch again after its commit: each order is
     // still charged once and paid once.
     let mut bus = TestBus::new()
@@ -96,8 +93,8 @@ async fn a_placed_order_is_charged_by_billing_and_marked_paid(pool: PgPool) {
         assert_eq!(view.status, "paid");
         assert_eq!(view.payment_id, Some(payment.payment_id));
     }
-    let charges: i64 = sqlx::query_scalar("SELECT count(*) FROM billing.charges")
-        .fetch_one(&pool)
+    let charges: i64 = sqlx::query_scalar("SELECT count(*) FROM charges")
+        .fetch_one(&billing)
         .await
         .unwrap();
     assert_eq!(charges, 2);
@@ -106,7 +103,6 @@ async fn a_placed_order_is_charged_by_billing_and_marked_paid(pool: PgPool) {
         .await
         .unwrap();
     assert_eq!(applied, [1, 1]);
-    billing.close().await;
 }
 
 /// Records a payment as billing would, in an outbox the bus reads.
@@ -122,9 +118,14 @@ async fn payment(pool: &PgPool, order_id: Uuid, amount_cents: i64) -> PaymentCap
     payment
 }
 
-#[sqlx::test(migrations = false)]
-async fn a_payment_for_no_order_or_of_another_amount_is_dead_lettered(pool: PgPool) {
-    orders_service::migrate(&pool).await.unwrap();
+#[tokio::test]
+async fn a_payment_for_no_order_or_of_another_amount_is_dead_lettered() {
+    let db = TestDb::builder()
+        .migrator(&orders_service::MIGRATOR)
+        .create()
+        .await
+        .unwrap();
+    let pool = db.pool().clone();
     let mut bus = TestBus::new().service(
         orders_service::payments::consumer(pool.clone(), "orders")
             .max_attempts(2)

@@ -16,7 +16,7 @@ use crate::internals::Ctxt;
 use crate::internals::check;
 use crate::internals::symbol::{
     AGGREGATE, AGGREGATE_ID, AGGREGATE_TYPE, EVENT, EVENT_ID, EVENT_TYPE, NAME, PARTITION_KEY,
-    ROOT, Symbol, TOPIC, VERSION,
+    ROOT, Symbol, TOPIC, UPCAST_FROM, VERSION,
 };
 
 /// One key of an attribute, written at most once.
@@ -75,9 +75,11 @@ pub struct Container {
     pub event_type: Option<(Path, LitStr)>,
     /// `version = N`, checked to be in `1..=i32::MAX`.
     pub version: Option<u32>,
+    /// `upcast_from(Type)`, with its key (for spans).
+    pub upcast_from: Option<(Path, syn::Type)>,
 }
 
-const CONTAINER_KEYS: &[Symbol] = &[TOPIC, AGGREGATE_TYPE, EVENT_TYPE, VERSION];
+const CONTAINER_KEYS: &[Symbol] = &[TOPIC, AGGREGATE_TYPE, EVENT_TYPE, VERSION, UPCAST_FROM];
 
 impl Container {
     /// Reads every `#[event(...)]` among `attrs`.
@@ -86,6 +88,7 @@ impl Container {
         let mut aggregate_type = Attr::none(cx, EVENT, AGGREGATE_TYPE);
         let mut event_type = Attr::none(cx, EVENT, EVENT_TYPE);
         let mut version = Attr::none(cx, EVENT, VERSION);
+        let mut upcast_from = Attr::none(cx, EVENT, UPCAST_FROM);
 
         for_each_key(cx, attrs, |meta| {
             if meta.path == TOPIC {
@@ -100,6 +103,9 @@ impl Container {
             } else if meta.path == VERSION {
                 let value = get_version(cx, meta)?;
                 version.set(&meta.path, value);
+            } else if meta.path == UPCAST_FROM {
+                let value = get_type(cx, UPCAST_FROM, meta)?;
+                upcast_from.set(&meta.path, value.map(|ty| (meta.path.clone(), ty)));
             } else {
                 unknown_key(cx, EVENT, meta, CONTAINER_KEYS)?;
             }
@@ -112,6 +118,7 @@ impl Container {
             aggregate_type: aggregate_type.get(),
             event_type: event_type.get(),
             version: version.get(),
+            upcast_from: upcast_from.get(),
         }
     }
 }
@@ -363,6 +370,27 @@ fn get_lit_str(cx: &Ctxt, key: Symbol, meta: &ParseNestedMeta) -> syn::Result<Op
             Ok(None)
         }
         None => Ok(None),
+    }
+}
+
+/// `key(Type)`.
+fn get_type(cx: &Ctxt, key: Symbol, meta: &ParseNestedMeta) -> syn::Result<Option<syn::Type>> {
+    if meta.input.peek(syn::token::Paren) {
+        let content;
+        syn::parenthesized!(content in meta.input);
+        let ty: syn::Type = content.parse()?;
+        if !content.is_empty() {
+            let msg = format!("`{key}` takes one type: `#[event({key}(OrderPlacedV1))]`");
+            cx.error_spanned_by(content.parse::<TokenStream>()?, msg);
+        }
+        Ok(Some(ty))
+    } else {
+        let msg = format!(
+            "expected `#[event({key}(OrderPlacedV1))]`: the struct of the previous version"
+        );
+        cx.error_spanned_by(&meta.path, msg);
+        skip_value(meta)?;
+        Ok(None)
     }
 }
 

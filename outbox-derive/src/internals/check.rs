@@ -19,6 +19,7 @@ pub fn check(cx: &Ctxt, cont: &Container) {
     check_topic(cx, cont);
     check_aggregate_type(cx, cont);
     check_enum(cx, cont);
+    check_upcast_from(cx, cont);
     for event in cont.events() {
         check_event(cx, event);
     }
@@ -65,6 +66,32 @@ fn check_enum(cx: &Ctxt, cont: &Container) {
         cx.error_spanned_by(
             cont.ident,
             "an enum without variants cannot be a DomainEvent: it carries no event type",
+        );
+    }
+}
+
+/// `upcast_from(...)`: on a struct (an enum's variants read their declared
+/// version only), not generic, of a version after 1.
+fn check_upcast_from(cx: &Ctxt, cont: &Container) {
+    let Some((key, _)) = &cont.attrs.upcast_from else {
+        return;
+    };
+    if cont.is_enum() {
+        cx.error_spanned_by(
+            key,
+            "`upcast_from` is for a struct event: an enum's variants read their declared \
+             version only; give the event type its own struct to evolve it",
+        );
+    } else if !cont.generics.params.is_empty() {
+        cx.error_spanned_by(
+            key,
+            "`upcast_from` is not supported on a generic event type",
+        );
+    } else if cont.default_version() < 2 {
+        cx.error_spanned_by(
+            key,
+            "`upcast_from` converts the previous version into this one: declare this one's \
+             version, 2 or more (`#[event(version = 2, upcast_from(...))]`)",
         );
     }
 }

@@ -27,6 +27,9 @@ pub const EVENT_TYPE: Symbol = Symbol("event_type");
 /// Container or variant: the schema version.
 pub const VERSION: Symbol = Symbol("version");
 
+/// Container (struct): the struct of the previous version, converted with `From`.
+pub const UPCAST_FROM: Symbol = Symbol("upcast_from");
+
 /// Field: the aggregate id.
 pub const AGGREGATE_ID: Symbol = Symbol("aggregate_id");
 /// Field: the Kafka partition key.

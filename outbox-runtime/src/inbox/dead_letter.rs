@@ -48,11 +48,15 @@ pub enum DeadLetterReason {
     /// The message has no key (the partition key, which orders an
     /// aggregate's events).
     NoKey,
+    /// The event's schema version (`event_version`) is one the handler's
+    /// type does not read: newer than it declares (deploy a handler that
+    /// knows it, then retry), or older than its oldest upcaster.
+    UnsupportedVersion,
 }
 
 impl DeadLetterReason {
     /// Every reason.
-    pub const ALL: [DeadLetterReason; 8] = [
+    pub const ALL: [DeadLetterReason; 9] = [
         Self::NotJson,
         Self::NoEventId,
         Self::UnknownEventType,
@@ -61,6 +65,7 @@ impl DeadLetterReason {
         Self::HandlerFailed,
         Self::InvalidHeaders,
         Self::NoKey,
+        Self::UnsupportedVersion,
     ];
 
     /// The value stored in the `reason` column.
@@ -74,6 +79,7 @@ impl DeadLetterReason {
             Self::HandlerFailed => "handler_failed",
             Self::InvalidHeaders => "invalid_headers",
             Self::NoKey => "no_key",
+            Self::UnsupportedVersion => "unsupported_version",
         }
     }
 }

@@ -1,8 +1,10 @@
 //! The handler registry: typed [`InboxHandler`]s behind one object-safe
 //! trait, and the routing table from (topic, event type) to the handlers
-//! that run for it, in registration order.
+//! that run for it, in registration order. It refuses (at `build`) a
+//! handler registered twice, or two handlers of one name for one event type:
+//! a dead letter names its handler, which must say which one failed.
 
-use std::any::Any;
+use std::any::{Any, TypeId};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler};
@@ -14,8 +16,14 @@ pub(crate) type Decoded = Box<dyn Any + Send + Sync>;
 pub(crate) trait ErasedHandler: Send + Sync {
     /// The handler's name (`InboxHandler::NAME`).
     fn name(&self) -> &'static str;
-    /// Decodes a payload into the handler's event type.
-    fn decode(&self, event_type: &str, payload: &[u8]) -> Result<Decoded, outbox_core::Error>;
+    /// Decodes a payload of schema version `version` into the handler's
+    /// event type (through its upcasters for an older version).
+    fn decode(
+        &self,
+        event_type: &str,
+        version: u32,
+        payload: &[u8],
+    ) -> Result<Decoded, outbox_core::Error>;
     /// Runs the handler on a value [`decode`](Self::decode) returned.
     fn handle<'a, 'c>(
         &'a self,
@@ -33,8 +41,14 @@ impl<H: InboxHandler> ErasedHandler for Typed<H> {
         H::NAME
     }
 
-    fn decode(&self, event_type: &str, payload: &[u8]) -> Result<Decoded, outbox_core::Error> {
-        H::Event::from_payload(event_type, payload).map(|e| Box::new(e) as Decoded)
+    fn decode(
+        &self,
+        event_type: &str,
+        version: u32,
+        payload: &[u8],
+    ) -> Result<Decoded, outbox_core::Error> {
+        H::Event::from_versioned_payload(event_type, version, payload)
+            .map(|e| Box::new(e) as Decoded)
     }
 
     fn handle<'a, 'c>(
@@ -70,12 +84,24 @@ struct TopicRoutes {
     ignored: BTreeSet<String>,
 }
 
+/// What identifies a registered handler, for the duplicate check.
+struct Identity {
+    type_id: TypeId,
+    /// The handler's Rust type.
+    rust_type: &'static str,
+    /// Its event's Rust type.
+    event: &'static str,
+}
+
 /// Every registered handler and the routing table.
 #[derive(Default)]
 pub(crate) struct Registry {
     handlers: Vec<Box<dyn ErasedHandler>>,
     names: Vec<&'static str>,
+    identities: Vec<Identity>,
     topics: BTreeMap<String, TopicRoutes>,
+    /// Registration mistakes, reported by [`check`](Self::check).
+    duplicates: Vec<String>,
 }
 
 impl std::fmt::Debug for Registry {
@@ -90,12 +116,41 @@ impl std::fmt::Debug for Registry {
 impl Registry {
     pub fn add<H: InboxHandler>(&mut self, handler: H) {
         let index = self.handlers.len();
-        self.handlers.push(Box::new(Typed(handler)));
-        self.names.push(H::NAME);
-        let routes = self
-            .topics
-            .entry(<H::Event as DomainEvent>::TOPIC.to_owned())
-            .or_default();
+        let identity = Identity {
+            type_id: TypeId::of::<H>(),
+            rust_type: std::any::type_name::<H>(),
+            event: std::any::type_name::<H::Event>(),
+        };
+        let topic = <H::Event as DomainEvent>::TOPIC;
+        let routes = self.topics.entry(topic.to_owned()).or_default();
+        for event_type in <H::Event as DomainEvent>::EVENT_TYPES {
+            let same = routes.by_type.get(*event_type).and_then(|handlers| {
+                handlers.iter().copied().find(|&i| {
+                    self.identities[i].type_id == identity.type_id || self.names[i] == H::NAME
+                })
+            });
+            if let Some(other) = same {
+                let first = &self.identities[other];
+                let what = match first.type_id == identity.type_id {
+                    true => "the same handler is registered twice",
+                    false => "two handlers share one name",
+                };
+                self.duplicates.push(format!(
+                    "{what} for event type `{event_type}` on topic `{topic}`: handler \
+                     `{}` ({}, event {}) and handler `{}` ({}, event {}); a dead letter \
+                     names its handler, so each handler of an event type must be registered \
+                     once, under its own name (`#[inbox_handler(name = \"...\")]`)",
+                    self.names[other],
+                    first.rust_type,
+                    first.event,
+                    H::NAME,
+                    identity.rust_type,
+                    identity.event,
+                ));
+                // Reported once per pair, not per event type.
+                break;
+            }
+        }
         for event_type in <H::Event as DomainEvent>::EVENT_TYPES {
             routes
                 .by_type
@@ -103,6 +158,30 @@ impl Registry {
                 .or_default()
                 .push(index);
         }
+        self.handlers.push(Box::new(Typed(handler)));
+        self.names.push(H::NAME);
+        self.identities.push(identity);
+    }
+
+    /// Fails with every registration mistake: a handler registered twice,
+    /// or two handlers of one name for one event type.
+    pub fn check(&self) -> Result<(), String> {
+        match self.duplicates.as_slice() {
+            [] => Ok(()),
+            [one] => Err(one.clone()),
+            many => Err(many.join("; ")),
+        }
+    }
+
+    /// Routes by the topics as named on the broker: `{prefix}{topic}`.
+    pub fn prefix_topics(&mut self, prefix: &str) {
+        if prefix.is_empty() {
+            return;
+        }
+        self.topics = std::mem::take(&mut self.topics)
+            .into_iter()
+            .map(|(topic, routes)| (format!("{prefix}{topic}"), routes))
+            .collect();
     }
 
     /// Records an explicitly ignored event type (`"*"`: every event type

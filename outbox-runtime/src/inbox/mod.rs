@@ -154,6 +154,11 @@ pub struct ConsumerConfig {
     pub processor_poll_interval: Duration,
     /// Inbox mode: processor tasks in this process (0: store only).
     pub processors: usize,
+    /// Prepended to the handlers' topics (default empty): a handler of
+    /// `orders` events reads `{topic_prefix}orders`. The relay takes the
+    /// same prefix ([`RelayConfig::topic_prefix`](crate::RelayConfig::topic_prefix));
+    /// tests use it to run on topics of their own (`testing::TestTopics`).
+    pub topic_prefix: String,
     commit_offsets: bool,
 }
 
@@ -180,6 +185,7 @@ impl std::fmt::Debug for ConsumerConfig {
             processor_batch_size,
             processor_poll_interval,
             processors,
+            topic_prefix,
             commit_offsets,
         } = self;
         f.debug_struct("ConsumerConfig")
@@ -202,6 +208,7 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("processor_batch_size", processor_batch_size)
             .field("processor_poll_interval", processor_poll_interval)
             .field("processors", processors)
+            .field("topic_prefix", topic_prefix)
             .field("commit_offsets", commit_offsets)
             .finish()
     }
@@ -229,6 +236,7 @@ impl ConsumerConfig {
             processor_batch_size: 500,
             processor_poll_interval: Duration::from_millis(500),
             processors: 1,
+            topic_prefix: String::new(),
             commit_offsets: true,
         }
     }
@@ -473,6 +481,12 @@ impl ConsumerBuilder {
         self.config.commit_offsets = !skip;
         self
     }
+    /// Prepended to the handlers' topics (default none). See
+    /// [`ConsumerConfig::topic_prefix`].
+    pub fn topic_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.config.topic_prefix = prefix.into();
+        self
+    }
     /// Validates the configuration.
     pub fn build(mut self) -> Result<Consumer> {
         self.config.validate()?;
@@ -481,11 +495,13 @@ impl ConsumerBuilder {
                 "the consumer has no handler: add one with .handler(..)".into(),
             ));
         }
+        self.registry.check().map_err(Error::Config)?;
         for (topic, event_type) in &self.ignored {
             self.registry
                 .ignore(topic, event_type)
                 .map_err(Error::Config)?;
         }
+        self.registry.prefix_topics(&self.config.topic_prefix);
         Ok(Consumer {
             pool: self.pool,
             config: Arc::new(self.config),

@@ -15,6 +15,7 @@ use uuid::Uuid;
 use super::db::pg_text;
 use super::dead_letter::DeadLetterReason;
 use super::dispatch::{Decoded, Registry, Route};
+use crate::cloudevents::header as ce;
 use crate::kafka::header;
 
 /// A message as it came from the broker (or from a dead-letter row).
@@ -172,9 +173,81 @@ pub(crate) fn headers_json(raw: &Raw<'_>) -> Map<String, Value> {
         .collect()
 }
 
+/// CloudEvents headers that name the event (see [`Names`]).
+const CE_IDENTITY: &[&str] = &[
+    ce::SPECVERSION,
+    ce::ID,
+    ce::TYPE,
+    ce::SOURCE,
+    ce::EVENT_VERSION,
+];
+
+/// The headers that name the event: the framework's, or, on a message
+/// without an `event_id` header that has a `ce_id` (from another producer,
+/// or a relay writing CloudEvents headers only), the CloudEvents ones.
+struct Names {
+    event_type: &'static str,
+    version: &'static str,
+    cloud: bool,
+}
+
+impl Names {
+    fn of(raw: &Raw<'_>) -> Self {
+        if header(raw, header::EVENT_ID).is_none() && header(raw, ce::ID).is_some() {
+            Names {
+                event_type: ce::TYPE,
+                version: ce::EVENT_VERSION,
+                cloud: true,
+            }
+        } else {
+            Names {
+                event_type: header::EVENT_TYPE,
+                version: header::EVENT_VERSION,
+                cloud: false,
+            }
+        }
+    }
+}
+
+/// The event id of a CloudEvents message (`ce_id`, or one derived from
+/// `ce_source` and `ce_id`), or why it has none we can trust.
+fn cloud_event_id(raw: &Raw<'_>) -> Result<Uuid, (DeadLetterReason, String)> {
+    let value = |name| header(raw, name).flatten().map(String::from_utf8_lossy);
+    match value(ce::SPECVERSION) {
+        Some(v) if v == ce::SPEC_1_0 => {}
+        Some(v) => {
+            return Err((
+                DeadLetterReason::InvalidHeaders,
+                format!("CloudEvents `ce_specversion` `{v}`: only 1.0 is read"),
+            ));
+        }
+        None => {
+            return Err((
+                DeadLetterReason::InvalidHeaders,
+                "a `ce_id` header without `ce_specversion`: not a CloudEvents message".into(),
+            ));
+        }
+    }
+    let id = value(ce::ID).filter(|v| !v.trim().is_empty());
+    let source = value(ce::SOURCE).filter(|v| !v.trim().is_empty());
+    match (id, source) {
+        (None, _) => Err((
+            DeadLetterReason::NoEventId,
+            "the `ce_id` header is empty".into(),
+        )),
+        (Some(_), None) => Err((
+            DeadLetterReason::NoEventId,
+            "no `ce_source` header: a CloudEvent is identified by its source and id together, \
+             so it cannot be deduplicated without it"
+                .into(),
+        )),
+        (Some(id), Some(source)) => Ok(crate::cloudevents::event_id(&source, &id)),
+    }
+}
+
 /// The first identity header given more than once with different values.
 fn conflicting_identity(raw: &Raw<'_>) -> Option<(&'static str, usize)> {
-    IDENTITY.iter().find_map(|name| {
+    IDENTITY.iter().chain(CE_IDENTITY).find_map(|name| {
         let mut values = raw
             .headers
             .iter()
@@ -240,6 +313,9 @@ pub(crate) fn decode_failure(
         outbox_core::Error::UnknownEventType { .. } => {
             (DeadLetterReason::UnknownEventType, error.to_string())
         }
+        outbox_core::Error::UnsupportedVersion { .. } => {
+            (DeadLetterReason::UnsupportedVersion, error.to_string())
+        }
         _ if !is_json(payload) => (
             DeadLetterReason::NotJson,
             format!("payload is not JSON: {error}"),
@@ -250,11 +326,12 @@ pub(crate) fn decode_failure(
 
 /// Parses one message. Never fails: what cannot be handled is `Rejected`.
 pub(crate) fn parse(raw: &Raw<'_>, registry: &Registry, max_bytes: usize, check: Check) -> Body {
+    let names = Names::of(raw);
     let reject = |reason: DeadLetterReason, error: String, id: Option<Uuid>| {
         Body::Rejected(Box::new(Rejected {
             key: raw.key.map(<[u8]>::to_vec),
             event_id: id,
-            event_type: header(raw, header::EVENT_TYPE).and_then(text),
+            event_type: header(raw, names.event_type).and_then(text),
             headers: headers_json(raw),
             payload: raw.payload.map(<[u8]>::to_vec),
             reason,
@@ -264,9 +341,11 @@ pub(crate) fn parse(raw: &Raw<'_>, registry: &Registry, max_bytes: usize, check:
             payload_bytes: None,
         }))
     };
-    let event_id = match header(raw, header::EVENT_ID) {
-        None | Some(None) => None,
-        Some(Some(v)) => std::str::from_utf8(v).ok().and_then(|s| s.parse().ok()),
+    let cloud_id = names.cloud.then(|| cloud_event_id(raw));
+    let event_id = match (&cloud_id, header(raw, header::EVENT_ID)) {
+        (Some(id), _) => id.as_ref().ok().copied(),
+        (None, None | Some(None)) => None,
+        (None, Some(Some(v))) => std::str::from_utf8(v).ok().and_then(|s| s.parse().ok()),
     };
     let size = raw.size();
     if size > max_bytes {
@@ -289,6 +368,9 @@ pub(crate) fn parse(raw: &Raw<'_>, registry: &Registry, max_bytes: usize, check:
             event_id,
         );
     }
+    if let Some(Err((reason, error))) = cloud_id {
+        return reject(reason, error, None);
+    }
     let Some(event_id) = event_id else {
         let error = match header(raw, header::EVENT_ID) {
             None => "no `event_id` header".to_owned(),
@@ -307,10 +389,10 @@ pub(crate) fn parse(raw: &Raw<'_>, registry: &Registry, max_bytes: usize, check:
             Some(event_id),
         );
     }
-    let Some(event_type) = header(raw, header::EVENT_TYPE).and_then(text) else {
+    let Some(event_type) = header(raw, names.event_type).and_then(text) else {
         return reject(
             DeadLetterReason::UnknownEventType,
-            "no `event_type` header".into(),
+            format!("no `{}` header", names.event_type),
             Some(event_id),
         );
     };
@@ -330,7 +412,7 @@ pub(crate) fn parse(raw: &Raw<'_>, registry: &Registry, max_bytes: usize, check:
             );
         }
     };
-    let event_version = match header(raw, header::EVENT_VERSION) {
+    let event_version = match header(raw, names.version) {
         None | Some(None) => 1,
         Some(Some(v)) => match std::str::from_utf8(v)
             .ok()
@@ -341,7 +423,8 @@ pub(crate) fn parse(raw: &Raw<'_>, registry: &Registry, max_bytes: usize, check:
                 return reject(
                     DeadLetterReason::UnknownEventType,
                     format!(
-                        "the `event_version` header `{}` is not a positive integer",
+                        "the `{}` header `{}` is not a positive integer",
+                        names.version,
                         String::from_utf8_lossy(v)
                     ),
                     Some(event_id),
@@ -361,7 +444,10 @@ pub(crate) fn parse(raw: &Raw<'_>, registry: &Registry, max_bytes: usize, check:
         Check::Decode => {
             decoded.reserve(handlers.len());
             for &h in handlers {
-                match registry.handler(h).decode(&event_type, payload) {
+                match registry
+                    .handler(h)
+                    .decode(&event_type, event_version, payload)
+                {
                     Ok(value) => decoded.push(Some(value)),
                     Err(error) => {
                         let (reason, error) = decode_failure(payload, &error);
@@ -443,7 +529,11 @@ impl Event {
         }
         let handler = registry.handler(self.handlers[i]);
         handler
-            .decode(&self.incoming.event_type, &self.payload)
+            .decode(
+                &self.incoming.event_type,
+                self.incoming.event_version,
+                &self.payload,
+            )
             .map_err(|error| {
                 let (reason, error) = decode_failure(&self.payload, &error);
                 Box::new(self.rejected(reason, error, None, 0))

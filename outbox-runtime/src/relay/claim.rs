@@ -26,6 +26,8 @@ pub(crate) struct Row {
     pub aggregate_id: String,
     pub event_type: String,
     pub event_version: i32,
+    /// When the event was recorded (CloudEvents `time`).
+    pub created_at: sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc>,
     pub topic: String,
     pub partition_key: String,
     pub payload: String,
@@ -63,7 +65,7 @@ pub(crate) struct Batch {
 }
 
 const CLAIM_COLUMNS: &str = "\
-SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version, topic,
+SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version, created_at, topic,
        partition_key, payload::text AS payload, headers::text AS headers, attempts,
        ctid::text AS tid,
        CASE WHEN (SELECT EXISTS (SELECT 1 FROM outbox_event
@@ -108,7 +110,7 @@ fn bounded(locking: &str, budget: &str) -> String {
 pub(crate) const CLAIM_MARK: &str = "/* outbox relay: claim */";
 
 /// The columns of [`Row`], as the claim returns them.
-const RETURNED: &str = "id, event_id, aggregate_type, aggregate_id, event_type, event_version, topic, \
+const RETURNED: &str = "id, event_id, aggregate_type, aggregate_id, event_type, event_version, created_at, topic, \
 partition_key, payload, headers, attempts, behind_held_secs, tid";
 
 /// Without lanes: any row no other relay holds, while the relay's lock

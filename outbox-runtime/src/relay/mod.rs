@@ -44,6 +44,7 @@ use self::publish::{FailureKind, Outcome, Publisher};
 use self::topics::Topics;
 use self::wake::Waker;
 use crate::backoff::{self, Health};
+use crate::cloudevents::{CloudEvents, CloudEventsMode};
 use crate::error::{Error, Result};
 use crate::kafka;
 use crate::scope::OutboxScope;
@@ -74,7 +75,8 @@ pub struct RelayConfig {
     pub poll_interval: Duration,
     /// LISTEN for the commit-time NOTIFY of new rows.
     pub listen: bool,
-    /// Message-level failures after which a row is parked.
+    /// Message-level failures after which a row is parked (at least 2: a
+    /// row is parked only on a failure it met sent alone, after its first).
     pub max_attempts: u32,
     /// First retry delay of a failed key or topic; doubles up to `retry_backoff_max`.
     pub retry_backoff: Duration,
@@ -122,6 +124,13 @@ pub struct RelayConfig {
     /// server side, and the longest the relay waits for an answer there.
     /// Rows it had claimed come free after [`RelayConfig::claim_idle_timeout`].
     pub lane_timeout: Duration,
+    /// CloudEvents headers (default off): see [`crate::cloudevents`].
+    pub cloud_events: CloudEvents,
+    /// Prepended to every event's topic (default empty): an event of topic
+    /// `orders` goes to `{topic_prefix}orders`. Tests use it to run on
+    /// topics of their own (`testing::TestTopics`); consumers take the same
+    /// prefix ([`ConsumerConfig::topic_prefix`](crate::ConsumerConfig::topic_prefix)).
+    pub topic_prefix: String,
 }
 
 impl std::fmt::Debug for RelayConfig {
@@ -146,6 +155,8 @@ impl std::fmt::Debug for RelayConfig {
             statement_timeout,
             max_events_per_second,
             lane_timeout,
+            cloud_events,
+            topic_prefix,
         } = self;
         f.debug_struct("RelayConfig")
             .field("brokers", brokers)
@@ -166,6 +177,8 @@ impl std::fmt::Debug for RelayConfig {
             .field("statement_timeout", statement_timeout)
             .field("max_events_per_second", max_events_per_second)
             .field("lane_timeout", lane_timeout)
+            .field("cloud_events", cloud_events)
+            .field("topic_prefix", topic_prefix)
             .finish()
     }
 }
@@ -191,6 +204,8 @@ impl Default for RelayConfig {
             statement_timeout: Duration::from_secs(30),
             max_events_per_second: None,
             lane_timeout: Duration::from_secs(10),
+            cloud_events: CloudEvents::default(),
+            topic_prefix: String::new(),
         }
     }
 }
@@ -249,7 +264,7 @@ impl RelayConfig {
         if self.lane_timeout < Duration::from_secs(1) {
             return bad("lane timeout must be >= 1 s".into());
         }
-        Ok(())
+        self.cloud_events.validate()
     }
 
     /// How long a claim transaction may stay idle before the server ends
@@ -321,7 +336,10 @@ impl RelayBuilder {
         self.config.listen = on;
         self
     }
-    /// Message-level failures before a row is parked (default 5).
+    /// Message-level failures before a row is parked (default 5). A row
+    /// that failed is retried alone in its record batch (a broker refuses a
+    /// whole batch for one bad record), and only such a failure parks it:
+    /// a row is never parked on its first failure.
     pub fn max_attempts(mut self, n: u32) -> Self {
         self.config.max_attempts = n;
         self
@@ -366,6 +384,17 @@ impl RelayBuilder {
         self.config.max_events_per_second = rate;
         self
     }
+    /// Writes CloudEvents binary-mode headers (`ce_id`, `ce_type`,
+    /// `ce_source`, ...) beside the framework's own ([`CloudEventsMode::Both`])
+    /// or instead of them ([`CloudEventsMode::Only`]), with `source` as
+    /// `ce_source`. Default: off. See [`crate::cloudevents`].
+    pub fn cloud_events(mut self, mode: CloudEventsMode, source: impl Into<String>) -> Self {
+        self.config.cloud_events = CloudEvents {
+            mode,
+            source: source.into(),
+        };
+        self
+    }
     /// The configuration so far.
     pub(crate) fn current(&self) -> &RelayConfig {
         &self.config
@@ -374,6 +403,12 @@ impl RelayBuilder {
     /// See [`RelayConfig::lane_timeout`].
     pub fn lane_timeout(mut self, d: Duration) -> Self {
         self.config.lane_timeout = d;
+        self
+    }
+    /// Prepended to every event's topic (default none). See
+    /// [`RelayConfig::topic_prefix`].
+    pub fn topic_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.config.topic_prefix = prefix.into();
         self
     }
     /// Replaces the whole configuration.
@@ -520,7 +555,9 @@ impl Relay {
     /// Runs the relay until `shutdown` is cancelled. Returns an error only for
     /// problems a retry cannot fix (e.g. an invalid producer configuration).
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
-        let mut publisher = Publisher::new(self.config.producer_config())?;
+        let mut publisher = Publisher::new(self.config.producer_config())?
+            .with_cloud_events(self.config.cloud_events.clone())
+            .topic_prefix(&self.config.topic_prefix);
         let Some(scope) = self.outbox(&shutdown).await else {
             return Ok(());
         };
@@ -998,7 +1035,7 @@ impl Loop<'_> {
     /// are held (a row of theirs is still locked unpublished) or blocked,
     /// rows of blocked topics and of topics missing on the broker, rows behind a held row of their key (see
     /// [`held`]), and the later rows of these rows' keys in the batch.
-    fn send(&mut self, publisher: &Publisher, batch: Batch) -> InFlight {
+    fn send(&mut self, publisher: &mut Publisher, batch: Batch) -> InFlight {
         self.batches += 1;
         let seq = self.batches;
         if batch.cut {
@@ -1089,7 +1126,10 @@ impl Loop<'_> {
                         }
                         FailureKind::Message => {
                             let attempts = u32::try_from(row.attempts).unwrap_or(0) + 1;
-                            let park = attempts >= self.config.max_attempts;
+                            // Only a failure of the row sent alone is surely
+                            // its own (a broker refuses a whole batch for one
+                            // bad record): a first failure never parks.
+                            let park = attempts >= self.config.max_attempts && row.attempts > 0;
                             if park {
                                 parked += 1;
                                 tracing::error!(

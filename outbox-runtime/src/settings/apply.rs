@@ -88,6 +88,15 @@ impl RelayBuilder {
         if let Some(n) = s.max_events_per_second {
             self = self.max_events_per_second(Some(n));
         }
+        if s.cloud_events.is_some() || s.cloud_events_source.is_some() {
+            let current = &self.current().cloud_events;
+            let mode = s.cloud_events.unwrap_or(current.mode);
+            let source = s
+                .cloud_events_source
+                .clone()
+                .unwrap_or_else(|| current.source.clone());
+            self = self.cloud_events(mode, source);
+        }
         self
     }
 }

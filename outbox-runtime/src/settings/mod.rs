@@ -129,7 +129,10 @@ impl Settings {
                 database.insert(name.to_ascii_lowercase(), (key, value));
             }
         }
-        settings.relay = from_fields(relay, &["metrics_addr"])?;
+        settings.relay = from_fields(
+            relay,
+            &["metrics_addr", "cloud_events", "cloud_events_source"],
+        )?;
         settings.consumer = from_fields(consumer, &["group", "mode"])?;
         let url = settings.database.url.take();
         settings.database = from_fields(database, &["schema"])?;

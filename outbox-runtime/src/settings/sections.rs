@@ -4,6 +4,8 @@ use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::cloudevents::CloudEventsMode;
+
 /// Relay settings, each optional (unset: the builder's default). Section
 /// `[relay]`; environment `OUTBOX_RELAY_<FIELD>`; flags of `outbox relay`
 /// with the same names (`--batch-size`).
@@ -46,6 +48,11 @@ pub struct RelaySettings {
     /// Where `outbox relay` serves Prometheus metrics (the builder does not
     /// use it: call [`crate::metrics::serve`]).
     pub metrics_addr: Option<SocketAddr>,
+    /// CloudEvents headers: `off` (default), `both` (beside the framework's
+    /// own) or `only` (instead of them). See [`crate::cloudevents`].
+    pub cloud_events: Option<CloudEventsMode>,
+    /// The `ce_source` of the events (default `/outbox`).
+    pub cloud_events_source: Option<String>,
 }
 
 impl RelaySettings {
@@ -71,6 +78,8 @@ impl RelaySettings {
             lane_timeout_ms: higher.lane_timeout_ms.or(self.lane_timeout_ms),
             max_events_per_second: higher.max_events_per_second.or(self.max_events_per_second),
             metrics_addr: higher.metrics_addr.or(self.metrics_addr),
+            cloud_events: higher.cloud_events.or(self.cloud_events),
+            cloud_events_source: higher.cloud_events_source.or(self.cloud_events_source),
         }
     }
 }

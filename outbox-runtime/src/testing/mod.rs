@@ -30,12 +30,15 @@
 //! [`Faults`] make the bus misbehave as a broker and a crashing consumer
 //! can (every event delivered twice, a batch delivered again after its
 //! transaction committed, keys interleaved); [`FailTimes`] makes a handler
-//! fail its first calls. [`TestTopics`] creates unique topics on a real
-//! broker for the same tests run end to end.
+//! fail its first calls. [`TestTopics`] creates a test's own topics on a
+//! real broker and points relays and consumers at them (a topic prefix),
+//! for the same typed tests run end to end. [`TestDb`] gives each test a
+//! migrated database in milliseconds, cloned from a template.
 //!
 //! Files: `report.rs` (the [`Delivery`] and its assertions), `faults.rs`,
-//! `topics.rs`.
+//! `topics.rs`, `db.rs`.
 
+mod db;
 mod faults;
 mod report;
 mod topics;
@@ -47,9 +50,10 @@ use rdkafka::message::Headers as _;
 use sqlx::PgPool;
 use uuid::Uuid;
 
+pub use self::db::{TestDb, TestDbBuilder, TestDbError};
 pub use self::faults::{FailTimes, Faults};
 pub use self::report::{Delivered, Delivery, Outcome, Published, TypeCounts};
-pub use self::topics::TestTopics;
+pub use self::topics::{FIRST_OFFSET, TestTopics};
 pub use crate::inbox::TestClock;
 use crate::inbox::harness::{Driver, Message, Routed};
 use crate::inbox::{ConsumerBuilder, DeadLetterReason, Mode};
@@ -113,6 +117,7 @@ pub struct TestBus {
     faults: Faults,
     clock: TestClock,
     max_rounds: usize,
+    cloud_events: crate::cloudevents::CloudEvents,
 }
 
 impl std::fmt::Debug for TestBus {
@@ -162,6 +167,7 @@ impl TestBus {
             faults: Faults::default(),
             clock: TestClock::default(),
             max_rounds: DEFAULT_MAX_ROUNDS,
+            cloud_events: Default::default(),
         }
     }
 
@@ -216,6 +222,13 @@ impl TestBus {
         self
     }
 
+    /// Writes the headers a relay with this CloudEvents setting writes
+    /// (default: off, the framework's headers only).
+    pub fn cloud_events(mut self, cloud_events: crate::cloudevents::CloudEvents) -> Self {
+        self.cloud_events = cloud_events;
+        self
+    }
+
     /// The clock the consumers' retries wait on.
     pub fn clock(&self) -> &TestClock {
         &self.clock
@@ -254,7 +267,26 @@ impl TestBus {
                 });
             }
             for consumer in &self.consumers {
-                let mine: Vec<&Message> = messages
+                // A consumer with a topic prefix reads the topics as the
+                // relay with that prefix names them.
+                let prefix = consumer.config().topic_prefix.as_str();
+                let renamed: Vec<Message> = if prefix.is_empty() {
+                    Vec::new()
+                } else {
+                    messages
+                        .iter()
+                        .map(|m| Message {
+                            topic: Arc::from(format!("{prefix}{}", m.topic)),
+                            ..m.clone()
+                        })
+                        .collect()
+                };
+                let all = if prefix.is_empty() {
+                    &messages
+                } else {
+                    &renamed
+                };
+                let mine: Vec<&Message> = all
                     .iter()
                     .filter(|m| consumer.subscribes(&m.topic))
                     .collect();
@@ -290,8 +322,8 @@ impl TestBus {
         let outbox = &self.outboxes[i];
         let mut tx = outbox.pool.begin().await?;
         let rows: Vec<Row> = sqlx::query_as(
-            "SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version, topic,
-                    partition_key, payload::text AS payload, headers::text AS headers, attempts,
+            "SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version,
+                    created_at, topic, partition_key, payload::text AS payload, headers::text AS headers, attempts,
                     NULL::float8 AS behind_held_secs, ctid::text AS tid
              FROM outbox_event WHERE published_at IS NULL AND parked_at IS NULL
              ORDER BY id FOR UPDATE SKIP LOCKED",
@@ -312,10 +344,11 @@ impl TestBus {
         let copies = if self.faults.twice { 2 } else { 1 };
         let mut messages = Vec::with_capacity(rows.len() * copies);
         for row in rows {
-            let headers: Vec<(String, Option<Vec<u8>>)> = crate::relay::publish::headers_of(&row)
-                .iter()
-                .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
-                .collect();
+            let headers: Vec<(String, Option<Vec<u8>>)> =
+                crate::relay::publish::headers_of(&row, &self.cloud_events)
+                    .iter()
+                    .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+                    .collect();
             for _ in 0..copies {
                 let offset = self.offsets.entry(row.topic.clone()).or_insert(0);
                 messages.push(Message {
@@ -354,22 +387,32 @@ struct NewLetter {
     attempts: i32,
 }
 
-fn event_id(m: &Message) -> Option<Uuid> {
+fn header<'m>(m: &'m Message, name: &str) -> Option<&'m str> {
     m.headers
         .iter()
-        .find(|(k, _)| k == crate::kafka::header::EVENT_ID)
+        .find(|(k, _)| k == name)
         .and_then(|(_, v)| v.as_deref())
         .and_then(|v| std::str::from_utf8(v).ok())
-        .and_then(|v| v.parse().ok())
+}
+
+/// The event id the consumer uses: the `event_id` header, or that of a
+/// message with CloudEvents headers only.
+fn event_id(m: &Message) -> Option<Uuid> {
+    use crate::cloudevents::header as ce;
+    match header(m, crate::kafka::header::EVENT_ID) {
+        Some(id) => id.parse().ok(),
+        None => Some(crate::cloudevents::event_id(
+            header(m, ce::SOURCE)?,
+            header(m, ce::ID)?,
+        )),
+    }
 }
 
 fn event_type(m: &Message) -> String {
-    m.headers
-        .iter()
-        .find(|(k, _)| k == crate::kafka::header::EVENT_TYPE)
-        .and_then(|(_, v)| v.as_deref())
-        .map(|v| String::from_utf8_lossy(v).into_owned())
+    header(m, crate::kafka::header::EVENT_TYPE)
+        .or_else(|| header(m, crate::cloudevents::header::TYPE))
         .unwrap_or_default()
+        .to_owned()
 }
 
 /// Delivers one batch to `consumer` and records each message's outcome, as
@@ -454,7 +497,12 @@ async fn deliver_chunk(
         delivery.delivered.push(Delivered {
             group: group.clone(),
             event_id: id,
-            topic: m.topic.to_string(),
+            // The event's topic, as recorded (without a consumer's prefix).
+            topic: m
+                .topic
+                .strip_prefix(consumer.config().topic_prefix.as_str())
+                .unwrap_or(&m.topic)
+                .to_owned(),
             key: m
                 .key
                 .as_deref()
