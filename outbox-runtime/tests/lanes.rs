@@ -159,7 +159,7 @@ async fn writers_of_one_key_publish_in_commit_order(pool: PgPool) {
     sqlx::raw_sql(
         "CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS $$
          BEGIN
-             IF NEW.event_type = 'Slow' THEN PERFORM pg_sleep(0.5); END IF;
+             IF NEW.event_type = 'Slow' THEN PERFORM pg_sleep(1); END IF;
              RETURN NULL;
          END $$;
          CREATE TRIGGER slow_insert AFTER INSERT ON outbox_event
@@ -183,7 +183,28 @@ async fn writers_of_one_key_publish_in_commit_order(pool: PgPool) {
         })
     };
     let slow = write("Slow", Duration::ZERO);
-    let fast = write("Fast", Duration::from_millis(150));
+    // The second writer starts once the first holds the key (its insert is
+    // in the trigger's sleep): a fixed delay let a loaded machine start it
+    // before the first had even connected.
+    let database: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                 WHERE datname = $1 AND wait_event = 'PgSleep')",
+            )
+            .bind(&database)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        })
+        .await,
+        "the first writer never reached its insert"
+    );
+    let fast = write("Fast", Duration::ZERO);
     let (slow_rank, slow_id) = slow.await.unwrap();
     let (fast_rank, fast_id) = fast.await.unwrap();
     let commit_order = if slow_rank < fast_rank {

@@ -56,8 +56,9 @@ async fn two_outbox_schemas_drain_fully_in_per_key_order(pool: PgPool) {
     let a = schema_pool(&pool, "svc_a", 4).await;
     let b = schema_pool(&pool, "svc_b", 4).await;
     let (topic_a, topic_b) = (unique_topic("schema-a"), unique_topic("schema-b"));
-    create_topic(&brokers(), &topic_a).await;
-    create_topic(&brokers(), &topic_b).await;
+    // Two relays write each fresh topic at once: warm its partitions up.
+    create_warm_topic(&brokers(), &topic_a).await;
+    create_warm_topic(&brokers(), &topic_b).await;
     let relays = [relay(&a), relay(&a), relay(&b), relay(&b)];
 
     let committed_a = commit_messages(&a, &topic_a, 2_000, 64, 20).await;
