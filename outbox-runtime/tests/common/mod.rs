@@ -315,6 +315,28 @@ pub async fn unpublished(pool: &PgPool) -> i64 {
         .expect("count")
 }
 
+/// Rows of one topic not yet marked published.
+pub async fn unpublished_of(pool: &PgPool, topic: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE published_at IS NULL AND topic = $1")
+        .bind(topic)
+        .fetch_one(pool)
+        .await
+        .expect("count")
+}
+
+/// Waits until every row of `topic` is marked published: a consumer can
+/// read a batch before the relay has recorded the broker's acknowledgement.
+pub async fn wait_until_topic_published(pool: &PgPool, topic: &str, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if unpublished_of(pool, topic).await == 0 {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
 pub async fn wait_until_published(pool: &PgPool, timeout: Duration) -> bool {
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
