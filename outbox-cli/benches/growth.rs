@@ -20,7 +20,8 @@
 //! The claim times are the relay's own: its per-step trace event
 //! (`relay step`, `claim_ms`), read by a tracing layer in this process.
 //!
-//! `cargo bench -p outbox-cli --bench growth -- [--history 0,1000000,10000000] [--backlog N] [--held N] [--seconds S] [--json PATH]`
+//! `cargo bench -p outbox-cli --bench growth -- [--history 0,1000000,10000000] [--backlog N] [--held N] [--seconds S] [--json PATH]`;
+//! `--only-ops` measures the operations alone (no broker needed).
 //!
 //! Needs PostgreSQL (DATABASE_URL names the server; the benchmark creates
 //! its own database `outbox_growth`) and a broker (KAFKA_BROKERS).
@@ -97,6 +98,22 @@ struct Args {
     /// Only the relay's drains (without and behind held rows).
     #[arg(long)]
     only_drains: bool,
+    /// Only the operations' latencies (status, the gauges' query, replay's
+    /// dry run, an idle cleanup pass), without a broker: with an empty
+    /// backlog, then with `--ops-backlog` rows waiting (half of them held).
+    #[arg(long)]
+    only_ops: bool,
+    /// Rows waiting during the second round of `--only-ops`.
+    #[arg(long, default_value_t = 200_000)]
+    ops_backlog: i64,
+    /// Keeps the database (`outbox_growth`) and its history at the end, and
+    /// reuses them when the next run asks for the same history size
+    /// (`--only-ops` at 10M rows without filling them again).
+    #[arg(long)]
+    keep: bool,
+    /// Runs of each operation (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
     /// Also write the results to this JSON file.
     #[arg(long)]
     json: Option<String>,
@@ -633,20 +650,135 @@ async fn consume(
     Ok(rate)
 }
 
-/// The median of three timed runs of `op`, in ms.
+/// Runs of each timed operation (`--runs`).
+static RUNS: AtomicU64 = AtomicU64::new(3);
+
+/// The median of `--runs` timed runs of `op`, in ms.
 async fn timed<F, Fut, T>(mut op: F) -> Result<f64, outbox_runtime::Error>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, outbox_runtime::Error>>,
 {
     let mut times = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..RUNS.load(Ordering::Relaxed).max(1) {
         let t = Instant::now();
         std::hint::black_box(op().await?);
         times.push(t.elapsed().as_secs_f64() * 1e3);
     }
     times.sort_by(f64::total_cmp);
-    Ok(times[1])
+    Ok(times[times.len() / 2])
+}
+
+/// The operations' latencies (ms, medians): `status`, the gauges' backlog
+/// query, replay's dry run (one day, 30 days ago) and a cleanup pass with
+/// nothing to delete.
+async fn operations(pool: &PgPool) -> Result<[f64; 4], Box<dyn std::error::Error>> {
+    let status_ms = timed(|| ops::status(pool)).await?;
+    let gauges_ms = timed(|| async {
+        let row: (i64, Option<f64>, i64, i64) = sqlx::query_as(ops::GAUGES_SQL)
+            .fetch_one(pool)
+            .await
+            .map_err(outbox_runtime::Error::from)?;
+        Ok::<_, outbox_runtime::Error>(row)
+    })
+    .await?;
+    let (since, until): (DateTime<Utc>, DateTime<Utc>) =
+        sqlx::query_as("SELECT now() - interval '30 days', now() - interval '29 days'")
+            .fetch_one(pool)
+            .await?;
+    let filter = ReplayFilter {
+        since: Some(since),
+        until: Some(until),
+        ..ReplayFilter::default()
+    };
+    let window = cleanup::DEFAULT_DEDUP_WINDOW;
+    let replay_ms = timed(|| replay::beyond_window(pool, &filter, window)).await?;
+    // Older than the history: the pass finds nothing to delete.
+    let idle_retention = Retention::new(Duration::from_secs(365 * 86400));
+    let cleanup_ms = timed(|| cleanup::cleanup(pool, &idle_retention)).await?;
+    Ok([status_ms, gauges_ms, replay_ms, cleanup_ms])
+}
+
+/// The plans of replay's selection of one day, 30 days ago (the id range
+/// through the BRIN index, then the count over the primary key), run.
+async fn explain_replay(pool: &PgPool) -> Result<(), sqlx::Error> {
+    let range = "created_at >= now() - interval '30 days' AND created_at < now() - interval '29 days'";
+    let (low, high): (Option<i64>, Option<i64>) = sqlx::query_as(&format!(
+        "SELECT min(id), max(id) FROM (SELECT id FROM outbox_event WHERE {range} OFFSET 0) AS r"
+    ))
+    .fetch_one(pool)
+    .await?;
+    for sql in [
+        format!(
+            "SELECT min(id), max(id) FROM (SELECT id FROM outbox_event WHERE {range} OFFSET 0) AS r"
+        ),
+        format!(
+            "SELECT count(*) FROM outbox_event WHERE published_at IS NOT NULL AND id >= {} \
+             AND id <= {} AND {range}",
+            low.unwrap_or(1),
+            high.unwrap_or(0)
+        ),
+    ] {
+        let plan: Vec<String> = sqlx::query_scalar(&format!("EXPLAIN (ANALYZE, COSTS OFF) {sql}"))
+            .fetch_all(pool)
+            .await?;
+        println!("{}", plan.join("\n"));
+    }
+    Ok(())
+}
+
+/// The load average (1, 5, 15 minutes), as `/proc/loadavg` says.
+fn load() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+/// `--only-ops` at one history size: the operations with an empty backlog,
+/// then with `n` rows waiting (half of them held).
+async fn ops_only(
+    pool: &PgPool,
+    history: i64,
+    n: i64,
+    topic: &str,
+    last: i64,
+) -> Result<Value, Box<dyn std::error::Error>> {
+    let mut rounds = Vec::new();
+    for backlog_rows in [0, n] {
+        if backlog_rows > 0 {
+            backlog(pool, backlog_rows, topic).await?;
+            sqlx::query(
+                "UPDATE outbox_event SET held_until = now() + interval '1 hour'
+                 WHERE id > $1 AND id % 2 = 0",
+            )
+            .bind(last)
+            .execute(pool)
+            .await?;
+            sqlx::query("VACUUM ANALYZE outbox_event")
+                .execute(pool)
+                .await?;
+            checkpoint(pool).await;
+        }
+        let load_before = load();
+        let [status_ms, gauges_ms, replay_ms, cleanup_ms] = operations(pool).await?;
+        let load_after = load();
+        println!(
+            "history {history}, backlog {backlog_rows}: status {status_ms:.1} ms, gauges' query \
+             {gauges_ms:.1} ms, replay --dry-run (1 day, 30 days ago) {replay_ms:.1} ms, cleanup \
+             pass (nothing to delete) {cleanup_ms:.1} ms (load average {load_before} -> {load_after})"
+        );
+        rounds.push(json!({
+            "backlog": backlog_rows,
+            "status_ms": round(status_ms, 2),
+            "gauges_ms": round(gauges_ms, 2),
+            "replay_dry_run_ms": round(replay_ms, 2),
+            "cleanup_idle_pass_ms": round(cleanup_ms, 2),
+            "load_average": load_after,
+        }));
+    }
+    explain_replay(pool).await?;
+    reset(pool, last).await?;
+    Ok(json!({ "history": history, "ops": rounds }))
 }
 
 /// Writers beside a relay draining a large backlog, at each rate limit of
@@ -712,6 +844,7 @@ async fn writers_curve(
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = Args::parse();
+    RUNS.store(a.runs as u64, Ordering::Relaxed);
     let claims = ClaimTimes::default();
     tracing_subscriber::registry()
         .with(tracing_subscriber::Layer::with_filter(
@@ -727,9 +860,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .init();
 
     let brokers = common::brokers();
-    let db = common::BenchDb::create("outbox_growth", 20).await?;
+    let db = common::BenchDb::open("outbox_growth", 20, a.keep).await?;
     let pool = db.pool.clone();
-    sqlx::query("CREATE TABLE growth_order (id uuid PRIMARY KEY, amount_cents bigint NOT NULL)")
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS growth_order (id uuid PRIMARY KEY, amount_cents bigint NOT NULL)",
+    )
         .execute(&pool)
         .await?;
     let writers_pool = pool_named(&db.url, WRITERS as u32, profile::WRITERS_APP).await?;
@@ -737,7 +872,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let run = Uuid::new_v4().simple().to_string();
     let topic = format!("growth-drain-{run}");
     let missing = format!("growth-missing-{run}");
-    outbox_runtime::kafka::create_topics(&brokers, &[], std::slice::from_ref(&topic), 4, 1).await?;
+    if !a.only_ops {
+        outbox_runtime::kafka::create_topics(&brokers, &[], std::slice::from_ref(&topic), 4, 1)
+            .await?;
+    }
 
     let timeout = Duration::from_secs(a.timeout);
     let seconds = Duration::from_secs_f64(a.seconds);
@@ -750,7 +888,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         // A group of its own per size: its dedup rows are the history.
         let group = format!("growth-dedup-{run}-{level}");
         let t = Instant::now();
-        let last = fill(&pool, history, a.chunk.max(1), &group).await?;
+        let kept: i64 = if a.keep {
+            sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE published_at IS NOT NULL")
+                .fetch_one(&pool)
+                .await?
+        } else {
+            -1
+        };
+        let last = if kept == history {
+            let last = last_id(&pool).await?;
+            reset(&pool, last).await?;
+            last
+        } else {
+            fill(&pool, history, a.chunk.max(1), &group).await?
+        };
         let fill_s = t.elapsed().as_secs_f64();
         let size: i64 = sqlx::query_scalar("SELECT pg_total_relation_size('outbox_event')")
             .fetch_one(&pool)
@@ -760,6 +911,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             size as f64 / 1048576.0
         );
 
+        if a.only_ops {
+            results.push(ops_only(&pool, history, a.ops_backlog, &topic, last).await?);
+            continue;
+        }
         if a.only_writers_relay {
             writers(&writers_pool, &topic, Duration::from_millis(500), None).await?;
             reset(&pool, last).await?;
@@ -946,6 +1101,39 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "cleanup_rows": cleanup_rows,
             "cleanup_s": round(cleanup_s, 1),
         }));
+    }
+
+    if a.only_ops {
+        println!();
+        println!(
+            "| history | backlog | status ms | gauges' query ms | replay dry run ms | cleanup pass ms | load average |"
+        );
+        println!("|---:|---:|---:|---:|---:|---:|---|");
+        for r in &results {
+            for o in r["ops"].as_array().into_iter().flatten() {
+                let f = |k: &str| o[k].as_f64().unwrap_or(f64::NAN);
+                println!(
+                    "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} |",
+                    r["history"],
+                    o["backlog"],
+                    f("status_ms"),
+                    f("gauges_ms"),
+                    f("replay_dry_run_ms"),
+                    f("cleanup_idle_pass_ms"),
+                    o["load_average"].as_str().unwrap_or_default(),
+                );
+            }
+        }
+        let json = json!({ "benchmark": "growth", "only_ops": true, "results": results });
+        println!("{json}");
+        if let Some(path) = &a.json {
+            std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
+        }
+        writers_pool.close().await;
+        if !a.keep {
+            db.drop_database().await?;
+        }
+        return Ok(());
     }
 
     // The growth table: each rate beside its ratio to the first size's.

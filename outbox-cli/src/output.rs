@@ -5,35 +5,38 @@ use outbox_runtime::ops;
 
 pub(crate) fn print_status(s: &ops::Status) {
     let age = |a: Option<f64>| a.map_or_else(|| "-".to_owned(), ops_age);
-    // Estimated counts are marked `~` (see `Status::estimated`).
-    let published = |n: i64| {
-        if s.estimated {
+    // Estimated counts are marked `~` (see `Status::estimated` and
+    // `Status::backlog_estimated`).
+    let mark = |estimated: bool, n: i64| {
+        if estimated {
             format!("~{n}")
         } else {
             n.to_string()
         }
     };
+    let published = |n: i64| mark(s.estimated, n);
+    let backlog = |n: i64| mark(s.backlog_estimated, n);
     let rows: Vec<[String; 7]> = s
         .topics
         .iter()
         .map(|t| {
             [
                 t.topic.clone(),
-                t.unpublished.to_string(),
-                t.held.to_string(),
+                backlog(t.unpublished),
+                backlog(t.held),
                 age(t.oldest_unpublished_secs),
-                t.parked.to_string(),
-                t.discarded.to_string(),
+                backlog(t.parked),
+                backlog(t.discarded),
                 published(t.published),
             ]
         })
         .chain(std::iter::once([
             "TOTAL".to_owned(),
-            s.unpublished.to_string(),
-            s.held.to_string(),
+            backlog(s.unpublished),
+            backlog(s.held),
             age(s.oldest_unpublished_secs),
-            s.parked.to_string(),
-            s.discarded.to_string(),
+            backlog(s.parked),
+            backlog(s.discarded),
             published(s.published),
         ]))
         .collect();
@@ -47,6 +50,15 @@ pub(crate) fn print_status(s: &ops::Status) {
         "PUBLISHED",
     ];
     print!("{}", table(&header, &rows));
+    if s.backlog_estimated {
+        println!(
+            "~ estimated: the backlog holds more than {} rows of a kind; per topic, the split \
+             of the rows read first",
+            ops::BACKLOG_EXACT_UP_TO
+        );
+    } else if s.estimated {
+        println!("~ estimated from the table's statistics");
+    }
     println!("outbox: schema {}", s.schema);
     println!(
         "notify: {} (channel {})",

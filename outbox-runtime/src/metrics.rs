@@ -50,26 +50,56 @@ const COPY_INTERVAL: Duration = Duration::from_secs(1);
 pub const BACKLOG_INTERVAL: Duration = Duration::from_secs(5);
 
 /// The backlog gauges, each over a partial index (the claim's queue, held
-/// rows, parked rows; counts index-only): their cost follows the backlog,
-/// not the table. The
-/// oldest row of the queue is its index's first entry (the lowest id: rows
-/// are numbered as they are written, so that is the oldest but for
-/// transactions that stayed open around it).
+/// rows, parked rows), each reading at most 10,001 of its rows: exact up to
+/// 10,000 rows of a kind, estimated beyond as `ops::status` estimates them
+/// (the queue from the span of its ids and the density of the ids read;
+/// held and parked rows from their index's entries at the last analyze,
+/// parked ones less the dropped share of the rows read), so that a sample
+/// costs about the same whatever the backlog. The oldest row of the queue
+/// is its index's first entry (the lowest id: rows are numbered as they
+/// are written, so that is the oldest but for transactions that stayed
+/// open around it).
 pub(crate) const BACKLOG: &str = "\
-WITH q AS (SELECT count(*) AS n FROM outbox_event
-           WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL),
-     h AS (SELECT count(*) AS n, min(id) AS first FROM outbox_event
-           WHERE held_until IS NOT NULL AND published_at IS NULL)
-SELECT q.n + h.n,
+WITH q AS (SELECT count(*) AS n, min(id) AS first, max(id) AS upto
+           FROM (SELECT id FROM outbox_event
+                 WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL
+                 ORDER BY id LIMIT 10001) s),
+     h AS (SELECT count(*) AS n, min(id) AS first
+           FROM (SELECT id FROM outbox_event
+                 WHERE held_until IS NOT NULL AND published_at IS NULL
+                 ORDER BY held_until, id LIMIT 10001) s),
+     p AS (SELECT count(*) AS n, count(*) FILTER (WHERE discarded_at IS NULL) AS kept
+           FROM (SELECT discarded_at FROM outbox_event
+                 WHERE parked_at IS NOT NULL AND published_at IS NULL
+                 ORDER BY id LIMIT 10001) s),
+     e AS (SELECT
+             CASE WHEN q.n <= 10000 THEN q.n
+                  ELSE greatest(q.n, round(q.n::float8 * (
+                      (SELECT id FROM outbox_event
+                       WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL
+                       ORDER BY id DESC LIMIT 1) - q.first + 1) / (q.upto - q.first + 1))::int8)
+             END AS queue,
+             CASE WHEN h.n <= 10000 THEN h.n
+                  ELSE greatest(h.n, (SELECT sum(greatest(c.reltuples, 0))::int8 FROM pg_class c
+                      WHERE c.oid = to_regclass('ix_outbox_event_held')
+                         OR c.oid IN (SELECT relid FROM pg_partition_tree(
+                          to_regclass('ix_outbox_event_held')))))
+             END AS held,
+             CASE WHEN p.n <= 10000 THEN p.kept
+                  ELSE round(p.kept::float8 / p.n * greatest(p.n, (
+                      SELECT sum(greatest(c.reltuples, 0))::int8 FROM pg_class c
+                      WHERE c.oid = to_regclass('ix_outbox_event_parked')
+                         OR c.oid IN (SELECT relid FROM pg_partition_tree(
+                          to_regclass('ix_outbox_event_parked'))))))::int8
+             END AS parked
+           FROM q, h, p)
+SELECT e.queue + e.held,
        EXTRACT(EPOCH FROM now() - least(
-           (SELECT created_at FROM outbox_event
-            WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL
-            ORDER BY id LIMIT 1),
+           (SELECT created_at FROM outbox_event WHERE id = q.first),
            (SELECT created_at FROM outbox_event WHERE id = h.first)))::float8,
-       (SELECT count(*) FROM outbox_event
-        WHERE published_at IS NULL AND parked_at IS NOT NULL AND discarded_at IS NULL),
-       h.n
-FROM q, h";
+       e.parked,
+       e.held
+FROM q, h, e";
 
 /// Copies a relay's counters into the metrics and samples the backlog,
 /// until `shutdown`; then copies once more.

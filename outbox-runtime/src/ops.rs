@@ -6,13 +6,15 @@
 //! Replay and retention have their own modules ([`replay`](crate::replay),
 //! [`cleanup`](crate::cleanup)).
 //!
-//! Status reads what it can without scanning the table: the backlog, held,
-//! parked and dropped rows are counted exactly over their partial indexes
-//! (their cost follows the backlog, not the history); published rows are
-//! counted exactly only while the table is small ([`EXACT_BELOW`] rows),
-//! and estimated from the planner's statistics beyond (`reltuples` and the
-//! `topic` column's most common values, over every partition), so that
-//! `outbox status` answers in milliseconds at millions of rows.
+//! Status reads what it can without scanning the table, so that `outbox
+//! status` answers in milliseconds whatever the backlog and the history:
+//! the backlog's rows (queue, held, parked and dropped) are read over their
+//! partial indexes, exactly up to [`BACKLOG_EXACT_UP_TO`] rows of each
+//! kind and estimated beyond ([`Status::backlog_estimated`], see
+//! `ops/backlog.rs`); published rows are counted exactly only while the
+//! table is small ([`EXACT_BELOW`] rows), and estimated from the planner's
+//! statistics beyond (`reltuples` and the `topic` column's most common
+//! values, over every partition; [`Status::estimated`]).
 //!
 //! Dropping a parked row does not delete it: the row is marked discarded
 //! (`discarded_at`, `discard_reason`), stays out of the relay's queue and of
@@ -28,6 +30,10 @@ use sqlx::PgPool;
 use crate::error::{Error, Result};
 use crate::relay::lanes::SCOPE_LOCKS;
 use crate::scope::{Lock, OutboxScope};
+
+mod backlog;
+
+pub use backlog::BACKLOG_EXACT_UP_TO;
 
 /// Backlog of one topic.
 #[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
@@ -65,9 +71,14 @@ pub struct Status {
     /// Published rows still kept (an estimate when `estimated`).
     pub published: i64,
     /// The published counts are estimates from the planner's statistics
-    /// (the table holds [`EXACT_BELOW`] rows or more): every other count
-    /// is exact.
+    /// (the table holds [`EXACT_BELOW`] rows or more).
     pub estimated: bool,
+    /// The backlog's counts (unpublished, held, parked, dropped, in total
+    /// and per topic, and the oldest row's age) are estimates: one of the
+    /// kinds holds more than [`BACKLOG_EXACT_UP_TO`] rows (see
+    /// [`backlog`](self::backlog) for how they are estimated). Otherwise
+    /// they are exact.
+    pub backlog_estimated: bool,
     /// Whether commits NOTIFY idle relays.
     pub notify_enabled: bool,
     /// Per topic.
@@ -123,34 +134,15 @@ pub async fn relays(pool: &PgPool) -> Result<Vec<RelayLanes>> {
     Ok(rows)
 }
 
+/// The query behind the backlog gauges (`outbox_backlog_events`, …; see
+/// [`crate::metrics`]): backlog, oldest age in seconds, parked and held
+/// rows. Public for the benchmarks that time it.
+#[doc(hidden)]
+pub const GAUGES_SQL: &str = crate::metrics::BACKLOG;
+
 /// Up to this many rows (by the table's statistics) `status` counts
 /// published rows exactly; beyond, it estimates them.
 pub const EXACT_BELOW: f64 = 100_000.0;
-
-/// Per topic: rows in the claim's queue, held and parked, each over its
-/// partial index (the held rows' index-only, by topic); the oldest is the
-/// lowest id's row (rows are numbered as they are written).
-const BACKLOG_BY_TOPIC: &str = "\
-WITH q AS (SELECT topic, count(*) AS n, min(id) AS first FROM outbox_event
-           WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL
-           GROUP BY topic),
-     h AS (SELECT topic, count(*) AS n, min(id) AS first FROM outbox_event
-           WHERE held_until IS NOT NULL AND published_at IS NULL
-           GROUP BY topic),
-     p AS (SELECT topic, count(*) FILTER (WHERE discarded_at IS NULL) AS parked,
-                  count(*) FILTER (WHERE discarded_at IS NOT NULL) AS discarded
-           FROM outbox_event WHERE parked_at IS NOT NULL AND published_at IS NULL
-           GROUP BY topic)
-SELECT topic,
-       coalesce(q.n, 0) + coalesce(h.n, 0) AS unpublished,
-       coalesce(h.n, 0) AS held,
-       EXTRACT(EPOCH FROM now() - (SELECT o.created_at FROM outbox_event o
-                                   WHERE o.id = least(q.first, h.first)))::float8
-           AS oldest_unpublished_secs,
-       coalesce(p.parked, 0) AS parked,
-       coalesce(p.discarded, 0) AS discarded,
-       0::int8 AS published
-FROM q FULL JOIN h USING (topic) FULL JOIN p USING (topic)";
 
 /// Exact published rows per topic: a scan, for small tables only.
 const PUBLISHED_EXACT: &str = "\
@@ -183,7 +175,26 @@ GROUP BY v.topic";
 pub async fn status(pool: &PgPool) -> Result<Status> {
     let scope = OutboxScope::of(pool).await?;
     let oid = i64::from(scope.oid());
-    let mut topics: Vec<TopicStatus> = sqlx::query_as(BACKLOG_BY_TOPIC).fetch_all(pool).await?;
+    let backlog = backlog::read(pool, oid).await?;
+    let mut topics: Vec<TopicStatus> = Vec::new();
+    for kind in [&backlog.queue, &backlog.held, &backlog.parked] {
+        for topic in kind.topics.keys() {
+            if !topics.iter().any(|t| &t.topic == topic) {
+                let get = |k: &backlog::Kind| k.topics.get(topic).cloned().unwrap_or_default();
+                let (queue, held, parked) = (get(&backlog.queue), get(&backlog.held), get(&backlog.parked));
+                let first = queue.first.into_iter().chain(held.first).min();
+                topics.push(TopicStatus {
+                    topic: topic.clone(),
+                    unpublished: queue.rows + held.rows,
+                    held: held.rows,
+                    oldest_unpublished_secs: first.and_then(|id| backlog.ages.get(&id).copied()),
+                    parked: parked.rows - parked.discarded,
+                    discarded: parked.discarded,
+                    published: 0,
+                });
+            }
+        }
+    }
     let rows: f64 = sqlx::query_scalar(ROWS_ESTIMATE)
         .bind(oid)
         .fetch_one(pool)
@@ -224,10 +235,10 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
         }
     }
     topics.sort_by(|a, b| a.topic.cmp(&b.topic));
-    let unpublished: i64 = topics.iter().map(|t| t.unpublished).sum();
-    let held = topics.iter().map(|t| t.held).sum();
-    let parked: i64 = topics.iter().map(|t| t.parked).sum();
-    let discarded: i64 = topics.iter().map(|t| t.discarded).sum();
+    let unpublished = backlog.queue.total + backlog.held.total;
+    let held = backlog.held.total;
+    let discarded = backlog.parked.discarded;
+    let parked = backlog.parked.total - discarded;
     let published = if estimated {
         (rows.round() as i64 - unpublished - parked - discarded).max(0)
     } else {
@@ -239,6 +250,7 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
         .fold(None, |acc: Option<f64>, v| {
             Some(acc.map_or(v, |a| a.max(v)))
         });
+    let backlog_estimated = backlog.estimated();
     let schema: String = sqlx::query_scalar(
         "SELECT n.nspname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
          WHERE c.oid = $1::int8::oid",
@@ -256,6 +268,7 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
         discarded,
         published,
         estimated,
+        backlog_estimated,
         notify_enabled: notify_enabled(pool).await?,
         topics,
         relays: relays(pool).await?,
@@ -378,50 +391,24 @@ pub async fn outbox_topics(pool: &PgPool) -> Result<Vec<String>> {
     )
 }
 
-/// Parses a duration: a sequence of `<number><unit>` with units `s`, `m`,
-/// `h`, `d` and `w` (`30d`, `1h30m`, `90s`).
+/// Parses a duration: a sequence of `<number><unit>` (`30d`, `1h30m`,
+/// `90s`, `1.5h`, `2w`, `500ms`), in the syntax of the `humantime` crate
+/// (units `ns`, `us`, `ms`, `s`, `m`, `h`, `d`, `w`, `M` for months and
+/// `y` for years, or their long names: `30days`, `1 hour 30 min`).
 pub fn parse_duration(text: &str) -> Result<Duration> {
-    let invalid = || {
+    humantime::parse_duration(text.trim()).map_err(|error| {
         Error::Config(format!(
-            "invalid duration `{text}`: use e.g. 30d, 12h, 1h30m, 90s (units s, m, h, d, w)"
+            "invalid duration `{text}` ({error}): use e.g. 30d, 12h, 1h30m, 90s \
+             (units s, m, h, d, w)"
         ))
-    };
-    let mut total: u64 = 0;
-    let mut number = String::new();
-    let trimmed = text.trim();
-    if trimmed.is_empty() {
-        return Err(invalid());
-    }
-    for c in trimmed.chars() {
-        if c.is_ascii_digit() {
-            number.push(c);
-            continue;
-        }
-        let unit: u64 = match c {
-            's' => 1,
-            'm' => 60,
-            'h' => 3600,
-            'd' => 86_400,
-            'w' => 604_800,
-            _ => return Err(invalid()),
-        };
-        let n: u64 = number.parse().map_err(|_| invalid())?;
-        number.clear();
-        total = n
-            .checked_mul(unit)
-            .and_then(|v| total.checked_add(v))
-            .ok_or_else(invalid)?;
-    }
-    if !number.is_empty() {
-        return Err(invalid());
-    }
-    Ok(Duration::from_secs(total))
+    })
 }
 
 /// Formats a duration in the syntax [`parse_duration`] reads (`7d`, `1h30m`).
 pub fn format_duration(d: Duration) -> String {
     let mut secs = d.as_secs();
-    if secs == 0 {
+    let millis = d.subsec_millis();
+    if secs == 0 && millis == 0 {
         return "0s".into();
     }
     let mut out = String::new();
@@ -430,6 +417,9 @@ pub fn format_duration(d: Duration) -> String {
             out.push_str(&format!("{}{unit}", secs / size));
             secs %= size;
         }
+    }
+    if millis > 0 {
+        out.push_str(&format!("{millis}ms"));
     }
     out
 }
@@ -460,7 +450,14 @@ mod tests {
             .execute(&pool)
             .await
             .unwrap();
-        for sql in [BACKLOG_BY_TOPIC, crate::metrics::BACKLOG] {
+        for sql in [
+            backlog::QUEUE_SAMPLE,
+            backlog::QUEUE_LAST,
+            backlog::HELD_SAMPLE,
+            backlog::PARKED_SAMPLE,
+            crate::metrics::BACKLOG,
+        ] {
+            let sql = sql.replace("$1", "10001");
             let plan: Vec<String> = sqlx::query_scalar(&format!("EXPLAIN {sql}"))
                 .fetch_all(&pool)
                 .await
@@ -473,6 +470,45 @@ mod tests {
             (status.unpublished, status.held, status.parked),
             (20, 10, 10)
         );
+        let (backlog, _, parked, held): (i64, Option<f64>, i64, i64) =
+            sqlx::query_as(crate::metrics::BACKLOG)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!((backlog, parked, held), (20, 10, 10));
+    }
+
+    /// The gauges past their bound (10,000 rows of a kind): estimates near
+    /// the counts, the dropped parked rows left out.
+    #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+    async fn gauges_estimate_a_large_backlog(pool: PgPool) {
+        sqlx::query(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                       payload, topic, partition_key, held_until, parked_at,
+                                       discarded_at)
+             SELECT gen_random_uuid(), 'A', 'a', 'E', '{}', 't', 'k' || g,
+                    CASE WHEN g % 3 = 1 THEN now() + interval '1 hour' END,
+                    CASE WHEN g % 3 = 2 THEN now() END,
+                    CASE WHEN g % 6 = 5 THEN now() END
+             FROM generate_series(1, 60000) AS g",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        sqlx::query("VACUUM ANALYZE outbox_event")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let (backlog, oldest, parked, held): (i64, Option<f64>, i64, i64) =
+            sqlx::query_as(crate::metrics::BACKLOG)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        let near = |n: i64, expected: i64| (n - expected).abs() <= expected / 10;
+        assert!(near(backlog, 40_000), "{backlog}");
+        assert!(near(held, 20_000), "{held}");
+        assert!(near(parked, 10_000), "{parked}");
+        assert!(oldest.is_some());
     }
 
     #[test]
@@ -486,10 +522,21 @@ mod tests {
             parse_duration("2w").unwrap(),
             Duration::from_secs(14 * 86_400)
         );
-        for bad in ["", "30", "d", "3x", "1.5h", "-1d", "99999999999999999999w"] {
-            assert!(parse_duration(bad).is_err(), "{bad}");
+        assert_eq!(parse_duration("1.5h").unwrap(), Duration::from_secs(5400));
+        assert_eq!(
+            parse_duration(" 1h 30min ").unwrap(),
+            Duration::from_secs(5400)
+        );
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        for bad in ["", " ", "30", "d", "3x", "-1d", "1d-", "99999999999999999999w"] {
+            let error = parse_duration(bad).unwrap_err().to_string();
+            assert!(error.contains("invalid duration"), "{bad}: {error}");
         }
         assert_eq!(format_duration(Duration::from_secs(7 * 86_400)), "7d");
         assert_eq!(format_duration(Duration::from_secs(5400)), "1h30m");
+        assert_eq!(format_duration(Duration::from_millis(90_500)), "1m30s500ms");
+        for d in [Duration::from_millis(90_500), Duration::from_secs(8 * 86_400 + 1)] {
+            assert_eq!(parse_duration(&format_duration(d)).unwrap(), d);
+        }
     }
 }

@@ -426,3 +426,45 @@ async fn dropping_parked_rows_keeps_them_out_of_the_queue(pool: PgPool) {
     );
     let _ = Uuid::nil();
 }
+
+/// `n` dedup rows of consumer `c`, processed `age_days` ago.
+async fn dedup_rows(pool: &PgPool, n: i64, age_days: i64) {
+    sqlx::query(
+        "INSERT INTO processed_event (consumer, event_id, processed_at)
+         SELECT 'c', gen_random_uuid(), now() - make_interval(days => $2::int4)
+         FROM generate_series(1, $1::int8)",
+    )
+    .bind(n)
+    .bind(age_days as i32)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn cleanup_reads_only_the_pages_that_hold_old_dedup_rows(pool: PgPool) {
+    // Young rows over many pages, one old row between them (a page of its
+    // own range), young rows after; summarized.
+    dedup_rows(&pool, 30_000, 1).await;
+    dedup_rows(&pool, 1, 40).await;
+    dedup_rows(&pool, 30_000, 1).await;
+    sqlx::query("VACUUM ANALYZE processed_event")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let retention = Retention::new(days(30)).batch_size(100);
+    let report = cleanup::cleanup(&pool, &retention).await.unwrap();
+    assert_eq!(report.processed_events, 1, "{report:?}");
+    // 60,001 rows at 100 a statement would be hundreds of page ranges: only
+    // the old row's page is read.
+    assert_eq!(report.statements, 1, "{report:?}");
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM processed_event")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 60_000);
+
+    // Nothing past the window any more: the pass runs no statement.
+    let report = cleanup::cleanup(&pool, &retention).await.unwrap();
+    assert_eq!(report, cleanup::CleanupReport::default());
+}

@@ -1,7 +1,8 @@
 //! Operations that must not read the whole outbox, against a real
 //! PostgreSQL (fresh database per test): `status` on a large table counts
-//! the backlog exactly and estimates published rows; replay's time range
-//! selects exactly the rows created in it.
+//! the backlog exactly and estimates published rows; with a large backlog
+//! it counts exactly up to its bound and estimates beyond, saying so;
+//! replay's time range selects exactly the rows created in it.
 
 use outbox_runtime::ops;
 use outbox_runtime::replay::{self, ReplayFilter};
@@ -97,4 +98,79 @@ async fn a_replay_time_range_selects_exactly_the_rows_created_in_it(pool: PgPool
     assert_eq!(count(Some(990), None, None).await, 10);
     assert_eq!(count(Some(5000), None, None).await, 0);
     assert_eq!(count(None, None, None).await, 1001);
+}
+
+/// `n` unpublished rows, topic `a` but every fourth `b` (both through the
+/// whole id range), held for an hour if `held`.
+async fn backlog(pool: &PgPool, n: i64, held: bool) {
+    sqlx::query(
+        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload,
+                                   topic, partition_key, held_until)
+         SELECT gen_random_uuid(), 'A', 'a', 'E', '{}',
+                CASE WHEN g % 4 = 0 THEN 'b' ELSE 'a' END, 'k' || g,
+                CASE WHEN $2 THEN now() + interval '1 hour' END
+         FROM generate_series(1, $1::int8) AS g",
+    )
+    .bind(n)
+    .bind(held)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn status_counts_a_backlog_exactly_up_to_its_bound_and_estimates_beyond(pool: PgPool) {
+    let bound = ops::BACKLOG_EXACT_UP_TO;
+    sqlx::query("ALTER TABLE outbox_event SET (autovacuum_enabled = false)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    // At the bound: exact, in total and per topic.
+    backlog(&pool, bound, false).await;
+    backlog(&pool, 40, true).await;
+    let exact = ops::status(&pool).await.unwrap();
+    assert!(!exact.backlog_estimated, "{exact:?}");
+    assert_eq!((exact.unpublished, exact.held), (bound + 40, 40));
+    let topic = |s: &ops::Status, name: &str| {
+        let t = s.topics.iter().find(|t| t.topic == name).unwrap();
+        (t.unpublished, t.held)
+    };
+    assert_eq!(topic(&exact, "a"), (bound * 3 / 4 + 30, 30));
+    assert_eq!(topic(&exact, "b"), (bound / 4 + 10, 10));
+    let json = serde_json::to_value(&exact).unwrap();
+    assert_eq!(json["backlog_estimated"], false);
+
+    // Past it (4 x the bound in the queue, 2 x held): estimated and said so.
+    backlog(&pool, bound * 3, false).await;
+    backlog(&pool, bound * 2, true).await;
+    sqlx::query("VACUUM ANALYZE outbox_event")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let status = ops::status(&pool).await.unwrap();
+    assert!(status.backlog_estimated, "{status:?}");
+    let near = |n: i64, expected: i64| (n - expected).abs() <= expected / 10;
+    let held = bound * 2 + 40;
+    assert!(near(status.held, held), "{status:?}");
+    assert!(near(status.unpublished, bound * 4 + held), "{status:?}");
+    let (a, a_held) = topic(&status, "a");
+    let (b, b_held) = topic(&status, "b");
+    assert!(near(a, (bound * 4 + held) * 3 / 4), "{status:?}");
+    assert!(near(b, (bound * 4 + held) / 4), "{status:?}");
+    assert!(near(a_held + b_held, held), "{status:?}");
+    assert!(status.oldest_unpublished_secs.is_some());
+    let json = serde_json::to_value(&status).unwrap();
+    assert_eq!(json["backlog_estimated"], true);
+
+    // Published again below the bound: exact once more.
+    sqlx::query(
+        "UPDATE outbox_event SET published_at = now(), held_until = NULL
+         WHERE id > (SELECT min(id) + 99 FROM outbox_event)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let status = ops::status(&pool).await.unwrap();
+    assert!(!status.backlog_estimated, "{status:?}");
+    assert_eq!((status.unpublished, status.held), (100, 0));
 }

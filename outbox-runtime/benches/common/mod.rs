@@ -35,16 +35,33 @@ impl BenchDb {
         name: &str,
         max_connections: u32,
     ) -> Result<Self, Box<dyn std::error::Error>> {
+        Self::open(name, max_connections, false).await
+    }
+
+    /// [`BenchDb::create`], or with `reuse` the database `name` as it is
+    /// if it exists (created otherwise), with the migrations applied.
+    pub async fn open(
+        name: &str,
+        max_connections: u32,
+        reuse: bool,
+    ) -> Result<Self, Box<dyn std::error::Error>> {
         let url = std::env::var("DATABASE_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
         let admin_opts: PgConnectOptions = url.parse()?;
         let mut admin = admin_opts.connect().await?;
-        sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-            .execute(&mut admin)
-            .await?;
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&mut admin)
-            .await?;
+        let exists: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+                .bind(name)
+                .fetch_one(&mut admin)
+                .await?;
+        if !(reuse && exists) {
+            sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                .execute(&mut admin)
+                .await?;
+            sqlx::query(&format!("CREATE DATABASE {name}"))
+                .execute(&mut admin)
+                .await?;
+        }
         let opts = admin_opts.database(name);
         let url = format!(
             "postgres://{}@{}:{}/{name}",
