@@ -702,7 +702,8 @@ async fn operations(pool: &PgPool) -> Result<[f64; 4], Box<dyn std::error::Error
 /// The plans of replay's selection of one day, 30 days ago (the id range
 /// through the BRIN index, then the count over the primary key), run.
 async fn explain_replay(pool: &PgPool) -> Result<(), sqlx::Error> {
-    let range = "created_at >= now() - interval '30 days' AND created_at < now() - interval '29 days'";
+    let range =
+        "created_at >= now() - interval '30 days' AND created_at < now() - interval '29 days'";
     let (low, high): (Option<i64>, Option<i64>) = sqlx::query_as(&format!(
         "SELECT min(id), max(id) FROM (SELECT id FROM outbox_event WHERE {range} OFFSET 0) AS r"
     ))

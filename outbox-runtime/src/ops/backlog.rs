@@ -173,9 +173,7 @@ async fn index_entries(pool: &PgPool, oid: i64, index: &str) -> Result<f64> {
 /// Reads the backlog of the outbox table `oid` (see the module docs).
 pub(super) async fn read(pool: &PgPool, oid: i64) -> Result<Backlog> {
     let queue = kind(pool, QUEUE_SAMPLE, async |read, first, upto| {
-        let last: Option<i64> = sqlx::query_scalar(QUEUE_LAST)
-            .fetch_optional(pool)
-            .await?;
+        let last: Option<i64> = sqlx::query_scalar(QUEUE_LAST).fetch_optional(pool).await?;
         let span = (last.unwrap_or(upto).max(upto) - first + 1) as f64;
         let density = read as f64 / (upto - first + 1) as f64;
         Ok(span * density)
