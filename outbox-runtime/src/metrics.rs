@@ -128,6 +128,7 @@ pub(crate) async fn relay_task(pool: PgPool, stats: Arc<RelayStats>, shutdown: C
                     // another relay).
                     if let Ok(Ok(Some(0))) = sampled {
                         stats.failing_over();
+                        copy(stats.snapshot());
                     }
                 }
                 _ = shutdown.cancelled() => break,

@@ -143,7 +143,9 @@ async fn the_alerts_and_the_dashboard_use_only_series_the_code_emits(pool: PgPoo
             && value(&body, "outbox_parked_events", &[]) == Some(1.0)
             && value(&body, "outbox_backlog_events", &[]) == Some(0.0)
             && value(&body, "outbox_dead_letters", &[&g]) == Some(1.0)
-            && value(&body, "outbox_consumer_lag", &[&g]).is_some();
+            && value(&body, "outbox_consumer_lag", &[&g]).is_some()
+            // The poison's failed rounds end once nothing is left to publish.
+            && value(&body, "outbox_relay_consecutive_failures", &[]) == Some(0.0);
         if (settled && missing.is_empty()) || Instant::now() > deadline {
             break (body, missing);
         }
@@ -170,8 +172,6 @@ async fn the_alerts_and_the_dashboard_use_only_series_the_code_emits(pool: PgPoo
         Some(1.0),
         "{body}"
     );
-    // The poison's failed rounds ended when it was parked and nothing was
-    // left to publish.
     assert_eq!(
         value(&body, "outbox_relay_consecutive_failures", &[]),
         Some(0.0),
