@@ -441,11 +441,13 @@ async fn the_relay_survives_a_database_outage(pool: PgPool) {
         .connect_with(options.port(proxy.addr.port()))
         .await
         .unwrap();
-    let handle = relay(&relay_pool)
+    let relay = relay(&relay_pool)
         .outage_backoff(Duration::from_millis(50), Duration::from_millis(500))
         .poll_interval(Duration::from_millis(100))
-        .spawn()
+        .build()
         .unwrap();
+    let stats = relay.stats();
+    let handle = relay.spawn();
     let mut committed = commit_messages(&pool, &topic, 100, 5, 10).await;
     assert!(wait_until_published(&pool, Duration::from_secs(30)).await);
 
@@ -457,11 +459,28 @@ async fn the_relay_survives_a_database_outage(pool: PgPool) {
         unpublished(&pool).await > 0,
         "nothing can be marked while the relay's database is cut"
     );
+    // Claims refused (no connection) are failed rounds in a row
+    // (`outbox_relay_consecutive_failures`).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while stats.consecutive_failures() < 2 {
+        assert!(Instant::now() < deadline, "no failed rounds counted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     proxy.restore();
     assert!(
         wait_until_published(&pool, Duration::from_secs(60)).await,
         "backlog published after the outage"
     );
+    // A delivered batch ends them.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while stats.consecutive_failures() != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "still {} failed rounds after the outage",
+            stats.consecutive_failures()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert!(!handle.is_finished(), "the relay kept running");
     handle.shutdown().await.unwrap();
 
