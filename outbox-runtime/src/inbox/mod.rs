@@ -779,6 +779,7 @@ impl Consumer {
         // (a panic) stops the consumer with its error.
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(crate::metrics::consumer_task(
+            pool.clone(),
             config.group.clone(),
             stats.clone(),
             background.clone(),

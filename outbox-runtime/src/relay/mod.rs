@@ -441,6 +441,8 @@ pub struct RelayStats {
     withheld: AtomicU64,
     batches: AtomicU64,
     order_violations: AtomicU64,
+    /// Failed rounds in a row (see [`RelayStats::consecutive_failures`]).
+    failing: AtomicU64,
     lanes: std::sync::Mutex<Vec<i32>>,
 }
 
@@ -467,6 +469,26 @@ impl RelayStats {
     /// The lanes this relay claims from right now (empty without lanes).
     pub fn lanes(&self) -> Vec<i32> {
         self.lanes.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// Failed rounds in a row: batches of which no event was delivered
+    /// while some delivery failed, and claims or marks the database
+    /// refused. Back to 0 once a batch delivers an event, or when the
+    /// outbox has nothing left to publish (the failing rows were parked).
+    /// Exported as the `outbox_relay_consecutive_failures` gauge.
+    pub fn consecutive_failures(&self) -> u64 {
+        self.failing.load(Ordering::Relaxed)
+    }
+
+    /// Counts a failed round.
+    fn failed_round(&self) {
+        self.failing.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Ends a run of failed rounds: events were delivered, or nothing is
+    /// left to deliver.
+    pub(crate) fn failing_over(&self) {
+        self.failing.store(0, Ordering::Relaxed);
     }
 
     /// The current counts.
@@ -938,6 +960,7 @@ impl Loop<'_> {
                     self.in_flight = Some(self.send(publisher, batch));
                 }
                 Some(Err(error)) => {
+                    self.stats.failed_round();
                     let wait = self.database.down(&error);
                     self.sleep(wait, shutdown).await;
                 }
@@ -1091,6 +1114,7 @@ impl Loop<'_> {
         let mut withheld_rows = Vec::new();
         // The row of each failure, in the order of `failures`.
         let mut failed_rows = Vec::new();
+        let mut failed_deliveries = 0_u64;
         for (row, outcome) in batch.rows.iter().zip(outcomes) {
             let key_failed = failed_keys.contains(&row.partition_key);
             match outcome {
@@ -1111,6 +1135,7 @@ impl Loop<'_> {
                 }
                 Outcome::Failed(kind, error) => {
                     self.stats.failed.fetch_add(1, Ordering::Relaxed);
+                    failed_deliveries += 1;
                     if !key_failed {
                         failed_keys.push(row.partition_key.clone());
                         let held = self.held.entry(row.partition_key.clone()).or_insert(seq);
@@ -1224,6 +1249,11 @@ impl Loop<'_> {
         if transient.is_none() {
             self.broker.up();
         }
+        if !published.is_empty() {
+            self.stats.failing_over();
+        } else if failed_deliveries > 0 {
+            self.stats.failed_round();
+        }
         self.stats
             .published
             .fetch_add(published.len() as u64, Ordering::Relaxed);
@@ -1273,6 +1303,7 @@ impl Loop<'_> {
                 Err(error) => {
                     // The batch's transaction rolled back: its rows stay
                     // unpublished and are sent again (at least once).
+                    self.stats.failed_round();
                     self.database.down(&error);
                 }
             }
