@@ -99,14 +99,14 @@ async fn overview_page(console: &Console, headers: &HeaderMap) -> Page {
     let _ = write!(
         body,
         "<p class=\"muted\">Outbox table in schema <code>{}</code>; commit-time NOTIFY {} \
-         (channel <code>{}</code>). Published counts are {}; every other count is exact.</p>",
+         (channel <code>{}</code>). {}</p>",
         esc(&s.schema),
         if s.notify_enabled { "on" } else { "off" },
         esc(&s.channel),
         if s.estimated {
-            "estimates from the table's statistics"
+            "Published counts are estimates from the table's statistics; every other count is exact."
         } else {
-            "exact"
+            "Every count is exact."
         },
     );
     body.push_str(&chart_script(&console.link("/api/overview")));
