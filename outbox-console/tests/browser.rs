@@ -170,13 +170,19 @@ async fn pages_show_the_rows_and_a_write_without_login_is_refused(pool: PgPool) 
 
     client.goto(&format!("{base}/parked")).await.unwrap();
     let row = text_of(&client, &format!("tr[data-id=\"{id}\"]")).await;
-    assert!(row.contains("order-17") && row.contains("Unknown topic"), "{row}");
+    assert!(
+        row.contains("order-17") && row.contains("Unknown topic"),
+        "{row}"
+    );
     screenshot(&client, "parked").await;
 
     client.goto(&format!("{base}/parked/{id}")).await.unwrap();
     assert_eq!(text_of(&client, "#state").await, "parked");
     let payload = text_of(&client, "#payload").await;
-    assert!(payload.contains("<script>alert('x')</script>"), "shown as text: {payload}");
+    assert!(
+        payload.contains("<script>alert('x')</script>"),
+        "shown as text: {payload}"
+    );
     let source = client.source().await.unwrap();
     assert!(!source.contains("sekrit"));
     screenshot(&client, "detail").await;
@@ -300,7 +306,10 @@ async fn a_parked_row_requeued_in_the_browser_is_published(pool: PgPool) {
         if text_of(&client, "#state").await == "published" {
             break;
         }
-        assert!(Instant::now() < deadline, "the requeued row was not published");
+        assert!(
+            Instant::now() < deadline,
+            "the requeued row was not published"
+        );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     screenshot(&client, "published").await;
@@ -316,7 +325,11 @@ async fn a_parked_row_requeued_in_the_browser_is_published(pool: PgPool) {
     let log = outbox_console::audit_log(&pool, None, 10).await.unwrap();
     assert_eq!(log.len(), 1);
     assert_eq!(
-        (log[0].operator.as_str(), log[0].action.as_str(), log[0].ids.as_slice()),
+        (
+            log[0].operator.as_str(),
+            log[0].action.as_str(),
+            log[0].ids.as_slice()
+        ),
         ("ann", "parked_requeue", &[id][..])
     );
     client.close().await.unwrap();
