@@ -111,7 +111,7 @@ pub struct PartitionLag {
 }
 
 /// Most topics [`lag`] asks about (the broker's first ones by name).
-pub const MAX_LAG_TOPICS: usize = 500;
+pub const MAX_LAG_TOPICS: usize = 5000;
 
 /// The lag of `group` on every partition it has committed an offset on:
 /// one metadata request, one offset fetch for the partitions of (at most
