@@ -76,6 +76,12 @@ impl Action {
             }
         }
     }
+    fn nav(self) -> Nav {
+        match self {
+            Self::ParkedRequeue | Self::ParkedDrop => Nav::Parked,
+            Self::DeadLetterRetry | Self::DeadLetterDrop => Nav::DeadLetters,
+        }
+    }
     fn path(self) -> &'static str {
         match self {
             Self::ParkedRequeue | Self::ParkedDrop => "/parked",
@@ -259,7 +265,7 @@ async fn action(
         esc(&console.link(a.path())),
         esc(&console.link("/audit"))
     );
-    Ok(page(console, Nav::Audit, "Done", Some(&who.0), &body).into_response())
+    Ok(page(console, a.nav(), "Done", Some(&who.0), &body).into_response())
 }
 
 /// The confirmation step: what will be done, and the reason to give.
@@ -312,7 +318,7 @@ fn confirmation(
         a.what(),
         esc(&console.link(a.path())),
     );
-    page(console, Nav::Audit, "Confirm", Some(&who.0), &body).into_response()
+    page(console, a.nav(), "Confirm", Some(&who.0), &body).into_response()
 }
 
 /// The change and its audit record, in one transaction.

@@ -340,9 +340,14 @@ pub fn chart_script(url: &str) -> String {
   function tick() {{
     fetch(url, {{ headers: {{ 'Accept': 'application/json' }} }}).then(function (r) {{ return r.json(); }}).then(function (o) {{
       draw(o.points || []);
+      [['unpublished', o.unpublished], ['age', o.oldest_unpublished], ['held', o.held], ['parked', o.parked],
+       ['discarded', o.discarded], ['published', o.published], ['relays', o.relays]].forEach(function (f) {{
+        var el = document.querySelector('[data-total="' + f[0] + '"]'); if (el) el.textContent = f[1];
+      }});
       (o.topics || []).forEach(function (t) {{
         set(t.topic, 'unpublished', t.unpublished); set(t.topic, 'age', t.oldest_unpublished);
-        set(t.topic, 'parked', t.parked);
+        set(t.topic, 'held', t.held); set(t.topic, 'parked', t.parked);
+        set(t.topic, 'discarded', t.discarded); set(t.topic, 'published', t.published);
         set(t.topic, 'rate', t.published_per_sec == null ? '–' : t.published_per_sec.toFixed(1) + '/s');
       }});
       var u = document.getElementById('updated'); if (u) u.textContent = new Date().toLocaleTimeString();

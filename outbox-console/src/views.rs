@@ -39,13 +39,13 @@ async fn overview_page(console: &Console, headers: &HeaderMap) -> Page {
     };
     let mut body = format!(
         "<h1>Overview</h1><div class=\"cards\">\
-         <div class=\"card\"><b id=\"total-unpublished\">{}</b><span>unpublished</span></div>\
-         <div class=\"card\"><b>{}</b><span>oldest unpublished</span></div>\
-         <div class=\"card\"><b>{}</b><span>held</span></div>\
-         <div class=\"card\"><b><a href=\"{}\">{}</a></b><span>parked</span></div>\
-         <div class=\"card\"><b>{}</b><span>dropped</span></div>\
-         <div class=\"card\"><b>{}</b><span>published{}</span></div>\
-         <div class=\"card\"><b><a href=\"{}\">{}</a></b><span>relays</span></div></div>",
+         <div class=\"card\"><b data-total=\"unpublished\">{}</b><span>unpublished</span></div>\
+         <div class=\"card\"><b data-total=\"age\">{}</b><span>oldest unpublished</span></div>\
+         <div class=\"card\"><b data-total=\"held\">{}</b><span>held</span></div>\
+         <div class=\"card\"><b><a href=\"{}\" data-total=\"parked\">{}</a></b><span>parked</span></div>\
+         <div class=\"card\"><b data-total=\"discarded\">{}</b><span>dropped</span></div>\
+         <div class=\"card\"><b data-total=\"published\">{}</b><span>published{}</span></div>\
+         <div class=\"card\"><b><a href=\"{}\" data-total=\"relays\">{}</a></b><span>relays</span></div></div>",
         s.unpublished,
         age(s.oldest_unpublished_secs),
         s.held,
@@ -80,11 +80,12 @@ async fn overview_page(console: &Console, headers: &HeaderMap) -> Page {
             body,
             "<tr><td>{topic}</td>\
              <td class=\"num\" data-topic=\"{topic}\" data-field=\"unpublished\">{}</td>\
-             <td class=\"num\">{}</td>\
+             <td class=\"num\" data-topic=\"{topic}\" data-field=\"held\">{}</td>\
              <td class=\"num\" data-topic=\"{topic}\" data-field=\"age\">{}</td>\
              <td class=\"num\" data-topic=\"{topic}\" data-field=\"rate\">{rate}</td>\
              <td class=\"num\"><a href=\"{}?topic={}\" data-topic=\"{topic}\" data-field=\"parked\">{}</a></td>\
-             <td class=\"num\">{}</td><td class=\"num\">{}</td></tr>",
+             <td class=\"num\" data-topic=\"{topic}\" data-field=\"discarded\">{}</td>\
+             <td class=\"num\" data-topic=\"{topic}\" data-field=\"published\">{}</td></tr>",
             t.unpublished,
             t.held,
             age(t.oldest_unpublished_secs),
@@ -136,16 +137,31 @@ pub async fn overview_json(State(console): State<Shared>) -> Response {
                         "held": t.held,
                         "parked": t.parked,
                         "discarded": t.discarded,
+                        "published": if snap.status.estimated { format!("~{}", t.published) } else { t.published.to_string() },
                         "oldest_unpublished_secs": t.oldest_unpublished_secs,
                         "oldest_unpublished": age(t.oldest_unpublished_secs),
                         "published_per_sec": snap.rates.get(&t.topic),
                     })
                 })
                 .collect();
+            let s = &snap.status;
+            let published = |n: i64| {
+                if s.estimated {
+                    format!("~{n}")
+                } else {
+                    n.to_string()
+                }
+            };
             Json(json!({
-                "unpublished": snap.status.unpublished,
-                "parked": snap.status.parked,
-                "oldest_unpublished_secs": snap.status.oldest_unpublished_secs,
+                "unpublished": s.unpublished,
+                "held": s.held,
+                "parked": s.parked,
+                "discarded": s.discarded,
+                "published": published(s.published),
+                "published_estimated": s.estimated,
+                "oldest_unpublished_secs": s.oldest_unpublished_secs,
+                "oldest_unpublished": age(s.oldest_unpublished_secs),
+                "relays": s.relays.len(),
                 "topics": topics,
                 "points": snap.points,
             }))

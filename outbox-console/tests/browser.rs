@@ -313,7 +313,29 @@ async fn a_parked_row_requeued_in_the_browser_is_published(pool: PgPool) {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     screenshot(&client, "published").await;
-    // The overview's chart, once it has two intervals to draw.
+    // The overview while the relay publishes a stream of events: the chart
+    // draws once it has two intervals.
+    let writer = tokio::spawn({
+        let pool = pool.clone();
+        let topic = topic.clone();
+        async move {
+            for round in 0..16 {
+                sqlx::query(
+                    "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                               payload, topic, partition_key)
+                     SELECT gen_random_uuid(), 'Order', 'o' || g, 'OrderPlaced',
+                            jsonb_build_object('order_id', g), $1, 'o' || g
+                     FROM generate_series($2::int8, $2::int8 + 24) AS g",
+                )
+                .bind(&topic)
+                .bind(round * 100)
+                .execute(&pool)
+                .await
+                .unwrap();
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }
+    });
     client.goto(&format!("{base}/")).await.unwrap();
     client
         .wait()
@@ -321,6 +343,22 @@ async fn a_parked_row_requeued_in_the_browser_is_published(pool: PgPool) {
         .for_element(Locator::Css("#chart path"))
         .await
         .expect("the chart draws its lines");
+    writer.await.unwrap();
+    // The page itself follows: every row published (the requeued one and
+    // the 400 written), without reloading it.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let published = text_of(&client, "[data-total=\"published\"]").await;
+        let unpublished = text_of(&client, "[data-total=\"unpublished\"]").await;
+        if (published.as_str(), unpublished.as_str()) == ("401", "0") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the overview shows {published} published, {unpublished} unpublished"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     screenshot(&client, "overview-live").await;
     let log = outbox_console::audit_log(&pool, None, 10).await.unwrap();
     assert_eq!(log.len(), 1);
