@@ -169,3 +169,59 @@ pub fn lag(
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The groups' queries read indexes: 30,000 dedup rows of three groups,
+    /// 3,000 processed inbox rows, resolved dead letters, fresh statistics;
+    /// no sequential scan in their plans, and the summary is right.
+    #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+    async fn group_queries_never_scan_the_tables(pool: PgPool) {
+        for sql in [
+            "INSERT INTO processed_event (consumer, event_id)
+             SELECT 'g' || (g % 3), gen_random_uuid() FROM generate_series(1, 30000) AS g",
+            "INSERT INTO inbox_event (consumer, event_id, payload, processed)
+             SELECT 'g1', gen_random_uuid(), '{}', g > 5 FROM generate_series(1, 3000) AS g",
+            r#"INSERT INTO dead_letter (consumer, topic, "partition", "offset", reason, error, status)
+               SELECT 'g' || (g % 4), 't', 0, g, 'handler_failed', 'boom',
+                      CASE WHEN g <= 3 THEN 'dead' WHEN g = 4 THEN 'retry' ELSE 'resolved' END
+               FROM generate_series(1, 20000) AS g"#,
+            "VACUUM ANALYZE processed_event",
+            "VACUUM ANALYZE inbox_event",
+            "VACUUM ANALYZE dead_letter",
+        ] {
+            sqlx::query(sql).execute(&pool).await.unwrap();
+        }
+        let queries = [
+            skip_scan("processed_event"),
+            skip_scan("inbox_event"),
+            skip_scan("dead_letter"),
+            INBOX_PENDING.to_owned(),
+            OPEN_DEAD_LETTERS.to_owned(),
+        ];
+        for sql in &queries {
+            let plan: Vec<String> = sqlx::query_scalar(&format!("EXPLAIN {sql}"))
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+            let plan = plan.join("\n");
+            assert!(!plan.contains("Seq Scan"), "{sql}\n{plan}");
+        }
+        let summary = groups(&pool).await.unwrap();
+        let seen: Vec<(&str, i64, i64, i64)> = summary
+            .iter()
+            .map(|g| (g.group.as_str(), g.inbox_pending, g.dead, g.retry))
+            .collect();
+        assert_eq!(
+            seen,
+            vec![
+                ("g0", 0, 0, 1),
+                ("g1", 5, 1, 0),
+                ("g2", 0, 1, 0),
+                ("g3", 0, 1, 0)
+            ]
+        );
+    }
+}
