@@ -6,6 +6,8 @@
 #   - a Kafka-protocol broker (tansu) on 127.0.0.1:9092 (installed with cargo if missing),
 #   - promtool, which the tests of the Prometheus alert rules run (Debian's
 #     prometheus package, installed if missing; its server is not started).
+#   - Chromium and chromedriver for the web console's browser tests (Debian
+#     packages, installed if missing).
 # Fast when everything is already up. PID files and logs: $OUTBOX_SERVICES_DIR
 # (default: .services/ in the repository).
 #
@@ -60,6 +62,17 @@ promtool_up() {
     { apt-get -o DPkg::Lock::Timeout=300 update -qq &&
         DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends prometheus >/dev/null; } ||
         log "could not install the prometheus package: the alert rule tests will fail"
+}
+
+browser_up() {
+    command -v dpkg >/dev/null 2>&1 || return 0
+    local missing=()
+    dpkg -s chromium >/dev/null 2>&1 || missing+=(chromium)
+    dpkg -s chromium-driver >/dev/null 2>&1 || missing+=(chromium-driver)
+    if ((${#missing[@]})); then
+        log "installing ${missing[*]} (a headless browser for the console's browser tests)"
+        apt-get -o DPkg::Lock::Timeout=300 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    fi
 }
 
 postgres_up() {
@@ -131,6 +144,7 @@ case "${1:-start}" in
 start)
     build_deps_up
     promtool_up
+    browser_up
     postgres_up
     broker_up
     log "ready: postgres://postgres@$PG_HOST:$PG_PORT, kafka $KAFKA_HOST:$KAFKA_PORT"

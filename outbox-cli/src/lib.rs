@@ -5,7 +5,8 @@
 //! are never printed.
 //!
 //! Modules: `args` (the command line), `config` (where settings come from),
-//! `commands` (the subcommands), `output` (tables), `schema` (event schemas).
+//! `commands` (the subcommands), `console` (the web console's command),
+//! `output` (tables), `schema` (event schemas).
 //!
 //! The library is the whole command: an application that wants
 //! `outbox schema export` builds its own `outbox` binary around its event
@@ -14,6 +15,7 @@
 mod args;
 mod commands;
 mod config;
+mod console;
 mod output;
 mod schema;
 

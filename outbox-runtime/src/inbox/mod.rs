@@ -44,6 +44,7 @@ mod db;
 pub mod dead_letter;
 mod dedup;
 mod dispatch;
+pub mod groups;
 #[cfg(feature = "testing")]
 pub(crate) mod harness;
 mod poller;
