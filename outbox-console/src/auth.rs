@@ -15,8 +15,10 @@ use axum::Form;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
+use hmac::{Hmac, Mac};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
 
 use crate::error::ConsoleError;
 use crate::html::{Nav, esc, page};
@@ -35,29 +37,19 @@ pub const MAX_NAME: usize = 64;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Operator(pub String);
 
-/// HMAC-SHA256 (RFC 2104).
-fn hmac(key: &[u8], message: &[u8]) -> [u8; 32] {
-    let mut block = [0u8; 64];
-    if key.len() > 64 {
-        block[..32].copy_from_slice(&Sha256::digest(key));
-    } else {
-        block[..key.len()].copy_from_slice(key);
-    }
-    let mut inner = Sha256::new();
-    inner.update(block.map(|b| b ^ 0x36));
-    inner.update(message);
-    let mut outer = Sha256::new();
-    outer.update(block.map(|b| b ^ 0x5c));
-    outer.update(inner.finalize());
-    outer.finalize().into()
+type HmacSha256 = Hmac<Sha256>;
+
+/// The MAC of a session's fields, keyed by the write token.
+fn session_mac(token: &str, name_hex: &str, expires: u64) -> HmacSha256 {
+    let mut mac =
+        HmacSha256::new_from_slice(token.as_bytes()).expect("HMAC takes keys of any length");
+    mac.update(format!("outbox-console|{name_hex}|{expires}").as_bytes());
+    mac
 }
 
 /// Equality of two byte strings in time independent of where they differ.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.ct_eq(b).into()
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -83,10 +75,7 @@ fn now_secs() -> u64 {
 /// The cookie value for `name` until `expires` (Unix seconds).
 fn session_value(token: &str, name: &str, expires: u64) -> String {
     let name = hex(name.as_bytes());
-    let mac = hmac(
-        token.as_bytes(),
-        format!("outbox-console|{name}|{expires}").as_bytes(),
-    );
+    let mac = session_mac(token, &name, expires).finalize().into_bytes();
     format!("{name}.{expires}.{}", hex(&mac))
 }
 
@@ -98,12 +87,13 @@ fn check_session(token: &str, value: &str, now: u64) -> Option<Operator> {
         return None;
     }
     let expires: u64 = expires.parse().ok()?;
-    let expected = hmac(
-        token.as_bytes(),
-        format!("outbox-console|{name_hex}|{expires}").as_bytes(),
-    );
     let mac = unhex(mac)?;
-    if !constant_time_eq(&mac, &expected) || expires <= now {
+    // verify_slice compares in constant time.
+    if session_mac(token, name_hex, expires)
+        .verify_slice(&mac)
+        .is_err()
+        || expires <= now
+    {
         return None;
     }
     String::from_utf8(unhex(name_hex)?).ok().map(Operator)
@@ -274,9 +264,10 @@ mod tests {
     #[test]
     fn hmac_matches_rfc_4231() {
         // Test case 2 of RFC 4231.
-        let mac = hmac(b"Jefe", b"what do ya want for nothing?");
+        let mut mac = HmacSha256::new_from_slice(b"Jefe").unwrap();
+        mac.update(b"what do ya want for nothing?");
         assert_eq!(
-            hex(&mac),
+            hex(&mac.finalize().into_bytes()),
             "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
         );
     }
