@@ -310,24 +310,27 @@ impl UnitOfWork {
     /// the `otel` feature, when that span has an OpenTelemetry context, the
     /// rows carry it as their `traceparent` (unless the application set the
     /// trace context itself), so a consumer's handling is its child.
-    pub async fn commit(mut self) -> Result<Committed> {
+    pub async fn commit(self) -> Result<Committed> {
         let span = tracing::info_span!("outbox.commit", events = self.messages.len());
         #[cfg(feature = "otel")]
-        self.adopt_trace_of(&span);
-        self.commit_in_span().instrument(span).await
+        let uow = self.with_trace_of(&span);
+        #[cfg(not(feature = "otel"))]
+        let uow = self;
+        uow.commit_in_span().instrument(span).await
     }
 
     /// With OpenTelemetry: the commit span's context replaces the trace the
     /// Unit of Work chose itself.
     #[cfg(feature = "otel")]
-    fn adopt_trace_of(&mut self, span: &tracing::Span) {
+    fn with_trace_of(mut self, span: &tracing::Span) -> Self {
         if self.messages.is_empty() || self.headers.traceparent != self.own_trace {
-            return;
+            return self;
         }
         if let Some((parent, state)) = TraceParent::of_span(span) {
             self.headers.traceparent = Some(parent.to_string());
             self.headers.tracestate = state;
         }
+        self
     }
 
     async fn commit_in_span(mut self) -> Result<Committed> {

@@ -54,14 +54,14 @@ fn init_tracing() -> Result<Option<outbox::telemetry::TelemetryGuard>, outbox::r
     Ok(guard)
 }
 
-/// Logs (`RUST_LOG`, default `info`).
+/// Logs (`RUST_LOG`, default `info`). No guard without the `otel` feature.
 #[cfg(not(feature = "otel"))]
-fn init_tracing() -> Result<(), std::convert::Infallible> {
+fn init_tracing() -> Result<Option<()>, std::convert::Infallible> {
     tracing_subscriber::fmt()
         .with_env_filter(log_filter())
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    Ok(())
+    Ok(None)
 }
 
 fn log_filter() -> tracing_subscriber::EnvFilter {
