@@ -12,12 +12,13 @@
 //!
 //! The environment, as the OpenTelemetry SDK and the OTLP exporter read it:
 //! `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`),
-//! `OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_EXPORTER_OTLP_TIMEOUT`,
-//! `OTEL_EXPORTER_OTLP_COMPRESSION` (and their `_TRACES_` forms),
+//! `OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_EXPORTER_OTLP_TIMEOUT` (and their
+//! `_TRACES_` forms),
 //! `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER`,
 //! `OTEL_TRACES_SAMPLER_ARG`, `OTEL_BSP_*` (the batch span processor),
 //! `OTEL_SDK_DISABLED`. Only `http/protobuf` is built in
-//! (`OTEL_EXPORTER_OTLP_PROTOCOL`, if set, must name it).
+//! (`OTEL_EXPORTER_OTLP_PROTOCOL`, if set, must name it), without
+//! compression (`OTEL_EXPORTER_OTLP_COMPRESSION` set is an error at start).
 
 use std::time::Duration;
 
@@ -98,6 +99,7 @@ where
     S: tracing::Subscriber + for<'span> LookupSpan<'span>,
 {
     check_protocol()?;
+    check_endpoints()?;
     let exporter = SpanExporter::builder()
         .with_http()
         .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
@@ -152,6 +154,33 @@ fn check_protocol() -> Result<()> {
                     "OpenTelemetry: {name}={value} is not supported: this build exports over http/protobuf only"
                 )));
             }
+        }
+    }
+    Ok(())
+}
+
+/// Refuses an endpoint that is not an `http://` or `https://` URL (the
+/// exporter would quietly fall back to `localhost:4318`).
+fn check_endpoints() -> Result<()> {
+    for name in [
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+    ] {
+        let Ok(value) = std::env::var(name) else {
+            continue;
+        };
+        let value = value.trim();
+        if value.is_empty() {
+            continue;
+        }
+        let valid = reqwest::Url::parse(value).is_ok_and(|url| {
+            matches!(url.scheme(), "http" | "https")
+                && url.host_str().is_some_and(|h| !h.is_empty())
+        });
+        if !valid {
+            return Err(Error::Config(format!(
+                "OpenTelemetry: {name}={value} is not an http:// or https:// URL"
+            )));
         }
     }
     Ok(())

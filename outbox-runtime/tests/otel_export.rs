@@ -1,8 +1,9 @@
 //! `telemetry::init` configured by the `OTEL_*` environment only: the test
 //! runs itself again as a child process with the variables set (the
 //! environment is the process's), and a collector of its own — a plain
-//! HTTP listener — receives what the child exports. Also: a protocol this
-//! build cannot speak stops the child with a message naming it.
+//! HTTP listener — receives what the child exports. Also: a protocol or a
+//! compression this build lacks, or an endpoint that is not a URL, stops the
+//! child with a message naming it.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
@@ -85,6 +86,8 @@ fn run_child(test: &str, env: &[(&str, &str)]) -> Output {
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
         "OTEL_EXPORTER_OTLP_PROTOCOL",
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_COMPRESSION",
+        "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
         "OTEL_SERVICE_NAME",
         "OTEL_RESOURCE_ATTRIBUTES",
         "OTEL_SDK_DISABLED",
@@ -189,4 +192,35 @@ fn an_unsupported_protocol_is_refused_with_its_name() {
         stderr.contains("OTEL_EXPORTER_OTLP_PROTOCOL=grpc is not supported"),
         "{stderr}"
     );
+}
+
+#[test]
+fn a_bad_endpoint_or_a_compression_not_built_in_is_refused() {
+    if std::env::var_os(CHILD).is_some() {
+        export_one_span();
+        return;
+    }
+    let test = "a_bad_endpoint_or_a_compression_not_built_in_is_refused";
+    let output = run_child(
+        test,
+        &[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://bad host:4318")],
+    );
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("OTEL_EXPORTER_OTLP_ENDPOINT=http://bad host:4318 is not an http"),
+        "{stderr}"
+    );
+
+    let (endpoint, _) = collector();
+    let output = run_child(
+        test,
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+            ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip"),
+        ],
+    );
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("gzip"), "{stderr}");
 }
