@@ -21,13 +21,17 @@
 //! (rows held back out of the claim's index), [`lanes`](self::lanes)
 //! (lane ownership across relays), [`publish`](self::publish) (the producer),
 //! [`topics`](self::topics) (topics missing on the broker),
-//! [`wake`](self::wake) (LISTEN/NOTIFY and polling).
+//! [`wake`](self::wake) (LISTEN/NOTIFY and polling), `trace_links` (with
+//! the `otel` feature: the links of each batch's `outbox.relay.batch` span
+//! to its events' traces).
 
 pub(crate) mod claim;
 pub(crate) mod held;
 pub(crate) mod lanes;
 pub(crate) mod publish;
 pub(crate) mod topics;
+#[cfg(feature = "otel")]
+mod trace_links;
 mod wake;
 
 use std::collections::HashMap;
@@ -707,6 +711,9 @@ struct InFlight {
     sent_at: Instant,
     outcomes: Vec<Option<Outcome>>,
     pending: Vec<(usize, rdkafka::producer::DeliveryFuture)>,
+    /// The batch's `outbox.relay.batch` span, from the hand-over to the
+    /// producer until the deliveries are evaluated.
+    span: tracing::Span,
 }
 
 impl InFlight {
@@ -906,6 +913,7 @@ impl Loop<'_> {
                 let start = Instant::now();
                 let sent_at = in_flight.sent_at;
                 let in_flight_seq = in_flight.seq;
+                let batch_span = in_flight.span.clone();
                 let mut deliveries = std::pin::pin!(in_flight.deliveries());
                 let (batch, outcomes) = tokio::select! {
                     delivered = &mut deliveries => delivered,
@@ -917,6 +925,8 @@ impl Loop<'_> {
                 self.latency.record(sent_at.elapsed());
                 delivery_time = start.elapsed();
                 let evaluated = self.evaluate(in_flight_seq, &batch, outcomes);
+                batch_span.record("published", evaluated.published.len());
+                drop(batch_span);
                 delivered_some = !evaluated.published.is_empty();
                 transient = evaluated.transient.clone();
                 if claimed.is_none() {
@@ -1084,7 +1094,19 @@ impl Loop<'_> {
                 go.push(i);
             }
         }
-        let pending = publisher.send(&batch.rows, go, &mut outcomes);
+        let span = tracing::info_span!(
+            parent: None,
+            "outbox.relay.batch",
+            batch = seq,
+            rows = batch.rows.len(),
+            sent = go.len(),
+            published = tracing::field::Empty,
+            links = tracing::field::Empty,
+            links_dropped = tracing::field::Empty,
+        );
+        #[cfg(feature = "otel")]
+        trace_links::link_events(&span, &batch.rows, &go);
+        let pending = span.in_scope(|| publisher.send(&batch.rows, go, &mut outcomes));
         // Rows held back now (here, or by the producer: a full queue, an
         // earlier row of their key refused) keep their keys held.
         for (row, outcome) in batch.rows.iter().zip(&outcomes) {
@@ -1098,6 +1120,7 @@ impl Loop<'_> {
             sent_at: Instant::now(),
             outcomes,
             pending,
+            span,
         }
     }
 
