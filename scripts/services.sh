@@ -3,7 +3,11 @@
 #   - the system OpenSSL headers and pkg-config that the TLS builds of
 #     librdkafka and sqlx link against (Debian packages, installed if missing),
 #   - PostgreSQL on 127.0.0.1:5432 (started if installed but down; installed if missing),
-#   - a Kafka-protocol broker (tansu) on 127.0.0.1:9092 (installed with cargo if missing).
+#   - a Kafka-protocol broker (tansu) on 127.0.0.1:9092 (installed with cargo if missing),
+#   - promtool, which the tests of the Prometheus alert rules run (Debian's
+#     prometheus package, installed if missing; its server is not started).
+#   - Chromium and chromedriver for the web console's browser tests (Debian
+#     packages, installed if missing).
 # Fast when everything is already up. PID files and logs: $OUTBOX_SERVICES_DIR
 # (default: .services/ in the repository).
 #
@@ -44,6 +48,30 @@ build_deps_up() {
     if ((${#missing[@]})); then
         log "installing ${missing[*]} (OpenSSL for the TLS builds of librdkafka and sqlx)"
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    fi
+}
+
+# promtool checks and unit-tests deploy/prometheus/outbox-alerts.yml
+# (outbox-runtime/tests/alert_rules.rs). Debian ships it in the prometheus
+# package; the server it also contains is not started (installed only).
+promtool_up() {
+    command -v promtool >/dev/null 2>&1 && return 0
+    command -v apt-get >/dev/null 2>&1 || { log "promtool is missing and apt-get is not available: the alert rule tests will fail"; return 0; }
+    log "installing promtool (Debian's prometheus package) for the alert rule tests"
+    # Not fatal: without it only the alert rule tests fail (and say why).
+    { apt-get -o DPkg::Lock::Timeout=300 update -qq &&
+        DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends prometheus >/dev/null; } ||
+        log "could not install the prometheus package: the alert rule tests will fail"
+}
+
+browser_up() {
+    command -v dpkg >/dev/null 2>&1 || return 0
+    local missing=()
+    dpkg -s chromium >/dev/null 2>&1 || missing+=(chromium)
+    dpkg -s chromium-driver >/dev/null 2>&1 || missing+=(chromium-driver)
+    if ((${#missing[@]})); then
+        log "installing ${missing[*]} (a headless browser for the console's browser tests)"
+        apt-get -o DPkg::Lock::Timeout=300 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     fi
 }
 
@@ -115,6 +143,8 @@ broker_stop() {
 case "${1:-start}" in
 start)
     build_deps_up
+    promtool_up
+    browser_up
     postgres_up
     broker_up
     log "ready: postgres://postgres@$PG_HOST:$PG_PORT, kafka $KAFKA_HOST:$KAFKA_PORT"

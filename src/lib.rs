@@ -131,6 +131,12 @@ pub use outbox_core::contracts;
 #[cfg(feature = "testing")]
 pub use outbox_runtime::testing;
 
+/// OpenTelemetry export (`otel` feature): the OTLP layer configured by the
+/// `OTEL_*` environment variables and its flushing guard. See the README's
+/// "Tracing with OpenTelemetry".
+#[cfg(all(feature = "otel", feature = "runtime"))]
+pub use outbox_runtime::telemetry;
+
 /// The names most applications need: `use outbox::prelude::*;`.
 pub mod prelude {
     pub use crate::{

@@ -53,6 +53,7 @@ impl Cli {
                 settings.relay = relay.settings();
             }
             Command::Replay(replay) => settings.kafka = replay.kafka.settings()?,
+            Command::Console(console) => settings.kafka = console.kafka.settings()?,
             Command::Topics(TopicsCommand::Create { kafka, .. }) => {
                 settings.kafka = kafka.settings()?
             }
@@ -111,6 +112,10 @@ pub(crate) enum Command {
     /// `outbox_cli::run_with`), check them against a committed snapshot.
     #[command(subcommand)]
     Schema(SchemaCommand),
+    /// A web console for operators: backlog and throughput per topic,
+    /// relays, consumer groups, parked rows and dead letters (requeue,
+    /// retry, drop: with a write token only), until SIGINT/SIGTERM.
+    Console(ConsoleArgs),
     /// Show the settings in effect and where each comes from (flag,
     /// environment, file, default); secrets as ***.
     Config {
@@ -146,6 +151,25 @@ pub(crate) enum SchemaCommand {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// `outbox console`.
+#[derive(Args)]
+pub(crate) struct ConsoleArgs {
+    /// Address to serve on, e.g. 127.0.0.1:8080 (plain HTTP: keep it on
+    /// loopback or behind a TLS proxy).
+    #[arg(long, value_name = "ADDR")]
+    pub addr: SocketAddr,
+    /// File holding the write token (readable by its owner only); without
+    /// it or OUTBOX_CONSOLE_WRITE_TOKEN in the environment the console is
+    /// read-only. There is no flag taking the token itself: a command line
+    /// is visible to every user of the machine.
+    #[arg(long, value_name = "PATH")]
+    pub write_token_file: Option<PathBuf>,
+    /// Brokers to read the consumer groups' lag from (also KAFKA_BROKERS
+    /// or the configuration file); without any, no lag is shown.
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
 }
 
 /// How a schema change waits for table locks.

@@ -25,7 +25,7 @@ pub(crate) struct Ctx {
 impl Ctx {
     /// A pool of at most `max` connections on the database, connecting
     /// lazily (the first query reports an unreachable server).
-    async fn pool(&self, max: u32) -> Result<PgPool, Error> {
+    pub(crate) async fn pool(&self, max: u32) -> Result<PgPool, Error> {
         let database = &self.settings.database;
         let options = database.connect_options()?;
         tracing::debug!(
@@ -158,6 +158,7 @@ pub(crate) async fn run(ctx: Ctx, command: Command) -> Result<(), Error> {
                 if on { "on" } else { "off" }
             );
         }
+        Command::Console(args) => crate::console::run(&ctx, args).await?,
         Command::Config { json } => show_config(&ctx, json),
         // Run before settings are loaded (`schema::run`): no database.
         Command::Schema(_) => {}
@@ -504,7 +505,7 @@ async fn partitions(ctx: &Ctx, command: PartitionsCommand) -> Result<(), Error> 
     Ok(())
 }
 
-async fn stop_on_signal(token: CancellationToken) {
+pub(crate) async fn stop_on_signal(token: CancellationToken) {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {

@@ -5,7 +5,8 @@
 //! are never printed.
 //!
 //! Modules: `args` (the command line), `config` (where settings come from),
-//! `commands` (the subcommands), `output` (tables), `schema` (event schemas).
+//! `commands` (the subcommands), `console` (the web console's command),
+//! `output` (tables), `schema` (event schemas).
 //!
 //! The library is the whole command: an application that wants
 //! `outbox schema export` builds its own `outbox` binary around its event
@@ -14,6 +15,7 @@
 mod args;
 mod commands;
 mod config;
+mod console;
 mod output;
 mod schema;
 
@@ -63,13 +65,14 @@ async fn main_with(catalogue: Option<Catalogue>) -> ExitCode {
 }
 
 async fn run_cli(catalogue: Option<Catalogue>, cli: Cli) -> ExitCode {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
+    // Exports the relay's spans while it runs; flushes them on return.
+    let _telemetry = match init_tracing(&cli) {
+        Ok(guard) => guard,
+        Err(error) => {
+            eprintln!("error: {}", describe(&error));
+            return ExitCode::from(2);
+        }
+    };
     if let crate::args::Command::Schema(command) = cli.command {
         return schema::run(command, catalogue.as_ref());
     }
@@ -84,6 +87,46 @@ async fn run_cli(catalogue: Option<Catalogue>, cli: Cli) -> ExitCode {
             }
         }
     }
+}
+
+/// Logs to stderr (`RUST_LOG`, default `info`). With the `otel` feature,
+/// `outbox relay` also exports its spans by OTLP when
+/// `OTEL_EXPORTER_OTLP_ENDPOINT` is set (see `outbox_runtime::telemetry`);
+/// the guard flushes them.
+#[cfg(feature = "otel")]
+fn init_tracing(cli: &Cli) -> Result<Option<outbox_runtime::telemetry::TelemetryGuard>, Error> {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+
+    let export = matches!(cli.command, crate::args::Command::Relay(_))
+        && outbox_runtime::telemetry::configured();
+    let (otel, guard) = if export {
+        let (layer, guard) = outbox_runtime::telemetry::layer("outbox-relay")?;
+        (Some(layer), Some(guard))
+    } else {
+        (None, None)
+    };
+    let _ = tracing_subscriber::registry()
+        .with(log_filter())
+        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(otel)
+        .try_init();
+    Ok(guard)
+}
+
+/// Logs to stderr (`RUST_LOG`, default `info`).
+#[cfg(not(feature = "otel"))]
+fn init_tracing(_cli: &Cli) -> Result<Option<()>, Error> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(log_filter())
+        .with_writer(std::io::stderr)
+        .try_init();
+    Ok(None)
+}
+
+fn log_filter() -> tracing_subscriber::EnvFilter {
+    tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
 }
 
 async fn start(cli: Cli) -> Result<(), Error> {

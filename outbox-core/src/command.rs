@@ -103,18 +103,22 @@ pub async fn execute<H>(
 where
     H: CommandHandler,
 {
-    let uow = UnitOfWork::begin(pool).await?;
     // The command's span carries the trace its events will carry, so the
-    // command's logs join the consumers' (`handle_event` spans).
+    // command's logs join the consumers' (`handle_event` spans). The Unit of
+    // Work begins inside it: with OpenTelemetry, its trace is the span's.
     let span = tracing::info_span!(
         "command",
         command = H::NAME,
-        trace_id = uow
-            .trace_context()
-            .map(|t| t.trace_id())
-            .unwrap_or_default(),
-        correlation_id = uow.headers().correlation_id.map(tracing::field::display),
+        trace_id = tracing::field::Empty,
+        correlation_id = tracing::field::Empty,
     );
+    let uow = UnitOfWork::begin(pool).instrument(span.clone()).await?;
+    if let Some(trace) = uow.trace_context() {
+        span.record("trace_id", trace.trace_id());
+    }
+    if let Some(id) = uow.headers().correlation_id {
+        span.record("correlation_id", tracing::field::display(id));
+    }
     run(uow, handler, command).instrument(span).await
 }
 

@@ -71,7 +71,8 @@ impl IncomingEvent {
 ///
 /// Follow-up events inherit the handled event's correlation id, get its
 /// event id as their causation id, and continue its trace (same trace id,
-/// a new parent span id: see [`trace_context`](Self::trace_context)). They are written to `outbox_event` in the
+/// a new parent span id, or the handling span's with OpenTelemetry: see
+/// [`trace_context`](Self::trace_context)). They are written to `outbox_event` in the
 /// same transaction as the handler's work and the deduplication row, so they
 /// exist if and only if the handling committed.
 pub struct HandlerContext<'c> {
@@ -79,7 +80,7 @@ pub struct HandlerContext<'c> {
     incoming: &'c IncomingEvent,
     recorded: Vec<OutboxMessage>,
     error: Option<crate::Error>,
-    trace: Option<TraceParent>,
+    trace: Option<(TraceParent, Option<String>)>,
 }
 
 impl std::fmt::Debug for HandlerContext<'_> {
@@ -119,14 +120,29 @@ impl<'c> HandlerContext<'c> {
     /// id with a new parent span id (the handling), or a new trace when the
     /// handled event carried no valid `traceparent`. The same for every
     /// follow-up of one handling.
+    ///
+    /// With the `otel` feature, when the current span (the consumer's
+    /// `handle_event` span, a child of the handled event's context) has an
+    /// OpenTelemetry context, it is that span's: the next handler's span is
+    /// then its child.
     pub fn trace_context(&mut self) -> TraceParent {
-        *self.trace.get_or_insert_with(|| {
-            self.incoming
+        self.trace_and_state().0
+    }
+
+    fn trace_and_state(&mut self) -> &(TraceParent, Option<String>) {
+        let incoming = self.incoming;
+        self.trace.get_or_insert_with(|| {
+            #[cfg(feature = "otel")]
+            if let Some(current) = TraceParent::current() {
+                return current;
+            }
+            let trace = incoming
                 .headers
                 .traceparent
                 .as_deref()
                 .and_then(|t| t.parse::<TraceParent>().ok())
-                .map_or_else(TraceParent::new_root, |t| t.child())
+                .map_or_else(TraceParent::new_root, |t| t.child());
+            (trace, incoming.headers.tracestate.clone())
         })
     }
 
@@ -185,6 +201,7 @@ impl<'c> HandlerContext<'c> {
         if self.recorded.is_empty() {
             return Ok(Vec::new());
         }
+        let (trace, tracestate) = self.trace_and_state().clone();
         let defaults = Headers {
             correlation_id: self
                 .incoming
@@ -192,8 +209,8 @@ impl<'c> HandlerContext<'c> {
                 .correlation_id
                 .or(Some(self.incoming.event_id)),
             causation_id: Some(self.incoming.event_id),
-            traceparent: Some(self.trace_context().to_string()),
-            tracestate: self.incoming.headers.tracestate.clone(),
+            traceparent: Some(trace.to_string()),
+            tracestate,
             extra: Default::default(),
         };
         let mut messages = std::mem::take(&mut self.recorded);

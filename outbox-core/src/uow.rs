@@ -4,6 +4,7 @@
 use std::ops::{Deref, DerefMut};
 
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::aggregate::AggregateRoot;
@@ -135,6 +136,11 @@ pub struct UnitOfWork {
     messages: Vec<OutboxMessage>,
     error: Option<Error>,
     headers: Headers,
+    /// The `traceparent` the Unit of Work chose itself (not set by the
+    /// application): with OpenTelemetry, `commit` replaces it with its
+    /// span's context.
+    #[cfg(feature = "otel")]
+    own_trace: Option<String>,
 }
 
 /// What a successful [`UnitOfWork::commit`] wrote to the outbox.
@@ -161,6 +167,11 @@ impl UnitOfWork {
     /// trace (`traceparent`), inherited by every event it records unless
     /// [`set_correlation_id`](Self::set_correlation_id) or
     /// [`set_trace_context`](Self::set_trace_context) replaces them.
+    ///
+    /// With the `otel` feature and a current span that has an
+    /// OpenTelemetry context, the trace is that span's instead, and
+    /// [`commit`](Self::commit) writes its own span's context (a child of
+    /// the current span) to the rows.
     pub async fn begin(pool: &PgPool) -> Result<Self> {
         // The mark goes in the `BEGIN` round trip.
         let tx = pool.begin_with("BEGIN; SET LOCAL outbox.tx = 'on'").await?;
@@ -173,14 +184,24 @@ impl UnitOfWork {
     /// finds an aborted transaction, but not one the application ended and
     /// began anew by hand.
     pub fn from_transaction(tx: Transaction<'static, Postgres>) -> Self {
+        #[cfg(feature = "otel")]
+        let (traceparent, tracestate) = match TraceParent::current() {
+            Some((parent, state)) => (parent.to_string(), state),
+            None => (TraceParent::new_root().to_string(), None),
+        };
+        #[cfg(not(feature = "otel"))]
+        let (traceparent, tracestate) = (TraceParent::new_root().to_string(), None);
         Self {
             tx,
             marked: false,
             messages: Vec::new(),
             error: None,
+            #[cfg(feature = "otel")]
+            own_trace: Some(traceparent.clone()),
             headers: Headers {
                 correlation_id: Some(Uuid::now_v7()),
-                traceparent: Some(TraceParent::new_root().to_string()),
+                traceparent: Some(traceparent),
+                tracestate,
                 ..Headers::default()
             },
         }
@@ -256,10 +277,16 @@ impl UnitOfWork {
         let parsed: TraceParent = traceparent.parse()?;
         self.headers.traceparent = Some(parsed.to_string());
         self.headers.tracestate = tracestate.map(str::to_owned);
+        #[cfg(feature = "otel")]
+        {
+            self.own_trace = None;
+        }
         Ok(())
     }
 
-    /// The trace context the recorded events carry.
+    /// The trace context the recorded events carry. With the `otel` feature
+    /// and OpenTelemetry spans, the rows get the same trace id but the
+    /// commit span's id as parent (decided at [`commit`](Self::commit)).
     pub fn trace_context(&self) -> Option<TraceParent> {
         self.headers.traceparent.as_deref()?.parse().ok()
     }
@@ -278,7 +305,35 @@ impl UnitOfWork {
     /// not returned ([`Error::TransactionAborted`]), or ended by a `COMMIT`
     /// or `ROLLBACK` run through the connection ([`Error::TransactionEnded`];
     /// the events are then not written anywhere).
-    pub async fn commit(mut self) -> Result<Committed> {
+    ///
+    /// Runs in an `outbox.commit` span, a child of the current span. With
+    /// the `otel` feature, when that span has an OpenTelemetry context, the
+    /// rows carry it as their `traceparent` (unless the application set the
+    /// trace context itself), so a consumer's handling is its child.
+    pub async fn commit(self) -> Result<Committed> {
+        let span = tracing::info_span!("outbox.commit", events = self.messages.len());
+        #[cfg(feature = "otel")]
+        let uow = self.with_trace_of(&span);
+        #[cfg(not(feature = "otel"))]
+        let uow = self;
+        uow.commit_in_span().instrument(span).await
+    }
+
+    /// With OpenTelemetry: the commit span's context replaces the trace the
+    /// Unit of Work chose itself.
+    #[cfg(feature = "otel")]
+    fn with_trace_of(mut self, span: &tracing::Span) -> Self {
+        if self.messages.is_empty() || self.headers.traceparent != self.own_trace {
+            return self;
+        }
+        if let Some((parent, state)) = TraceParent::of_span(span) {
+            self.headers.traceparent = Some(parent.to_string());
+            self.headers.tracestate = state;
+        }
+        self
+    }
+
+    async fn commit_in_span(mut self) -> Result<Committed> {
         if let Some(error) = self.error.take() {
             // Dropping `tx` rolls back.
             return Err(error);

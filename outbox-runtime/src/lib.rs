@@ -6,7 +6,8 @@
 //! shared Kafka client configuration ([`kafka`]), CloudEvents headers
 //! ([`cloudevents`]), settings from the
 //! environment and configuration files ([`settings`]), and which outbox of a
-//! database they all work on ([`scope`]).
+//! database they all work on ([`scope`]), and, with the `otel` feature,
+//! OpenTelemetry export (`telemetry`).
 //!
 //! The relay's producer is private to it: nothing in this crate hands a
 //! Kafka producer to application code.
@@ -27,6 +28,8 @@ pub mod relay;
 pub mod replay;
 pub mod scope;
 pub mod settings;
+#[cfg(feature = "otel")]
+pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
 

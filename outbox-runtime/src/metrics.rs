@@ -6,10 +6,16 @@
 //!
 //! No metric is touched per event: the relay and the consumers keep their
 //! atomic counters ([`RelayCounts`], [`ConsumerCounts`]); a task per relay
-//! or consumer copies their increments into the metrics every second, and
-//! the relay's task samples the outbox's backlog every 5 seconds (one query
-//! on the partial indexes, see `BACKLOG`). Latencies are recorded once per batch (a
-//! consumer sums its handlers' time over the batch and records the mean).
+//! or consumer copies their increments into the metrics every second, the
+//! relay's task samples the outbox's backlog every 5 seconds (one query on
+//! the partial indexes, see `BACKLOG`), a consumer's its dead letters (an
+//! index-only count, see `DEAD_LETTERS`). Latencies are recorded once per
+//! batch (a consumer sums its handlers' time over the batch and records the
+//! mean).
+//!
+//! The Grafana dashboard `deploy/grafana/outbox-dashboard.json` and the
+//! Prometheus alert rules `deploy/prometheus/outbox-alerts.yml` use these
+//! series (a test checks every name and label they use against a scrape).
 //!
 //! | metric | type | labels | meaning |
 //! |---|---|---|---|
@@ -18,6 +24,9 @@
 //! | `outbox_relay_parked_total` | counter | | events parked |
 //! | `outbox_relay_batches_total` | counter | | batches processed |
 //! | `outbox_relay_batch_duration_seconds` | histogram | | a batch, from handing it to the producer to the last acknowledgement |
+//! | `outbox_relay_up` | gauge | | relays running in this process (1 while its relay runs, 0 once it stopped) |
+//! | `outbox_relay_consecutive_failures` | gauge | | failed rounds in a row: batches with failed deliveries and none delivered, claims or marks the database refused; 0 once a batch delivers or nothing is left to publish |
+//! | `outbox_relay_lanes_owned` | gauge | | lanes this relay claims from |
 //! | `outbox_backlog_events` | gauge | | unpublished, not parked events |
 //! | `outbox_held_events` | gauge | | of those, events held back for a while (a missing topic, a failing key) |
 //! | `outbox_oldest_unpublished_seconds` | gauge | | age of the oldest of them (0 when none) |
@@ -31,6 +40,7 @@
 //! | `outbox_consumer_handler_seconds` | histogram | `group` | mean handler time per event, one sample per batch |
 //! | `outbox_consumer_lag` | gauge | `group`, `topic`, `partition` | messages between the committed offset and the end of the partition (librdkafka statistics) |
 //! | `outbox_consumer_up` | gauge | `group` | 1 while the consumer runs, 0 once it stopped or failed |
+//! | `outbox_dead_letters` | gauge | `group` | the group's dead letters awaiting an operator (status `dead`), sampled every 5 s |
 //! | `outbox_replayed_total` | counter | | events sent again by `replay` |
 
 use std::sync::Arc;
@@ -101,17 +111,28 @@ SELECT e.queue + e.held,
        e.held
 FROM q, h, e";
 
+/// A consumer group's dead letters awaiting an operator: an index-only
+/// count over `ix_dead_letter_dead` (rows of status `dead`), so its cost
+/// follows the number of dead letters, not the table.
+pub(crate) const DEAD_LETTERS: &str =
+    "SELECT count(*) FROM dead_letter WHERE consumer = $1 AND status = 'dead'";
+
 /// Copies a relay's counters into the metrics and samples the backlog,
-/// until `shutdown`; then copies once more.
+/// until `shutdown`; then copies once more. `outbox_relay_up` counts the
+/// relay from its first copy to its last.
 pub(crate) async fn relay_task(pool: PgPool, stats: Arc<RelayStats>, shutdown: CancellationToken) {
     let published = counter!("outbox_relay_published_total");
     let failed = counter!("outbox_relay_failed_total");
     let parked = counter!("outbox_relay_parked_total");
     let batches = counter!("outbox_relay_batches_total");
     let lanes = gauge!("outbox_relay_lanes_owned");
+    let failing = gauge!("outbox_relay_consecutive_failures");
+    let up = gauge!("outbox_relay_up");
+    up.increment(1.0);
     let mut last = RelayCounts::default();
     let mut copy = |now: RelayCounts| {
         lanes.set(stats.lanes().len() as f64);
+        failing.set(stats.consecutive_failures() as f64);
         published.increment(now.published - last.published);
         failed.increment(now.failed - last.failed);
         parked.increment(now.parked - last.parked);
@@ -131,7 +152,15 @@ pub(crate) async fn relay_task(pool: PgPool, stats: Arc<RelayStats>, shutdown: C
             // connection inside a read-only transaction.
             let sample = tokio::spawn(sample_backlog(pool.clone()));
             tokio::select! {
-                _ = tokio::time::timeout(BACKLOG_INTERVAL, sample) => {}
+                sampled = tokio::time::timeout(BACKLOG_INTERVAL, sample) => {
+                    // Nothing left to publish: no delivery can be failing
+                    // (the failing rows were parked, or published by
+                    // another relay).
+                    if let Ok(Ok(Some(0))) = sampled {
+                        stats.failing_over();
+                        copy(stats.snapshot());
+                    }
+                }
                 _ = shutdown.cancelled() => break,
             }
         }
@@ -141,18 +170,23 @@ pub(crate) async fn relay_task(pool: PgPool, stats: Arc<RelayStats>, shutdown: C
         }
     }
     copy(stats.snapshot());
+    up.decrement(1.0);
 }
 
-/// Samples the backlog gauges; the query gives up (`statement_timeout`)
-/// when the next sample is due.
-async fn sample_backlog(pool: PgPool) {
+/// The `BEGIN` of a sample's read-only transaction: its query gives up
+/// (`statement_timeout`) when the next sample is due.
+fn sample_begin() -> String {
+    format!(
+        "BEGIN READ ONLY; SET LOCAL statement_timeout = {}",
+        BACKLOG_INTERVAL.as_millis()
+    )
+}
+
+/// Samples the backlog gauges; returns the backlog (`None` if the sample
+/// failed).
+async fn sample_backlog(pool: PgPool) -> Option<i64> {
     let row: Result<(i64, Option<f64>, i64, i64), sqlx::Error> = async {
-        let mut tx = pool
-            .begin_with(format!(
-                "BEGIN READ ONLY; SET LOCAL statement_timeout = {}",
-                BACKLOG_INTERVAL.as_millis()
-            ))
-            .await?;
+        let mut tx = pool.begin_with(sample_begin()).await?;
         let row = sqlx::query_as(BACKLOG).fetch_one(&mut *tx).await?;
         tx.commit().await?;
         Ok(row)
@@ -164,19 +198,42 @@ async fn sample_backlog(pool: PgPool) {
             gauge!("outbox_backlog_events").set(backlog as f64);
             gauge!("outbox_oldest_unpublished_seconds").set(oldest.unwrap_or(0.0));
             gauge!("outbox_parked_events").set(parked as f64);
+            Some(backlog)
         }
-        Err(error) => tracing::debug!(%error, "backlog sample failed"),
+        Err(error) => {
+            tracing::debug!(%error, "backlog sample failed");
+            None
+        }
     }
 }
 
-/// Copies a consumer's counters into the metrics until `shutdown`; then
-/// copies once more.
+/// Samples the `outbox_dead_letters` gauge of `group`.
+async fn sample_dead_letters(pool: PgPool, group: String) {
+    let count: Result<i64, sqlx::Error> = async {
+        let mut tx = pool.begin_with(sample_begin()).await?;
+        let n = sqlx::query_scalar(DEAD_LETTERS)
+            .bind(&group)
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(n)
+    }
+    .await;
+    match count {
+        Ok(n) => gauge!("outbox_dead_letters", "group" => group).set(n as f64),
+        Err(error) => tracing::debug!(%error, group, "dead letter sample failed"),
+    }
+}
+
+/// Copies a consumer's counters into the metrics and samples its dead
+/// letters, until `shutdown`; then copies once more.
 pub(crate) async fn consumer_task(
+    pool: PgPool,
     group: String,
     stats: Arc<ConsumerStats>,
     shutdown: CancellationToken,
 ) {
-    let labels = [("group", group)];
+    let labels = [("group", group.clone())];
     let received = counter!("outbox_consumer_received_total", &labels);
     let processed = counter!("outbox_consumer_processed_total", &labels);
     let duplicates = counter!("outbox_consumer_duplicates_total", &labels);
@@ -192,8 +249,18 @@ pub(crate) async fn consumer_task(
         add(&failures, now.handler_failures, last.handler_failures);
         last = now;
     };
+    let mut sampled: Option<Instant> = None;
     loop {
         copy(stats.snapshot());
+        if sampled.is_none_or(|t| t.elapsed() >= BACKLOG_INTERVAL) {
+            sampled = Some(Instant::now());
+            // On a task of its own, as the relay's backlog sample.
+            let sample = tokio::spawn(sample_dead_letters(pool.clone(), group.clone()));
+            tokio::select! {
+                _ = tokio::time::timeout(BACKLOG_INTERVAL, sample) => {}
+                _ = shutdown.cancelled() => break,
+            }
+        }
         tokio::select! {
             _ = tokio::time::sleep(COPY_INTERVAL) => {}
             _ = shutdown.cancelled() => break,

@@ -300,13 +300,261 @@ pub struct ParkedEvent {
 
 /// Lists parked rows, oldest first.
 pub async fn parked(pool: &PgPool, limit: i64) -> Result<Vec<ParkedEvent>> {
-    Ok(sqlx::query_as(
-        "SELECT id, event_id, topic, event_type, partition_key, attempts, last_error
-         FROM outbox_event
-         WHERE parked_at IS NOT NULL AND published_at IS NULL AND discarded_at IS NULL
-         ORDER BY id LIMIT $1",
+    parked_page(pool, &ParkedFilter::new().limit(limit)).await
+}
+
+/// Longest filter text [`ParkedFilter`] accepts (topic, key, error text).
+pub const MAX_FILTER_LEN: usize = 256;
+
+/// Most rows one page of [`parked_page`] returns.
+pub const MAX_PAGE: i64 = 1000;
+
+/// Which parked rows [`parked_page`] returns: filters, and a keyset page
+/// (rows after `after_id`, at most `limit`).
+#[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
+pub struct ParkedFilter {
+    /// Only this topic.
+    pub topic: Option<String>,
+    /// Only this partition key.
+    pub key: Option<String>,
+    /// Only rows whose last error contains this text (case-insensitive).
+    pub error_contains: Option<String>,
+    /// Only rows with an id above this one (the last id of the previous page).
+    pub after_id: Option<i64>,
+    /// At most this many rows (default 100, at most [`MAX_PAGE`]).
+    pub limit: Option<i64>,
+}
+
+impl ParkedFilter {
+    /// Every parked row not dropped, the first 100.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Only the topic `topic`.
+    pub fn topic(mut self, topic: impl Into<String>) -> Self {
+        self.topic = Some(topic.into());
+        self
+    }
+    /// Only the partition key `key`.
+    pub fn key(mut self, key: impl Into<String>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+    /// Only rows whose last error contains `text` (case-insensitive).
+    pub fn error_contains(mut self, text: impl Into<String>) -> Self {
+        self.error_contains = Some(text.into());
+        self
+    }
+    /// Only rows after the id `id`.
+    pub fn after_id(mut self, id: i64) -> Self {
+        self.after_id = Some(id);
+        self
+    }
+    /// At most `n` rows.
+    pub fn limit(mut self, n: i64) -> Self {
+        self.limit = Some(n);
+        self
+    }
+
+    /// Refuses filters no row can match for being malformed: texts longer
+    /// than [`MAX_FILTER_LEN`] or holding NUL, a limit outside
+    /// 1..=[`MAX_PAGE`], a negative id.
+    pub fn validate(&self) -> Result<()> {
+        for (what, text) in [
+            ("topic", &self.topic),
+            ("key", &self.key),
+            ("error text", &self.error_contains),
+        ] {
+            if let Some(text) = text {
+                check_filter_text(what, text)?;
+            }
+        }
+        if let Some(n) = self.limit
+            && !(1..=MAX_PAGE).contains(&n)
+        {
+            return Err(Error::Config(format!(
+                "invalid limit {n}: between 1 and {MAX_PAGE}"
+            )));
+        }
+        if let Some(id) = self.after_id
+            && id < 0
+        {
+            return Err(Error::Config(format!("invalid id {id}: ids are positive")));
+        }
+        Ok(())
+    }
+}
+
+/// A filter text: at most [`MAX_FILTER_LEN`] characters, no NUL (which
+/// PostgreSQL's text cannot hold).
+pub fn check_filter_text(what: &str, text: &str) -> Result<()> {
+    if text.chars().count() > MAX_FILTER_LEN {
+        return Err(Error::Config(format!(
+            "the {what} filter is too long: at most {MAX_FILTER_LEN} characters"
+        )));
+    }
+    if text.contains('\0') {
+        return Err(Error::Config(format!(
+            "the {what} filter holds a NUL character"
+        )));
+    }
+    Ok(())
+}
+
+/// Parked rows (dropped ones excluded), oldest first, filtered and paged by
+/// id: the query walks the parked rows' partial index in id order from
+/// `after_id`, so a page costs about its rows, however large the table.
+pub async fn parked_page(pool: &PgPool, filter: &ParkedFilter) -> Result<Vec<ParkedEvent>> {
+    filter.validate()?;
+    Ok(sqlx::query_as(PARKED_PAGE)
+        .bind(filter.topic.as_deref())
+        .bind(filter.key.as_deref())
+        .bind(filter.error_contains.as_deref().map(str::to_lowercase))
+        .bind(filter.after_id.unwrap_or(0))
+        .bind(filter.limit.unwrap_or(100))
+        .fetch_all(pool)
+        .await?)
+}
+
+/// The page of [`parked_page`] (`$1` topic, `$2` key, `$3` lower-case error
+/// text, `$4` after this id, `$5` limit).
+pub const PARKED_PAGE: &str = "\
+SELECT id, event_id, topic, event_type, partition_key, attempts, last_error
+FROM outbox_event
+WHERE parked_at IS NOT NULL AND published_at IS NULL AND discarded_at IS NULL
+  AND id > $4
+  AND ($1::text IS NULL OR topic = $1)
+  AND ($2::text IS NULL OR partition_key = $2)
+  AND ($3::text IS NULL OR strpos(lower(last_error), $3) > 0)
+ORDER BY id LIMIT $5";
+
+/// Where an outbox row stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RowState {
+    /// Waiting for a relay.
+    Unpublished,
+    /// Held back for a while (a missing topic, a failing key).
+    Held,
+    /// Parked after repeated failures.
+    Parked,
+    /// Parked and dropped by an operator.
+    Discarded,
+    /// Published.
+    Published,
+}
+
+impl RowState {
+    /// The state's name (`unpublished`, `held`, `parked`, `discarded`,
+    /// `published`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Unpublished => "unpublished",
+            Self::Held => "held",
+            Self::Parked => "parked",
+            Self::Discarded => "discarded",
+            Self::Published => "published",
+        }
+    }
+}
+
+/// One outbox row, whole: what an operator looks at before acting on it.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct OutboxRow {
+    /// Outbox row id.
+    pub id: i64,
+    /// Event id.
+    pub event_id: uuid::Uuid,
+    /// Aggregate type.
+    pub aggregate_type: String,
+    /// Aggregate id.
+    pub aggregate_id: String,
+    /// Event type.
+    pub event_type: String,
+    /// Schema version of the event.
+    pub event_version: i32,
+    /// Topic.
+    pub topic: String,
+    /// Partition key.
+    pub partition_key: String,
+    /// The payload (JSON).
+    pub payload: serde_json::Value,
+    /// The headers (a JSON object).
+    pub headers: serde_json::Value,
+    /// Failed attempts.
+    pub attempts: i32,
+    /// The last error.
+    pub last_error: Option<String>,
+    /// When it was written (UTC, RFC 3339).
+    pub created_at: String,
+    /// When it was published (UTC, RFC 3339).
+    pub published_at: Option<String>,
+    /// When it was parked.
+    pub parked_at: Option<String>,
+    /// Held until then.
+    pub held_until: Option<String>,
+    /// When it was dropped.
+    pub discarded_at: Option<String>,
+    /// Why it was dropped.
+    pub discard_reason: Option<String>,
+}
+
+impl OutboxRow {
+    /// Where the row stands.
+    pub fn state(&self) -> RowState {
+        if self.published_at.is_some() {
+            RowState::Published
+        } else if self.discarded_at.is_some() {
+            RowState::Discarded
+        } else if self.parked_at.is_some() {
+            RowState::Parked
+        } else if self.held_until.is_some() {
+            RowState::Held
+        } else {
+            RowState::Unpublished
+        }
+    }
+}
+
+/// One outbox row by id (the primary key), if it exists.
+pub async fn outbox_row(pool: &PgPool, id: i64) -> Result<Option<OutboxRow>> {
+    const TS: &str = r#"'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"'"#;
+    let ts = |c: &str| format!("to_char({c} AT TIME ZONE 'UTC', {TS}) AS {c}");
+    let sql = format!(
+        "SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version, topic,
+                partition_key, payload, headers, attempts, last_error, {}, {}, {}, {}, {},
+                discard_reason
+         FROM outbox_event WHERE id = $1",
+        ts("created_at"),
+        ts("published_at"),
+        ts("parked_at"),
+        ts("held_until"),
+        ts("discarded_at"),
+    );
+    Ok(sqlx::query_as(&sql).bind(id).fetch_optional(pool).await?)
+}
+
+/// The highest row id written so far (0 for an empty table): a look at the
+/// primary key's last entry.
+pub async fn last_id(pool: &PgPool) -> Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT coalesce(max(id), 0)::int8 FROM outbox_event")
+            .fetch_one(pool)
+            .await?,
     )
-    .bind(limit)
+}
+
+/// Rows written per topic with ids in `after..=upto`: a range of the
+/// primary key, so it costs about the rows written in the range (callers
+/// keep the range short: the rows written since their last look).
+pub async fn written_by_topic(pool: &PgPool, after: i64, upto: i64) -> Result<Vec<(String, i64)>> {
+    Ok(sqlx::query_as(
+        "SELECT topic, count(*) FROM outbox_event WHERE id > $1 AND id <= $2 GROUP BY topic",
+    )
+    .bind(after)
+    .bind(upto)
     .fetch_all(pool)
     .await?)
 }
@@ -314,7 +562,12 @@ pub async fn parked(pool: &PgPool, limit: i64) -> Result<Vec<ParkedEvent>> {
 /// Puts parked rows back in the relay's queue (attempts reset); `ids = None`
 /// requeues every parked row except dropped ones, explicit ids requeue
 /// dropped rows too (undoing the drop). Returns how many were requeued.
-pub async fn requeue_parked(pool: &PgPool, ids: Option<&[i64]>) -> Result<u64> {
+/// `executor` is a pool or a transaction's connection (to commit an audit
+/// record with the change).
+pub async fn requeue_parked<'c>(
+    executor: impl sqlx::PgExecutor<'c>,
+    ids: Option<&[i64]>,
+) -> Result<u64> {
     let result = sqlx::query(
         "UPDATE outbox_event
          SET parked_at = NULL, attempts = 0, discarded_at = NULL, discard_reason = NULL
@@ -322,7 +575,7 @@ pub async fn requeue_parked(pool: &PgPool, ids: Option<&[i64]>) -> Result<u64> {
            AND (($1::bigint[] IS NULL AND discarded_at IS NULL) OR id = ANY($1))",
     )
     .bind(ids)
-    .execute(pool)
+    .execute(executor)
     .await?;
     Ok(result.rows_affected())
 }
@@ -330,7 +583,12 @@ pub async fn requeue_parked(pool: &PgPool, ids: Option<&[i64]>) -> Result<u64> {
 /// Drops parked rows: marks them discarded with `reason` (kept for the
 /// audit trail, never published, never deleted by the retention job);
 /// `ids = None` drops every parked row. Returns how many were dropped.
-pub async fn discard_parked(pool: &PgPool, ids: Option<&[i64]>, reason: &str) -> Result<u64> {
+/// `executor` is a pool or a transaction's connection.
+pub async fn discard_parked<'c>(
+    executor: impl sqlx::PgExecutor<'c>,
+    ids: Option<&[i64]>,
+    reason: &str,
+) -> Result<u64> {
     if reason.trim().is_empty() {
         return Err(Error::Config(
             "a reason is required to drop parked rows (--reason)".into(),
@@ -343,7 +601,7 @@ pub async fn discard_parked(pool: &PgPool, ids: Option<&[i64]>, reason: &str) ->
     )
     .bind(ids)
     .bind(reason)
-    .execute(pool)
+    .execute(executor)
     .await?;
     Ok(result.rows_affected())
 }

@@ -204,6 +204,56 @@ async fn relays_on_a_small_shared_pool_never_starve_themselves(pool: PgPool) {
     assert_eq!(all, 10_000);
 }
 
+/// What the `outbox_relay_consecutive_failures` gauge shows: the rounds of
+/// a relay whose only event keeps failing count up; once that event is
+/// parked and nothing is left to publish, the count is back to 0.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn failed_rounds_in_a_row_are_counted_until_nothing_is_left_to_publish(pool: PgPool) {
+    let topic = unique_topic("relay-failing");
+    create_topic(&brokers(), &topic).await;
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let mut poison = message(&topic, "k0", 0);
+    poison.payload = serde_json::json!({ "blob": "x".repeat(300_000) }).to_string();
+    uow.record_message(poison);
+    uow.commit().await.unwrap();
+
+    let relay = relay(&pool)
+        .kafka_setting("message.max.bytes", "100000")
+        .max_attempts(3)
+        .retry_backoff(Duration::from_millis(100), Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let stats = relay.stats();
+    let handle = relay.spawn();
+    // Each attempt fails (too large for the producer) and delivers nothing:
+    // 1, 2, 3 failed rounds, the third parks it.
+    let mut most = 0;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while handle.counts().parked == 0 {
+        most = most.max(stats.consecutive_failures());
+        assert!(
+            Instant::now() < deadline,
+            "not parked: {:?}",
+            handle.counts()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    most = most.max(stats.consecutive_failures());
+    assert!(most >= 2, "failed rounds seen: at most {most}");
+    assert_eq!(handle.counts().published, 0);
+    // The next backlog sample (every 5 s) finds nothing left to publish.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while stats.consecutive_failures() != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "still {} failed rounds with nothing to publish",
+            stats.consecutive_failures()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    handle.shutdown().await.unwrap();
+}
+
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_poison_event_is_parked_and_holds_back_only_its_key(pool: PgPool) {
     let topic = unique_topic("relay-poison");
@@ -391,11 +441,13 @@ async fn the_relay_survives_a_database_outage(pool: PgPool) {
         .connect_with(options.port(proxy.addr.port()))
         .await
         .unwrap();
-    let handle = relay(&relay_pool)
+    let relay = relay(&relay_pool)
         .outage_backoff(Duration::from_millis(50), Duration::from_millis(500))
         .poll_interval(Duration::from_millis(100))
-        .spawn()
+        .build()
         .unwrap();
+    let stats = relay.stats();
+    let handle = relay.spawn();
     let mut committed = commit_messages(&pool, &topic, 100, 5, 10).await;
     assert!(wait_until_published(&pool, Duration::from_secs(30)).await);
 
@@ -407,11 +459,28 @@ async fn the_relay_survives_a_database_outage(pool: PgPool) {
         unpublished(&pool).await > 0,
         "nothing can be marked while the relay's database is cut"
     );
+    // Claims refused (no connection) are failed rounds in a row
+    // (`outbox_relay_consecutive_failures`).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while stats.consecutive_failures() < 2 {
+        assert!(Instant::now() < deadline, "no failed rounds counted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     proxy.restore();
     assert!(
         wait_until_published(&pool, Duration::from_secs(60)).await,
         "backlog published after the outage"
     );
+    // A delivered batch ends them.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while stats.consecutive_failures() != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "still {} failed rounds after the outage",
+            stats.consecutive_failures()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert!(!handle.is_finished(), "the relay kept running");
     handle.shutdown().await.unwrap();
 

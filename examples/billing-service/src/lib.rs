@@ -74,6 +74,9 @@ pub struct Config {
     pub kafka: KafkaSettings,
     /// `CONSUMER_GROUP`: the orders consumer's group (default `billing`).
     pub group: String,
+    /// `METRICS_ADDR` (e.g. `127.0.0.1:9465`; unset: no metrics endpoint):
+    /// where the relay's and the consumer's Prometheus metrics are served.
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 impl std::fmt::Debug for Config {
@@ -82,16 +85,25 @@ impl std::fmt::Debug for Config {
             .field("database_url", &redact_url(&self.database_url))
             .field("kafka", &self.kafka)
             .field("group", &self.group)
+            .field("metrics", &self.metrics)
             .finish()
     }
 }
 
 impl Config {
-    /// Reads the settings; a malformed `OUTBOX_KAFKA_*` variable is an
-    /// error naming it.
+    /// Reads the settings; a malformed `METRICS_ADDR` or `OUTBOX_KAFKA_*`
+    /// variable is an error naming it.
     pub fn from_env() -> Result<Self, BoxError> {
         let var =
             |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
+        let metrics = var("METRICS_ADDR", "");
+        let metrics = match metrics.trim() {
+            "" => None,
+            addr => Some(
+                addr.parse()
+                    .map_err(|e| format!("METRICS_ADDR={addr:?} is not a socket address: {e}"))?,
+            ),
+        };
         Ok(Self {
             database_url: var(
                 "DATABASE_URL",
@@ -99,14 +111,22 @@ impl Config {
             ),
             kafka: KafkaSettings::from_env()?,
             group: var("CONSUMER_GROUP", "billing"),
+            metrics,
         })
     }
 }
 
-/// Runs the consumer and the relay until `shutdown` is cancelled, then stops
+/// Runs the consumer and the relay (and, with `metrics` set, their metrics
+/// endpoint) until `shutdown` is cancelled, then stops
 /// both gracefully (the consumer first: its last batch's payments are then
 /// published by the relay before it stops).
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), BoxError> {
+    // Before the relay and the consumer: their series are registered with
+    // the recorder when they start. Kept until the service stops.
+    let _metrics = match config.metrics {
+        Some(addr) => Some(outbox::runtime::metrics::serve(addr).await?),
+        None => None,
+    };
     // The relay (3) + the dedup consumer (2).
     let pool = PgPoolOptions::new()
         .max_connections(8)
@@ -144,6 +164,7 @@ mod tests {
             database_url: "postgres://billing:db-s3cret@db/billing".into(),
             kafka,
             group: "billing".into(),
+            metrics: None,
         };
         let shown = format!("{config:?}");
         assert!(!shown.contains("s3cret"), "{shown}");

@@ -3,7 +3,9 @@
 //! Each run empties the topics and gives the services consumer groups of
 //! their own (`orders-<run>`, `billing-<run>`), so nothing of an earlier run
 //! on a long-running broker — messages or committed offsets — leaks into
-//! this one. The services' output goes to a log file each.
+//! this one. The services' output goes to a log file each. Each serves its
+//! relay's and consumer's Prometheus metrics on a free port (`METRICS_ADDR`),
+//! printed at the start.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -200,9 +202,15 @@ impl Services {
         let port = free_port()?;
         let listen = format!("127.0.0.1:{port}");
         let (orders_group, billing_group) = (format!("orders-{run}"), format!("billing-{run}"));
+        let orders_metrics = format!("127.0.0.1:{}", free_port()?);
+        let billing_metrics = format!("127.0.0.1:{}", free_port()?);
         println!(
             "== starting billing-service and orders-service (http://{listen}); logs in {}",
             options.log_dir.display()
+        );
+        println!(
+            "  metrics: orders-service http://{orders_metrics}/metrics, \
+             billing-service http://{billing_metrics}/metrics"
         );
         let billing = Service::spawn(
             "billing-service",
@@ -210,6 +218,7 @@ impl Services {
             &[
                 ("DATABASE_URL", &options.billing_database_url),
                 ("CONSUMER_GROUP", &billing_group),
+                ("METRICS_ADDR", &billing_metrics),
             ],
         )?;
         let orders = Service::spawn(
@@ -219,6 +228,7 @@ impl Services {
                 ("DATABASE_URL", &options.orders_database_url),
                 ("CONSUMER_GROUP", &orders_group),
                 ("LISTEN_ADDR", &listen),
+                ("METRICS_ADDR", &orders_metrics),
             ],
         )?;
         let mut services = Self {

@@ -8,12 +8,14 @@ use outbox::runtime::CancellationToken;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    // Kept until the end: flushes the spans exported (feature `otel`).
+    let _telemetry = match init_tracing() {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("orders-service: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
     let config = match Config::from_env() {
         Ok(config) => config,
         Err(e) => {
@@ -30,6 +32,40 @@ async fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// Logs (`RUST_LOG`, default `info`). Built with the `otel` feature and
+/// with `OTEL_EXPORTER_OTLP_ENDPOINT` set, the spans also go to that OTLP
+/// collector (the other `OTEL_*` variables apply); the guard flushes them.
+#[cfg(feature = "otel")]
+fn init_tracing() -> Result<Option<outbox::telemetry::TelemetryGuard>, outbox::runtime::Error> {
+    use tracing_subscriber::prelude::*;
+    let (otel, guard) = if outbox::telemetry::configured() {
+        let (layer, guard) = outbox::telemetry::layer("orders-service")?;
+        (Some(layer), Some(guard))
+    } else {
+        (None, None)
+    };
+    tracing_subscriber::registry()
+        .with(log_filter())
+        .with(tracing_subscriber::fmt::layer().with_ansi(std::io::stderr().is_terminal()))
+        .with(otel)
+        .init();
+    Ok(guard)
+}
+
+/// Logs (`RUST_LOG`, default `info`). No guard without the `otel` feature.
+#[cfg(not(feature = "otel"))]
+fn init_tracing() -> Result<Option<()>, std::convert::Infallible> {
+    tracing_subscriber::fmt()
+        .with_env_filter(log_filter())
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    Ok(None)
+}
+
+fn log_filter() -> tracing_subscriber::EnvFilter {
+    tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())
 }
 
 /// Cancels `token` on SIGTERM or Ctrl-C.

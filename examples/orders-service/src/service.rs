@@ -11,6 +11,9 @@
 //! On shutdown the server stops accepting requests and finishes those in
 //! flight, then the relay delivers and marks the batch it holds, then the
 //! consumer finishes its batch and commits its offsets.
+//!
+//! With `METRICS_ADDR` set, the relay's and the consumer's metrics are
+//! served there (Prometheus, `GET /metrics`).
 
 use std::net::SocketAddr;
 use std::str::FromStr;
@@ -50,6 +53,9 @@ pub struct Config {
     pub limits: Limits,
     /// `HTTP_DB_CONNECTIONS`: the HTTP handlers' pool (default 10).
     pub http_db_connections: u32,
+    /// `METRICS_ADDR` (e.g. `127.0.0.1:9464`; unset: no metrics endpoint):
+    /// where the relay's and the consumer's Prometheus metrics are served.
+    pub metrics: Option<SocketAddr>,
 }
 
 impl std::fmt::Debug for Config {
@@ -61,6 +67,7 @@ impl std::fmt::Debug for Config {
             .field("group", &self.group)
             .field("limits", &self.limits)
             .field("http_db_connections", &self.http_db_connections)
+            .field("metrics", &self.metrics)
             .finish()
     }
 }
@@ -113,6 +120,14 @@ impl Config {
             return Err("HTTP_DB_CONNECTIONS must be at least 1".into());
         }
         let listen = or("LISTEN_ADDR", "127.0.0.1:3000");
+        let metrics = match var("METRICS_ADDR").filter(|v| !v.trim().is_empty()) {
+            None => None,
+            Some(addr) => Some(
+                addr.trim()
+                    .parse()
+                    .map_err(|e| format!("METRICS_ADDR={addr:?} is not a socket address: {e}"))?,
+            ),
+        };
         Ok(Self {
             database_url: or(
                 "DATABASE_URL",
@@ -125,6 +140,7 @@ impl Config {
             group: or("CONSUMER_GROUP", "orders"),
             limits,
             http_db_connections,
+            metrics,
         })
     }
 }
@@ -178,6 +194,12 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), BoxError> {
+    // Before the relay and the consumer: their series are registered with
+    // the recorder when they start. Kept until the service stops.
+    let _metrics = match config.metrics {
+        Some(addr) => Some(outbox::runtime::metrics::serve(addr).await?),
+        None => None,
+    };
     let pools = Pools::connect(&config).await?;
     crate::migrate(&pools.workers).await?;
 
@@ -229,6 +251,7 @@ mod tests {
             group: "orders".into(),
             limits: Limits::default(),
             http_db_connections: 10,
+            metrics: None,
         };
         let shown = format!("{config:?}");
         assert!(!shown.contains("s3cret"), "{shown}");
@@ -264,5 +287,20 @@ mod tests {
         );
         let error = Config::from_vars(vars(&[("HTTP_DB_CONNECTIONS", "0")])).unwrap_err();
         assert!(error.to_string().contains("HTTP_DB_CONNECTIONS"), "{error}");
+    }
+
+    #[test]
+    fn the_metrics_address_comes_from_the_environment() {
+        let with = |value: &'static str| {
+            Config::from_vars(move |name| (name == "METRICS_ADDR").then(|| value.to_owned()))
+        };
+        assert_eq!(Config::from_vars(|_| None).unwrap().metrics, None);
+        assert_eq!(with("").unwrap().metrics, None);
+        assert_eq!(
+            with("127.0.0.1:9464").unwrap().metrics,
+            Some("127.0.0.1:9464".parse().unwrap())
+        );
+        let error = with("localhost").unwrap_err();
+        assert!(error.to_string().contains("METRICS_ADDR"), "{error}");
     }
 }

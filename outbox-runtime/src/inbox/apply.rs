@@ -170,16 +170,31 @@ pub(crate) async fn run_handlers(
 
 /// The span of one handled event: its trace id (from the `traceparent`
 /// header, so that logs join the producer's trace), event id and type. The
-/// fields are computed only when the span is enabled.
+/// fields are computed only when the span is enabled. With the `otel`
+/// feature, the event's `traceparent` is its OpenTelemetry parent.
 fn handling_span(event: &Event) -> tracing::Span {
     let incoming = &event.incoming;
-    tracing::info_span!(
+    let span = tracing::info_span!(
         "handle_event",
         trace_id = %TraceIdOf(incoming.headers.traceparent.as_deref()),
         event_id = %incoming.event_id,
         event_type = %incoming.event_type,
         correlation_id = incoming.headers.correlation_id.map(tracing::field::display),
-    )
+    );
+    #[cfg(feature = "otel")]
+    if let Some(parent) = incoming
+        .headers
+        .traceparent
+        .as_deref()
+        .and_then(|t| t.parse::<outbox_core::TraceParent>().ok())
+    {
+        outbox_core::trace::otel::set_remote_parent(
+            &span,
+            &parent,
+            incoming.headers.tracestate.as_deref(),
+        );
+    }
+    span
 }
 
 /// Displays the trace id of a `traceparent` (empty if none or malformed).

@@ -204,6 +204,9 @@ pub struct DeadLetterFilter {
     pub reason: Option<DeadLetterReason>,
     /// At most this many rows (default 100).
     pub limit: Option<i64>,
+    /// Only rows with an id above this one (the last id of the previous
+    /// page: keyset pagination).
+    pub after_id: Option<i64>,
 }
 
 impl DeadLetterFilter {
@@ -231,31 +234,70 @@ impl DeadLetterFilter {
         self.limit = Some(n);
         self
     }
+    /// Only rows after the id `id`.
+    pub fn after_id(mut self, id: i64) -> Self {
+        self.after_id = Some(id);
+        self
+    }
 }
 
-/// Lists dead letters, oldest first.
+/// The statuses a dead letter can have.
+pub const STATUSES: [&str; 3] = ["dead", "retry", "resolved"];
+
+/// The columns of a listed or fetched dead letter.
+const COLUMNS: &str = r#"id, consumer, topic, "partition" AS partition, "offset" AS offset, key,
+    event_id, event_type, reason, error, handler, attempts, retries, status,
+    to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"') AS created_at,
+    to_char(last_failed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"') AS last_failed_at,
+    headers, payload"#;
+
+/// One dead letter by id (the primary key), if it exists.
+pub async fn get(pool: &PgPool, id: i64) -> Result<Option<DeadLetter>> {
+    let row: Option<Row> =
+        sqlx::query_as(&format!("SELECT {COLUMNS} FROM dead_letter WHERE id = $1"))
+            .bind(id)
+            .fetch_optional(pool)
+            .await?;
+    Ok(row.map(DeadLetter::from))
+}
+
+/// Lists dead letters, oldest first, from `after_id` on (the primary key's
+/// order: a page costs about its rows while the filter matches most rows).
 pub async fn list(pool: &PgPool, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>> {
     let statuses = filter
         .statuses
         .clone()
         .unwrap_or_else(|| vec!["dead".into(), "retry".into()]);
-    let rows: Vec<Row> = sqlx::query_as(
-        r#"SELECT id, consumer, topic, "partition" AS partition, "offset" AS offset, key, event_id, event_type, reason, error, handler,
-                  attempts, retries, status,
-                  to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"') AS created_at,
-                  to_char(last_failed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"') AS last_failed_at,
-                  headers, payload
+    if let Some(bad) = statuses.iter().find(|s| !STATUSES.contains(&s.as_str())) {
+        return Err(Error::Config(format!(
+            "unknown dead-letter status `{bad}`: dead, retry or resolved"
+        )));
+    }
+    let limit = filter.limit.unwrap_or(100);
+    if limit < 1 {
+        return Err(Error::Config(format!("invalid limit {limit}: at least 1")));
+    }
+    // Without resolved rows, the open rows' partial index answers.
+    let open = if statuses.iter().any(|s| s == "resolved") {
+        ""
+    } else {
+        "AND status <> 'resolved'"
+    };
+    let rows: Vec<Row> = sqlx::query_as(&format!(
+        "SELECT {COLUMNS}
            FROM dead_letter
-           WHERE ($1::text IS NULL OR consumer = $1)
+           WHERE ($1::text IS NULL OR consumer = $1) {open}
              AND status = ANY($2)
              AND ($3::text IS NULL OR reason = $3)
+             AND id > $5
            ORDER BY id
-           LIMIT $4"#,
-    )
+           LIMIT $4"
+    ))
     .bind(filter.consumer.as_deref())
     .bind(&statuses)
     .bind(filter.reason.map(DeadLetterReason::as_str))
-    .bind(filter.limit.unwrap_or(100))
+    .bind(limit)
+    .bind(filter.after_id.unwrap_or(0))
     .fetch_all(pool)
     .await?;
     Ok(rows.into_iter().map(DeadLetter::from).collect())
@@ -268,7 +310,14 @@ pub async fn list(pool: &PgPool, filter: &DeadLetterFilter) -> Result<Vec<DeadLe
 /// The consumer of the row's group picks marked rows up within its
 /// re-drive interval and runs each once: on success the row becomes
 /// `resolved`; on failure it is `dead` again with the new error.
-pub async fn retry(pool: &PgPool, consumer: Option<&str>, ids: Option<&[i64]>) -> Result<u64> {
+///
+/// `executor` is a pool or a transaction's connection (to commit an audit
+/// record with the change).
+pub async fn retry<'c>(
+    executor: impl sqlx::PgExecutor<'c>,
+    consumer: Option<&str>,
+    ids: Option<&[i64]>,
+) -> Result<u64> {
     let result = sqlx::query(
         "UPDATE dead_letter SET status = 'retry', retry_requested_at = now(), retries = retries + 1
          WHERE status = 'dead'
@@ -277,14 +326,19 @@ pub async fn retry(pool: &PgPool, consumer: Option<&str>, ids: Option<&[i64]>) -
     )
     .bind(consumer)
     .bind(ids)
-    .execute(pool)
+    .execute(executor)
     .await?;
     Ok(result.rows_affected())
 }
 
 /// Deletes dead letters (of `consumer`, if given; these `ids`, or all when
 /// `None`), whatever their status. Returns how many were deleted.
-pub async fn discard(pool: &PgPool, consumer: Option<&str>, ids: Option<&[i64]>) -> Result<u64> {
+/// `executor` is a pool or a transaction's connection.
+pub async fn discard<'c>(
+    executor: impl sqlx::PgExecutor<'c>,
+    consumer: Option<&str>,
+    ids: Option<&[i64]>,
+) -> Result<u64> {
     let result = sqlx::query(
         "DELETE FROM dead_letter
          WHERE ($1::text IS NULL OR consumer = $1)
@@ -292,7 +346,7 @@ pub async fn discard(pool: &PgPool, consumer: Option<&str>, ids: Option<&[i64]>)
     )
     .bind(consumer)
     .bind(ids)
-    .execute(pool)
+    .execute(executor)
     .await?;
     Ok(result.rows_affected())
 }

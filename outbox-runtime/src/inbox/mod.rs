@@ -44,6 +44,7 @@ mod db;
 pub mod dead_letter;
 mod dedup;
 mod dispatch;
+pub mod groups;
 #[cfg(feature = "testing")]
 pub(crate) mod harness;
 mod poller;
@@ -779,6 +780,7 @@ impl Consumer {
         // (a panic) stops the consumer with its error.
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(crate::metrics::consumer_task(
+            pool.clone(),
             config.group.clone(),
             stats.clone(),
             background.clone(),

@@ -83,7 +83,9 @@ impl Store<'_> {
         let mut pending: Vec<usize> = (0..n).filter(|i| !parts[*i].is_empty()).collect();
         let mut refused = Vec::new();
         while !pending.is_empty() {
-            let results = join_all(pending.iter().map(|i| self.store(&parts[*i]))).await;
+            let results =
+                futures_util::future::join_all(pending.iter().map(|i| self.store(&parts[*i])))
+                    .await;
             let mut outage = None;
             let mut again = Vec::new();
             for (i, result) in pending.iter().zip(results) {
@@ -296,30 +298,6 @@ fn writer_of(topic: &str, partition: i32, writers: usize) -> usize {
     topic.hash(&mut h);
     let spread = h.finish() as usize;
     spread.wrapping_add(partition.unsigned_abs() as usize) % writers
-}
-
-/// Polls every future to completion, concurrently; outputs in order.
-async fn join_all<F: std::future::Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output> {
-    let mut futures: Vec<std::pin::Pin<Box<F>>> = futures.map(Box::pin).collect();
-    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
-            if output.is_none() {
-                match future.as_mut().poll(cx) {
-                    std::task::Poll::Ready(o) => *output = Some(o),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    outputs.into_iter().flatten().collect()
 }
 
 /// Inserts the events of `records` into `inbox_event` and their malformed

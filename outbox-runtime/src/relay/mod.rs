@@ -21,13 +21,17 @@
 //! (rows held back out of the claim's index), [`lanes`](self::lanes)
 //! (lane ownership across relays), [`publish`](self::publish) (the producer),
 //! [`topics`](self::topics) (topics missing on the broker),
-//! [`wake`](self::wake) (LISTEN/NOTIFY and polling).
+//! [`wake`](self::wake) (LISTEN/NOTIFY and polling), `trace_links` (with
+//! the `otel` feature: the links of each batch's `outbox.relay.batch` span
+//! to its events' traces).
 
 pub(crate) mod claim;
 pub(crate) mod held;
 pub(crate) mod lanes;
 pub(crate) mod publish;
 pub(crate) mod topics;
+#[cfg(feature = "otel")]
+mod trace_links;
 mod wake;
 
 use std::collections::HashMap;
@@ -441,6 +445,8 @@ pub struct RelayStats {
     withheld: AtomicU64,
     batches: AtomicU64,
     order_violations: AtomicU64,
+    /// Failed rounds in a row (see [`RelayStats::consecutive_failures`]).
+    failing: AtomicU64,
     lanes: std::sync::Mutex<Vec<i32>>,
 }
 
@@ -467,6 +473,26 @@ impl RelayStats {
     /// The lanes this relay claims from right now (empty without lanes).
     pub fn lanes(&self) -> Vec<i32> {
         self.lanes.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// Failed rounds in a row: batches of which no event was delivered
+    /// while some delivery failed, and claims or marks the database
+    /// refused. Back to 0 once a batch delivers an event, or when the
+    /// outbox has nothing left to publish (the failing rows were parked).
+    /// Exported as the `outbox_relay_consecutive_failures` gauge.
+    pub fn consecutive_failures(&self) -> u64 {
+        self.failing.load(Ordering::Relaxed)
+    }
+
+    /// Counts a failed round.
+    fn failed_round(&self) {
+        self.failing.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Ends a run of failed rounds: events were delivered, or nothing is
+    /// left to deliver.
+    pub(crate) fn failing_over(&self) {
+        self.failing.store(0, Ordering::Relaxed);
     }
 
     /// The current counts.
@@ -685,6 +711,9 @@ struct InFlight {
     sent_at: Instant,
     outcomes: Vec<Option<Outcome>>,
     pending: Vec<(usize, rdkafka::producer::DeliveryFuture)>,
+    /// The batch's `outbox.relay.batch` span, from the hand-over to the
+    /// producer until the deliveries are evaluated.
+    span: tracing::Span,
 }
 
 impl InFlight {
@@ -884,6 +913,7 @@ impl Loop<'_> {
                 let start = Instant::now();
                 let sent_at = in_flight.sent_at;
                 let in_flight_seq = in_flight.seq;
+                let batch_span = in_flight.span.clone();
                 let mut deliveries = std::pin::pin!(in_flight.deliveries());
                 let (batch, outcomes) = tokio::select! {
                     delivered = &mut deliveries => delivered,
@@ -895,6 +925,8 @@ impl Loop<'_> {
                 self.latency.record(sent_at.elapsed());
                 delivery_time = start.elapsed();
                 let evaluated = self.evaluate(in_flight_seq, &batch, outcomes);
+                batch_span.record("published", evaluated.published.len());
+                drop(batch_span);
                 delivered_some = !evaluated.published.is_empty();
                 transient = evaluated.transient.clone();
                 if claimed.is_none() {
@@ -938,6 +970,7 @@ impl Loop<'_> {
                     self.in_flight = Some(self.send(publisher, batch));
                 }
                 Some(Err(error)) => {
+                    self.stats.failed_round();
                     let wait = self.database.down(&error);
                     self.sleep(wait, shutdown).await;
                 }
@@ -1061,7 +1094,19 @@ impl Loop<'_> {
                 go.push(i);
             }
         }
-        let pending = publisher.send(&batch.rows, go, &mut outcomes);
+        let span = tracing::info_span!(
+            parent: None,
+            "outbox.relay.batch",
+            batch = seq,
+            rows = batch.rows.len(),
+            sent = go.len(),
+            published = tracing::field::Empty,
+            links = tracing::field::Empty,
+            links_dropped = tracing::field::Empty,
+        );
+        #[cfg(feature = "otel")]
+        trace_links::link_events(&span, &batch.rows, &go);
+        let pending = span.in_scope(|| publisher.send(&batch.rows, go, &mut outcomes));
         // Rows held back now (here, or by the producer: a full queue, an
         // earlier row of their key refused) keep their keys held.
         for (row, outcome) in batch.rows.iter().zip(&outcomes) {
@@ -1075,6 +1120,7 @@ impl Loop<'_> {
             sent_at: Instant::now(),
             outcomes,
             pending,
+            span,
         }
     }
 
@@ -1091,6 +1137,7 @@ impl Loop<'_> {
         let mut withheld_rows = Vec::new();
         // The row of each failure, in the order of `failures`.
         let mut failed_rows = Vec::new();
+        let mut failed_deliveries = 0_u64;
         for (row, outcome) in batch.rows.iter().zip(outcomes) {
             let key_failed = failed_keys.contains(&row.partition_key);
             match outcome {
@@ -1111,6 +1158,7 @@ impl Loop<'_> {
                 }
                 Outcome::Failed(kind, error) => {
                     self.stats.failed.fetch_add(1, Ordering::Relaxed);
+                    failed_deliveries += 1;
                     if !key_failed {
                         failed_keys.push(row.partition_key.clone());
                         let held = self.held.entry(row.partition_key.clone()).or_insert(seq);
@@ -1224,6 +1272,11 @@ impl Loop<'_> {
         if transient.is_none() {
             self.broker.up();
         }
+        if !published.is_empty() {
+            self.stats.failing_over();
+        } else if failed_deliveries > 0 {
+            self.stats.failed_round();
+        }
         self.stats
             .published
             .fetch_add(published.len() as u64, Ordering::Relaxed);
@@ -1273,6 +1326,7 @@ impl Loop<'_> {
                 Err(error) => {
                     // The batch's transaction rolled back: its rows stay
                     // unpublished and are sent again (at least once).
+                    self.stats.failed_round();
                     self.database.down(&error);
                 }
             }

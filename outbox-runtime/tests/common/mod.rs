@@ -317,11 +317,13 @@ pub async fn unpublished(pool: &PgPool) -> i64 {
 
 /// Rows of one topic not yet marked published.
 pub async fn unpublished_of(pool: &PgPool, topic: &str) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE published_at IS NULL AND topic = $1")
-        .bind(topic)
-        .fetch_one(pool)
-        .await
-        .expect("count")
+    sqlx::query_scalar(
+        "SELECT count(*) FROM outbox_event WHERE published_at IS NULL AND topic = $1",
+    )
+    .bind(topic)
+    .fetch_one(pool)
+    .await
+    .expect("count")
 }
 
 /// Waits until every row of `topic` is marked published: a consumer can
