@@ -248,12 +248,18 @@ impl Driver {
     /// inbox rows (recording that retry's back-off, as computed from its
     /// attempts), and the waiting rows' `next_attempt_at` back by what was
     /// left of it; false when none waits.
+    ///
+    /// A retry that came due (in real time) between the last round and
+    /// this look is not skipped but is still waiting: true without moving
+    /// the clock, and the next round takes it. (Asking only for rows still
+    /// in the future would miss it, and delivery would end with the row
+    /// neither handled nor dead-lettered.)
     async fn skip_retry_wait(&self) -> Result<bool, sqlx::Error> {
         let next: Option<(i32, f64)> = sqlx::query_as(
             "SELECT attempts, extract(epoch FROM next_attempt_at - now())::float8
              FROM inbox_event
              WHERE consumer = $1 AND NOT processed AND dead_lettered_at IS NULL
-               AND next_attempt_at > now()
+               AND next_attempt_at IS NOT NULL
              ORDER BY next_attempt_at LIMIT 1",
         )
         .bind(&self.config.group)
@@ -262,6 +268,9 @@ impl Driver {
         let Some((attempts, left)) = next else {
             return Ok(false);
         };
+        if left <= 0.0 {
+            return Ok(true);
+        }
         sqlx::query(
             "UPDATE inbox_event SET next_attempt_at = next_attempt_at - make_interval(secs => $2)
              WHERE consumer = $1 AND NOT processed AND dead_lettered_at IS NULL
