@@ -51,7 +51,7 @@ fn split(handles: &[&RelayHandle]) -> Option<Vec<usize>> {
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn relays_share_the_lanes_and_take_over_a_stopped_relays_lanes(pool: PgPool) {
     let topic = unique_topic("lanes-share");
-    create_topic(&brokers(), &topic).await;
+    create_warm_topic(&brokers(), &topic).await;
     let a = relay(&pool).spawn().unwrap();
     assert!(
         eventually(Duration::from_secs(5), || async { a.lanes().len() == 16 }).await,
@@ -488,7 +488,7 @@ async fn a_relay_aborted_inside_a_claim_leaves_no_transaction_open(pool: PgPool)
 async fn a_silent_relay_loses_its_lanes_and_rows_within_bounded_times(pool: PgPool) {
     init_tracing();
     let topic = unique_topic("lanes-frozen");
-    create_topic(&brokers(), &topic).await;
+    create_warm_topic(&brokers(), &topic).await;
     let options = pool.connect_options().as_ref().clone();
     let upstream = format!("127.0.0.1:{}", options.get_port()).parse().unwrap();
     let proxy = Proxy::start(upstream).await;
