@@ -94,26 +94,12 @@ pub(crate) fn print_status(s: &ops::Status) {
     }
 }
 
-/// `0-5,9,12-13`.
+/// `0-5,9,12-13`, or "none".
 fn lane_list(lanes: &[i32]) -> String {
-    let mut parts: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < lanes.len() {
-        let start = lanes[i];
-        while i + 1 < lanes.len() && lanes[i + 1] == lanes[i] + 1 {
-            i += 1;
-        }
-        parts.push(if lanes[i] == start {
-            start.to_string()
-        } else {
-            format!("{start}-{}", lanes[i])
-        });
-        i += 1;
-    }
-    if parts.is_empty() {
+    if lanes.is_empty() {
         "none".into()
     } else {
-        parts.join(",")
+        ops::lane_ranges(lanes)
     }
 }
 

@@ -666,6 +666,26 @@ pub fn parse_duration(text: &str) -> Result<Duration> {
     })
 }
 
+/// A relay's lanes as runs: `0-5,9,12-13` (empty for none). `lanes` in
+/// ascending order, as [`RelayLanes::lanes`] holds them.
+pub fn lane_ranges(lanes: &[i32]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < lanes.len() {
+        let start = lanes[i];
+        while i + 1 < lanes.len() && lanes[i + 1] == lanes[i] + 1 {
+            i += 1;
+        }
+        parts.push(if lanes[i] == start {
+            start.to_string()
+        } else {
+            format!("{start}-{}", lanes[i])
+        });
+        i += 1;
+    }
+    parts.join(",")
+}
+
 /// Formats a duration in the syntax [`parse_duration`] reads (`7d`, `1h30m`).
 pub fn format_duration(d: Duration) -> String {
     let mut secs = d.as_secs();
