@@ -282,14 +282,14 @@ async fn last_id(pool: &PgPool) -> Result<i64, sqlx::Error> {
         .await
 }
 
-/// Rows of the history (outbox and dedup) still there.
-async fn history_rows(pool: &PgPool, last: i64, group: &str) -> Result<i64, sqlx::Error> {
+/// Rows of the history (outbox and dedup, of every run's group: a kept
+/// history's dedup rows belong to the run that filled it) still there.
+async fn history_rows(pool: &PgPool, last: i64) -> Result<i64, sqlx::Error> {
     sqlx::query_scalar(
         "SELECT (SELECT count(*) FROM outbox_event WHERE id <= $1)
-              + (SELECT count(*) FROM processed_event WHERE consumer = $2)",
+              + (SELECT count(*) FROM processed_event WHERE consumer LIKE 'growth-dedup-%')",
     )
     .bind(last)
-    .bind(group)
     .fetch_one(pool)
     .await
 }
@@ -692,7 +692,7 @@ async fn operations(pool: &PgPool) -> Result<[f64; 4], Box<dyn std::error::Error
         ..ReplayFilter::default()
     };
     let window = cleanup::DEFAULT_DEDUP_WINDOW;
-    let replay_ms = timed(|| replay::beyond_window(pool, &filter, window)).await?;
+    let replay_ms = timed(|| replay::selection(pool, &filter, window)).await?;
     // Older than the history: the pass finds nothing to delete.
     let idle_retention = Retention::new(Duration::from_secs(365 * 86400));
     let cleanup_ms = timed(|| cleanup::cleanup(pool, &idle_retention)).await?;
@@ -952,7 +952,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             ..ReplayFilter::default()
         };
         let window = cleanup::DEFAULT_DEDUP_WINDOW;
-        let replay_ms = timed(|| replay::beyond_window(&pool, &filter, window)).await?;
+        let replay_ms = timed(|| replay::selection(&pool, &filter, window)).await?;
         // Older than the history: the pass finds nothing to delete.
         let idle_retention = Retention::new(Duration::from_secs(365 * 86400));
         let cleanup_ms = timed(|| cleanup::cleanup(&pool, &idle_retention)).await?;
@@ -1045,7 +1045,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         // Writers while a cleanup deletes the history (last: it empties it;
         // stopped after `cleanup_seconds`).
         let (during_p99, cleanup_rows, cleanup_s) = if history > 0 {
-            let before = history_rows(&pool, last, &group).await?;
+            let before = history_rows(&pool, last).await?;
             let stop = Arc::new(tokio::sync::Notify::new());
             let job = {
                 let (pool, stop) = (pool.clone(), stop.clone());
@@ -1066,7 +1066,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 job.abort();
                 let _ = job.await;
             }
-            let left = history_rows(&pool, last, &group).await?;
+            let left = history_rows(&pool, last).await?;
             (p99(lat), (before - left) as f64, took)
         } else {
             (f64::NAN, 0.0, 0.0)
@@ -1137,8 +1137,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     }
 
-    // The growth table: each rate beside its ratio to the first size's.
-    let base = &results[0];
+    // The growth table: each rate beside its ratio to the smallest size's
+    // (`--history 10000000,0 --keep` measures a kept history first, then
+    // empties it for the baseline).
+    let base = results
+        .iter()
+        .min_by_key(|r| r["history"].as_i64().unwrap_or(i64::MAX))
+        .expect("at least one history size");
     let ratio = |r: &Value, k: &str| {
         let (x, b) = (
             r[k].as_f64().unwrap_or(f64::NAN),
@@ -1189,6 +1194,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
     }
     writers_pool.close().await;
-    db.drop_database().await?;
+    if !a.keep {
+        db.drop_database().await?;
+    }
     Ok(())
 }

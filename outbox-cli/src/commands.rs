@@ -306,16 +306,29 @@ async fn replay_events(ctx: &Ctx, args: ReplayArgs) -> Result<(), Error> {
     let dedup_window = ops::parse_duration(&args.dedup_window)?;
     let pool = ctx.pool(2).await?;
     if args.dry_run {
-        let (old, n, _) = replay::beyond_window(&pool, &filter, dedup_window).await?;
+        let selected = replay::selection(&pool, &filter, dedup_window).await?;
+        let (n, old) = (selected.matched, selected.beyond_window);
         if args.json {
             println!(
                 "{}",
-                serde_json::json!({ "dry_run": true, "matched": n, "beyond_dedup_window": old })
+                serde_json::json!({
+                    "dry_run": true,
+                    "matched": n,
+                    "beyond_dedup_window": old,
+                    "estimated": selected.estimated,
+                })
             );
         } else {
+            let refused = if old > 0 {
+                " (beyond the dedup window: refused without --force)"
+            } else {
+                ""
+            };
             println!(
-                "dry run: {n} published events match, {old} of them published more than {} ago \
-                 (beyond the dedup window: refused without --force); nothing sent",
+                "dry run: {} published events match, {} of them published more than {} \
+                 ago{refused}; nothing sent",
+                replay::shown(n),
+                replay::shown(old),
                 ops::format_duration(dedup_window)
             );
         }

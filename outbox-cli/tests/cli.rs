@@ -487,10 +487,13 @@ async fn a_replay_beyond_the_dedup_window_is_refused_by_the_command(pool: PgPool
     let topic = unique_topic("cli-replay-window");
     create_topic(&brokers(), &topic).await;
     commit_messages(&pool, &topic, 4, 2, 4).await;
-    sqlx::query("UPDATE outbox_event SET published_at = now() - interval '8 days'")
-        .execute(&pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        "UPDATE outbox_event SET created_at = now() - interval '8 days',
+                                 published_at = now() - interval '8 days'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
     let url = url_of(&pool);
     let o = outbox(Some(&url), &["replay", "--topic", &topic]).await;
     assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));

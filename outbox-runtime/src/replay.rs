@@ -23,9 +23,10 @@
 //!   twice.
 //! - The selection reads what it selects, not the table: an id range is a
 //!   range of the primary key; a time range is read through the BRIN index
-//!   on `created_at` (the pages of the range only: counted in one pass by
-//!   the dry run, first turned into the ids created in it by the replay,
-//!   which pages in id order). A topic or aggregate alone (no id or time range) reads
+//!   on `created_at` (the pages of the range only: counted by the dry run,
+//!   exactly up to [`SELECTION_EXACT_UP_TO`] rows and estimated beyond,
+//!   first turned into the ids created in it by the replay, which pages in
+//!   id order). A topic or aggregate alone (no id or time range) reads
 //!   every published row: give a range with them on a large outbox.
 //! - Not beyond the dedup window: consumers keep their dedup rows for a
 //!   window (the retention job's `--dedup-window`, 7 days by default), so an
@@ -268,40 +269,121 @@ fn page_sql(filter: &ReplayFilter) -> String {
     )
 }
 
-/// How many of the published events `filter` selects were published more
-/// than `window` ago, and the first of them (its outbox id).
-pub async fn beyond_window(
+/// Binds `$1`–`$8` of a selection's statements: the filter's criteria
+/// (see `filter_sql`) and the dedup window in seconds.
+macro_rules! bind_selection {
+    ($query:expr, $filter:expr, $window:expr) => {
+        $query
+            .bind($filter.from_id.unwrap_or(i64::MIN))
+            .bind($filter.to_id)
+            .bind($filter.since)
+            .bind($filter.until)
+            .bind($filter.topic.as_deref())
+            .bind($filter.aggregate_type.as_deref())
+            .bind($filter.aggregate_id.as_deref())
+            .bind($window.as_secs_f64())
+    };
+}
+
+/// Rows of a selection [`selection`] counts exactly (of all it selects, and
+/// of those beyond the dedup window); a count that reaches it is estimated.
+pub const SELECTION_EXACT_UP_TO: i64 = 10_000;
+
+/// What a selection holds, as a dry run reports it and a replay checks it
+/// before it sends anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Selection {
+    /// Published events selected.
+    pub matched: u64,
+    /// Of them, published more than the dedup window ago. Zero only when
+    /// there is none: this is what a replay refuses.
+    pub beyond_window: u64,
+    /// A count is an estimate: it passed [`SELECTION_EXACT_UP_TO`] (it is
+    /// then the planner's estimate, never below the rows counted; [`shown`]
+    /// marks it).
+    pub estimated: bool,
+    /// One of the events beyond the window (its outbox id), if any.
+    pub example_beyond: Option<i64>,
+}
+
+/// A count of a [`Selection`] as shown to people: `~` before an estimate
+/// (a count above [`SELECTION_EXACT_UP_TO`]).
+pub fn shown(count: u64) -> String {
+    if count > SELECTION_EXACT_UP_TO as u64 {
+        format!("~{count}")
+    } else {
+        count.to_string()
+    }
+}
+
+/// Counts what `filter` selects, and how much of it was published more than
+/// `window` ago, reading at most [`SELECTION_EXACT_UP_TO`] + 1 rows of
+/// each: exact up to the bound, estimated beyond, so that a dry run over a
+/// month of a large outbox costs what one over a day does. Events beyond the
+/// window are looked for among those created before it only (an event is
+/// published after it is created): a recent selection costs next to nothing
+/// more; an older one with none beyond the window is read whole.
+pub async fn selection(
     pool: &PgPool,
     filter: &ReplayFilter,
     window: Duration,
-) -> Result<(u64, u64, Option<i64>)> {
-    // One pass over the selection: a time range alone is read through the
-    // BRIN index on `created_at` (narrowing the ids first would read it
-    // twice).
-    let sql = format!(
-        "SELECT count(*) FILTER (WHERE published_at < now() - make_interval(secs => $8)),
-                count(*),
-                min(id) FILTER (WHERE published_at < now() - make_interval(secs => $8))
-         FROM outbox_event WHERE {}",
-        filter_sql(filter)
+) -> Result<Selection> {
+    let selected = filter_sql(filter);
+    // An event is published after it was created, both times from the
+    // database's clock: only events created before the window (less an hour
+    // for a clock step) can have been published before it, and the BRIN
+    // index on `created_at` skips the rest (a recent selection has none).
+    let beyond = format!(
+        "{selected} AND published_at < now() - make_interval(secs => $8)
+         AND created_at < now() - make_interval(secs => $8) + interval '1 hour'"
     );
-    let (old, all, first): (i64, i64, Option<i64>) = sqlx::query_as(&sql)
-        .bind(filter.from_id.unwrap_or(i64::MIN))
-        .bind(filter.to_id)
-        .bind(filter.since)
-        .bind(filter.until)
-        .bind(filter.topic.as_deref())
-        .bind(filter.aggregate_type.as_deref())
-        .bind(filter.aggregate_id.as_deref())
-        .bind(window.as_secs_f64())
-        .fetch_one(pool)
-        .await?;
-    Ok((old as u64, all as u64, first))
+    // `$8` is bound to every statement; one that does not need it tests it
+    // (so that its type is known).
+    let capped = |condition: &str| {
+        format!(
+            "SELECT count(*), min(id) FROM (SELECT id FROM outbox_event
+             WHERE {condition} AND $8::float8 IS NOT NULL LIMIT $9) AS s"
+        )
+    };
+    let (mut matched, _): (i64, Option<i64>) =
+        bind_selection!(sqlx::query_as(&capped(&selected)), filter, window)
+            .bind(SELECTION_EXACT_UP_TO + 1)
+            .fetch_one(pool)
+            .await?;
+    let (mut old, example): (i64, Option<i64>) =
+        bind_selection!(sqlx::query_as(&capped(&beyond)), filter, window)
+            .bind(SELECTION_EXACT_UP_TO + 1)
+            .fetch_one(pool)
+            .await?;
+    let mut estimated = false;
+    for (count, condition) in [(&mut matched, &selected), (&mut old, &beyond)] {
+        if *count > SELECTION_EXACT_UP_TO {
+            estimated = true;
+            // A statement of its own, planned with these values (not a
+            // cached generic plan, whose estimate ignores them).
+            let sql = format!(
+                "EXPLAIN (FORMAT JSON) SELECT id FROM outbox_event
+                 WHERE {condition} AND $8::float8 IS NOT NULL"
+            );
+            let plan: sqlx::types::Json<serde_json::Value> =
+                bind_selection!(sqlx::query_scalar(&sql).persistent(false), filter, window)
+                    .fetch_one(pool)
+                    .await?;
+            let planned = plan.0[0]["Plan"]["Plan Rows"].as_f64().unwrap_or(0.0) as i64;
+            *count = (*count).max(planned);
+        }
+    }
+    Ok(Selection {
+        matched: matched.max(old) as u64,
+        beyond_window: old as u64,
+        estimated,
+        example_beyond: example,
+    })
 }
 
 /// How many published events `filter` selects (a dry run).
 pub async fn count(pool: &PgPool, filter: &ReplayFilter) -> Result<u64> {
-    // One pass, as in `beyond_window`.
+    // One pass over the selection, exact.
     let sql = format!(
         "SELECT count(*) FROM outbox_event WHERE {}",
         filter_sql(filter)
@@ -328,17 +410,18 @@ pub async fn count(pool: &PgPool, filter: &ReplayFilter) -> Result<u64> {
 pub async fn replay(pool: &PgPool, options: &ReplayOptions) -> Result<ReplayReport> {
     options.validate()?;
     if !options.force {
-        let (old, all, first) = beyond_window(pool, &options.filter, options.dedup_window).await?;
-        if old > 0 {
+        let selected = selection(pool, &options.filter, options.dedup_window).await?;
+        if selected.beyond_window > 0 {
             let window = format_duration(options.dedup_window);
+            let (old, all) = (shown(selected.beyond_window), shown(selected.matched));
             return Err(Error::Config(format!(
-                "refusing to replay: {old} of the {all} events selected were published more than \
-                 {window} ago (the first: outbox id {}), beyond the consumers' dedup window \
+                "refusing to replay: {old} of the {all} events selected were published \
+                 more than {window} ago (one of them: outbox id {}), beyond the consumers' dedup window \
                  {window}; their dedup rows may be gone, so consumers would apply them again. \
                  Narrow the selection (--since, --from-id), declare a longer --dedup-window if \
                  every consumer keeps its dedup rows longer, or pass --force to replay them \
                  anyway (e.g. for a consumer rebuilding from scratch)",
-                first.unwrap_or_default()
+                selected.example_beyond.unwrap_or_default()
             )));
         }
     }

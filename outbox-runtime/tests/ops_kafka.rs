@@ -358,8 +358,11 @@ async fn a_replay_beyond_the_dedup_window_is_refused_without_force(pool: PgPool)
     create_topic(&brokers(), &topic).await;
     let committed = commit_messages(&pool, &topic, 10, 2, 5).await;
     sqlx::query(
-        "UPDATE outbox_event SET published_at = now() - CASE WHEN id % 2 = 0
-                 THEN interval '8 days' ELSE interval '1 hour' END",
+        "UPDATE outbox_event SET published_at = now() - age, created_at = now() - age - interval '1 s'
+         FROM (SELECT id AS row, CASE WHEN id % 2 = 0 THEN interval '8 days'
+                                      ELSE interval '1 hour' END AS age
+               FROM outbox_event) AS a
+         WHERE id = a.row",
     )
     .execute(&pool)
     .await

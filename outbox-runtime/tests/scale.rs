@@ -5,7 +5,9 @@
 //! replay's time range selects exactly the rows created in it.
 
 use outbox_runtime::ops;
-use outbox_runtime::replay::{self, ReplayFilter};
+use std::time::Duration;
+
+use outbox_runtime::replay::{self, ReplayFilter, ReplayOptions, Selection};
 use sqlx::PgPool;
 use sqlx::types::chrono::{DateTime, Utc};
 
@@ -98,6 +100,95 @@ async fn a_replay_time_range_selects_exactly_the_rows_created_in_it(pool: PgPool
     assert_eq!(count(Some(990), None, None).await, 10);
     assert_eq!(count(Some(5000), None, None).await, 0);
     assert_eq!(count(None, None, None).await, 1001);
+}
+
+/// A dry run's counts are exact up to their bound and estimated beyond,
+/// saying so; an event published before the dedup window is found wherever
+/// it is in the selection, so a replay is refused even when one such event
+/// hides behind tens of thousands of recent ones, and refused naming an
+/// estimate when there are many.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_dry_run_counts_exactly_up_to_its_bound_and_estimates_beyond(pool: PgPool) {
+    insert(&pool, "t", 0, 30_000, true).await;
+    sqlx::query("ANALYZE outbox_event")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let window = Duration::from_secs(7 * 86_400);
+    let at = |minute: i64| DateTime::<Utc>::from_timestamp(1_767_225_600 + minute * 60, 0).unwrap();
+    let day = ReplayFilter {
+        since: Some(at(0)),
+        until: Some(at(500)),
+        ..ReplayFilter::default()
+    };
+    let all = ReplayFilter::default();
+    let selection = |filter: &ReplayFilter| {
+        let (pool, filter) = (pool.clone(), filter.clone());
+        async move { replay::selection(&pool, &filter, window).await.unwrap() }
+    };
+    let exact = Selection {
+        matched: 500,
+        beyond_window: 0,
+        estimated: false,
+        example_beyond: None,
+    };
+    assert_eq!(selection(&day).await, exact);
+    let s = selection(&all).await;
+    assert!(s.estimated, "{s:?}");
+    assert!((24_000..=36_000).contains(&s.matched), "{s:?}");
+    assert_eq!(s.beyond_window, 0, "{s:?}");
+
+    // One event published 8 days ago, the last of the selection.
+    let last: i64 = sqlx::query_scalar(
+        "UPDATE outbox_event SET created_at = now() - interval '9 days',
+                                 published_at = now() - interval '8 days'
+         WHERE id = (SELECT max(id) FROM outbox_event) RETURNING id",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let s = selection(&all).await;
+    assert_eq!(
+        (s.beyond_window, s.example_beyond),
+        (1, Some(last)),
+        "{s:?}"
+    );
+    let refused = replay::replay(&pool, &ReplayOptions::new("127.0.0.1:9", all.clone()))
+        .await
+        .expect_err("one event beyond the window");
+    assert!(refused.to_string().contains("1 of the ~"), "{refused}");
+
+    // 20,000 of them: both counts estimated, and the refusal says so.
+    sqlx::query(
+        "UPDATE outbox_event SET created_at = now() - interval '9 days',
+                                 published_at = now() - interval '8 days'
+         WHERE id < (SELECT min(id) + 20000 FROM outbox_event)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE outbox_event")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let s = selection(&all).await;
+    assert!(s.estimated, "{s:?}");
+    assert!((16_000..=24_000).contains(&s.beyond_window), "{s:?}");
+    assert!(s.matched >= s.beyond_window, "{s:?}");
+    let refused = replay::replay(&pool, &ReplayOptions::new("127.0.0.1:9", all))
+        .await
+        .expect_err("events beyond the window");
+    assert!(
+        refused.to_string().contains("refusing to replay: ~"),
+        "{refused}"
+    );
+    // Nothing was sent or changed: every row is still as it was.
+    let published: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE published_at IS NOT NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(published, 30_000);
 }
 
 /// `n` unpublished rows, topic `a` but every fourth `b` (both through the

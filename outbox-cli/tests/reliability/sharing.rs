@@ -9,7 +9,7 @@ use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
 use crate::checker::{self, Evidence};
-use crate::common::{brokers, database_url, init_tracing, relay_process, reset_topic, signal};
+use crate::common::{brokers, database_url, init_tracing, relay_process, reset_warm_topic, signal};
 use crate::harness::{
     Effect, Load, Writers, collect, commit_order_table, effect_table, number_by_commit_order,
     recovery, scenario_event, soak,
@@ -51,7 +51,8 @@ async fn several_writers_per_key_while_relays_are_sigkilled(pool: PgPool) {
     init_tracing();
     let brokers = brokers();
     let topic = SharedKeysEvent::TOPIC;
-    reset_topic(&brokers, topic).await;
+    // Two relays write the recreated topic at once (see `reset_warm_topic`).
+    reset_warm_topic(&brokers, topic).await;
     effect_table(&pool).await;
     commit_order_table(&pool).await;
     let consumer = consumer(&pool, &brokers, Effect::<SharedKeysEvent>::new()).await;
@@ -189,8 +190,8 @@ async fn two_outbox_schemas_in_one_database(pool: PgPool) {
         schema_pool(&pool, "svc_b").await,
     );
     let (topic_a, topic_b) = (SchemaAEvent::TOPIC, SchemaBEvent::TOPIC);
-    reset_topic(&brokers, topic_a).await;
-    reset_topic(&brokers, topic_b).await;
+    reset_warm_topic(&brokers, topic_a).await;
+    reset_warm_topic(&brokers, topic_b).await;
     effect_table(&a).await;
     effect_table(&b).await;
     let consumer_a = consumer(&a, &brokers, Effect::<SchemaAEvent>::new()).await;

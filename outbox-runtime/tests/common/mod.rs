@@ -56,6 +56,19 @@ pub const WARM_UP: &str = "test-warm-up";
 /// [`read_topic`] only: a consumer of the framework would see the records.
 pub async fn create_warm_topic(brokers: &str, topic: &str) {
     create_topic(brokers, topic).await;
+    warm_partitions(brokers, topic).await;
+}
+
+/// [`reset_topic`], then one warm-up record to each partition (see
+/// [`create_warm_topic`]): for scenarios where several relays write the
+/// recreated topic at once. A consumer of the framework reading it must
+/// ignore the event type `WarmUp`.
+pub async fn reset_warm_topic(brokers: &str, topic: &str) {
+    reset_topic(brokers, topic).await;
+    warm_partitions(brokers, topic).await;
+}
+
+async fn warm_partitions(brokers: &str, topic: &str) {
     for partition in 0..PARTITIONS {
         let warm_up =
             TestMessage::event(Uuid::now_v7(), "WarmUp", "warm-up", serde_json::json!({}))
