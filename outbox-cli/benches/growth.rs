@@ -85,6 +85,10 @@ struct Args {
     /// stopped).
     #[arg(long, default_value_t = 30.0)]
     cleanup_seconds: f64,
+    /// One dedup row per this many history rows (1: as many as outbox rows;
+    /// more to fit a large history on the disk).
+    #[arg(long, default_value_t = 1)]
+    dedup_every: i64,
     /// Rows per history-filling statement.
     #[arg(long, default_value_t = 1_000_000)]
     chunk: i64,
@@ -144,11 +148,13 @@ SELECT {uuid}, 'Order', 'order-' || (g % 1000), 'OrderPlaced', 'growth.history',
 FROM generate_series($1::int8, $2::int8) AS g,
      LATERAL (SELECT now() - make_interval(secs => ($3 - g + 1) * ({span} * 86400.0 / $3))) AS c(t)";
 
-/// The dedup rows of the consumer group `$4`, the same way.
+/// The dedup rows of the consumer group `$4`, the same way: one per `$5`
+/// history rows.
 const FILL_PROCESSED: &str = "\
 INSERT INTO processed_event (consumer, event_id, processed_at)
 SELECT $4, {uuid}, now() - make_interval(secs => ($3 - g + 1) * ({span} * 86400.0 / $3))
-FROM generate_series($1::int8, $2::int8) AS g";
+FROM generate_series($1::int8, $2::int8) AS g
+WHERE g % $5 = 0";
 
 /// `$1` unpublished rows of topic `$2`.
 const BACKLOG: &str = "\
@@ -246,7 +252,13 @@ async fn checkpoint(pool: &PgPool) {
 }
 
 /// Empties the tables and fills a history of `n` rows; returns its last id.
-async fn fill(pool: &PgPool, n: i64, chunk: i64, group: &str) -> Result<i64, sqlx::Error> {
+async fn fill(
+    pool: &PgPool,
+    n: i64,
+    chunk: i64,
+    group: &str,
+    dedup_every: i64,
+) -> Result<i64, sqlx::Error> {
     sqlx::query("TRUNCATE outbox_event, processed_event, growth_order")
         .execute(pool)
         .await?;
@@ -265,6 +277,7 @@ async fn fill(pool: &PgPool, n: i64, chunk: i64, group: &str) -> Result<i64, sql
             .bind(to)
             .bind(n)
             .bind(group)
+            .bind(dedup_every)
             .execute(pool)
             .await?;
         from = to + 1;
@@ -901,7 +914,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             reset(&pool, last).await?;
             last
         } else {
-            fill(&pool, history, a.chunk.max(1), &group).await?
+            fill(&pool, history, a.chunk.max(1), &group, a.dedup_every.max(1)).await?
         };
         let fill_s = t.elapsed().as_secs_f64();
         let size: i64 = sqlx::query_scalar("SELECT pg_total_relation_size('outbox_event')")
