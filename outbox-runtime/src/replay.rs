@@ -337,24 +337,34 @@ pub async fn selection(
         "{selected} AND published_at < now() - make_interval(secs => $8)
          AND created_at < now() - make_interval(secs => $8) + interval '1 hour'"
     );
-    // `$8` is bound to every statement; one that does not need it tests it
-    // (so that its type is known).
-    let capped = |condition: &str| {
-        format!(
-            "SELECT count(*), min(id) FROM (SELECT id FROM outbox_event
-             WHERE {condition} AND $8::float8 IS NOT NULL LIMIT $9) AS s"
+    // The first rows of the selection, and how many of them are beyond the
+    // window. When they are all it selects, or all beyond the window, that
+    // is the whole answer (one read of the selection's index).
+    let sample = format!(
+        "SELECT count(*), count(*) FILTER (WHERE old), min(id) FILTER (WHERE old)
+         FROM (SELECT id, published_at < now() - make_interval(secs => $8) AS old
+               FROM outbox_event WHERE {selected} LIMIT $9) AS s"
+    );
+    let (mut matched, mut old, mut example): (i64, i64, Option<i64>) =
+        bind_selection!(sqlx::query_as(&sample), filter, window)
+            .bind(SELECTION_EXACT_UP_TO + 1)
+            .fetch_one(pool)
+            .await?;
+    if matched > SELECTION_EXACT_UP_TO && old < matched {
+        // More than the sample, not all beyond the window: those beyond it
+        // are looked for on their own.
+        (old, example) = bind_selection!(
+            sqlx::query_as(&format!(
+                "SELECT count(*), min(id) FROM (SELECT id FROM outbox_event
+                 WHERE {beyond} LIMIT $9) AS s"
+            )),
+            filter,
+            window
         )
-    };
-    let (mut matched, _): (i64, Option<i64>) =
-        bind_selection!(sqlx::query_as(&capped(&selected)), filter, window)
-            .bind(SELECTION_EXACT_UP_TO + 1)
-            .fetch_one(pool)
-            .await?;
-    let (mut old, example): (i64, Option<i64>) =
-        bind_selection!(sqlx::query_as(&capped(&beyond)), filter, window)
-            .bind(SELECTION_EXACT_UP_TO + 1)
-            .fetch_one(pool)
-            .await?;
+        .bind(SELECTION_EXACT_UP_TO + 1)
+        .fetch_one(pool)
+        .await?;
+    }
     let mut estimated = false;
     for (count, condition) in [(&mut matched, &selected), (&mut old, &beyond)] {
         if *count > SELECTION_EXACT_UP_TO {
