@@ -491,6 +491,17 @@ impl Drop for Proxy {
     }
 }
 
+/// A listener on a port of its own, and the port: for a server whose port
+/// must be known before something else starts (a port from [`free_port`]
+/// is free only until another process's connection takes it).
+pub async fn held_port() -> (tokio::net::TcpListener, u16) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind a port");
+    let port = listener.local_addr().expect("local address").port();
+    (listener, port)
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())

@@ -40,16 +40,16 @@ pub struct SaslProxy {
 }
 
 impl SaslProxy {
+    /// Serves on `listener`, bound by the caller before it starts the
+    /// upstream (a port only picked, not held, may be taken meanwhile).
     pub async fn start(
-        port: u16,
+        listener: TcpListener,
         upstream: SocketAddr,
         tls: Option<native_tls::Identity>,
         user: &str,
         password: &str,
     ) -> Self {
-        let listener = TcpListener::bind(("127.0.0.1", port))
-            .await
-            .expect("bind SASL proxy");
+        let port = listener.local_addr().expect("proxy address").port();
         let acceptor = tls.map(|identity| {
             tokio_native_tls::TlsAcceptor::from(
                 native_tls::TlsAcceptor::new(identity).expect("TLS acceptor"),
@@ -367,13 +367,15 @@ impl SaslBroker {
     /// The user `outbox-relay` with the password `s3cret-pw`.
     pub async fn start() -> Self {
         let pki = super::tls::Pki::generate("client");
-        let (broker_port, sasl_port) = (super::free_port(), super::free_port());
+        // The proxy's port is held from the start: the broker advertises it.
+        let (listener, sasl_port) = super::held_port().await;
+        let broker_port = super::free_port();
         let broker = super::PrivateBroker::start_advertising(
             broker_port,
             &format!("tcp://localhost:{sasl_port}"),
         );
         let proxy = SaslProxy::start(
-            sasl_port,
+            listener,
             ([127, 0, 0, 1], broker_port).into(),
             Some(pki.server_identity()),
             "outbox-relay",

@@ -197,10 +197,14 @@ pub struct TlsProxy {
 }
 
 impl TlsProxy {
-    pub async fn start(port: u16, upstream: SocketAddr, identity: native_tls::Identity) -> Self {
-        let listener = TcpListener::bind(("127.0.0.1", port))
-            .await
-            .expect("bind TLS proxy");
+    /// Serves on `listener` (bound by the caller before it starts the
+    /// upstream: a port only picked, not held, may be taken meanwhile).
+    pub fn start(
+        listener: TcpListener,
+        upstream: SocketAddr,
+        identity: native_tls::Identity,
+    ) -> Self {
+        let port = listener.local_addr().expect("proxy address").port();
         let acceptor = tokio_native_tls::TlsAcceptor::from(
             native_tls::TlsAcceptor::new(identity).expect("TLS acceptor"),
         );
@@ -252,17 +256,18 @@ pub struct TlsBroker {
 impl TlsBroker {
     pub async fn start() -> Self {
         let pki = Pki::generate("client");
-        let (broker_port, tls_port) = (super::free_port(), super::free_port());
+        // The proxy's port is held from the start: the broker advertises it.
+        let (listener, tls_port) = super::held_port().await;
+        let broker_port = super::free_port();
         let broker = super::PrivateBroker::start_advertising(
             broker_port,
             &format!("tcp://localhost:{tls_port}"),
         );
         let proxy = TlsProxy::start(
-            tls_port,
+            listener,
             ([127, 0, 0, 1], broker_port).into(),
             pki.server_identity(),
-        )
-        .await;
+        );
         Self {
             pki,
             proxy,
