@@ -269,10 +269,9 @@ fn page_sql(filter: &ReplayFilter) -> String {
     )
 }
 
-/// Binds `$1`–`$8` of a selection's statements: the filter's criteria
-/// (see `filter_sql`) and the dedup window in seconds.
-macro_rules! bind_selection {
-    ($query:expr, $filter:expr, $window:expr) => {
+/// Binds `$1`–`$7`, the filter's criteria (see `filter_sql`).
+macro_rules! bind_filter {
+    ($query:expr, $filter:expr) => {
         $query
             .bind($filter.from_id.unwrap_or(i64::MIN))
             .bind($filter.to_id)
@@ -281,7 +280,14 @@ macro_rules! bind_selection {
             .bind($filter.topic.as_deref())
             .bind($filter.aggregate_type.as_deref())
             .bind($filter.aggregate_id.as_deref())
-            .bind($window.as_secs_f64())
+    };
+}
+
+/// Binds `$1`–`$8` of a selection's statements: the filter's criteria and
+/// the dedup window in seconds.
+macro_rules! bind_selection {
+    ($query:expr, $filter:expr, $window:expr) => {
+        bind_filter!($query, $filter).bind($window.as_secs_f64())
     };
 }
 
@@ -398,14 +404,7 @@ pub async fn count(pool: &PgPool, filter: &ReplayFilter) -> Result<u64> {
         "SELECT count(*) FROM outbox_event WHERE {}",
         filter_sql(filter)
     );
-    let n: i64 = sqlx::query_scalar(&sql)
-        .bind(filter.from_id.unwrap_or(i64::MIN))
-        .bind(filter.to_id)
-        .bind(filter.since)
-        .bind(filter.until)
-        .bind(filter.topic.as_deref())
-        .bind(filter.aggregate_type.as_deref())
-        .bind(filter.aggregate_id.as_deref())
+    let n: i64 = bind_filter!(sqlx::query_scalar(&sql), filter)
         .fetch_one(pool)
         .await?;
     Ok(n as u64)
