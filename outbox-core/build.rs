@@ -3,5 +3,5 @@
 //! would not be picked up by an incremental build.
 
 fn main() {
-    println!("cargo:rerun-if-changed=../migrations");
+    println!("cargo:rerun-if-changed=migrations");
 }

@@ -89,7 +89,7 @@
 //! ```
 
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub use outbox_core::{
     Aggregate, AggregateRoot, BoxError, CommandFuture, CommandHandler, CommandOutput, Committed,
@@ -132,7 +132,7 @@ pub use outbox_core::contracts;
 pub use outbox_runtime::testing;
 
 /// OpenTelemetry export (`otel` feature): the OTLP layer configured by the
-/// `OTEL_*` environment variables and its flushing guard. See the README's
+/// `OTEL_*` environment variables and its flushing guard. See the guide's
 /// "Tracing with OpenTelemetry".
 #[cfg(all(feature = "otel", feature = "runtime"))]
 pub use outbox_runtime::telemetry;

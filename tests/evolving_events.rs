@@ -235,6 +235,61 @@ async fn rows_written_by_old_code_are_upcast_and_handled(pool: PgPool) {
 }
 
 #[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn the_testing_kit_reports_upcast_events_as_the_handler_got_them(pool: PgPool) {
+    tables(&pool).await;
+    let (v1, v3) = (Uuid::now_v7(), Uuid::now_v7());
+    write_old(
+        &pool,
+        OrderPlacedV1 {
+            order_id: v1,
+            amount: 7,
+        },
+    )
+    .await;
+    write_old(
+        &pool,
+        OrderPlaced {
+            order_id: v3,
+            amount_cents: 990,
+            currency: "USD".into(),
+        },
+    )
+    .await;
+    let mut bus = TestBus::new().service(
+        Consumer::builder(pool.clone())
+            .group("billing")
+            .handler(book_order),
+    );
+    let delivery = bus.deliver().await.unwrap();
+    delivery.assert_no_dead_letters();
+    // The version-1 event, upcast to the current struct as the handler got it.
+    let upcast = OrderPlaced {
+        order_id: v1,
+        amount_cents: 700,
+        currency: "EUR".into(),
+    };
+    assert_eq!(
+        delivery.handled_events::<OrderPlaced>(),
+        vec![
+            upcast.clone(),
+            OrderPlaced {
+                order_id: v3,
+                amount_cents: 990,
+                currency: "USD".into(),
+            }
+        ],
+        "{delivery}"
+    );
+    assert_eq!(
+        delivery.assert_handled::<OrderPlaced>(|e| e.order_id == v1),
+        upcast
+    );
+    assert_eq!(delivery.published::<OrderPlaced>().len(), 2, "{delivery}");
+    assert_eq!(delivery.counts()["OrderPlaced"].handled, 2);
+    delivery.assert_each_handled_once();
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
 async fn a_version_newer_than_the_handler_reads_is_dead_lettered_as_unsupported(pool: PgPool) {
     tables(&pool).await;
     for mode in [Mode::Dedup, Mode::Inbox] {

@@ -9,8 +9,9 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::{Duration, Instant};
 
 use outbox::prelude::*;
+use outbox::runtime::cloudevents;
 use outbox::runtime::{Consumer, DeadLetterReason, Mode};
-use outbox::testing::{Error as BusError, FailTimes, Faults, Outcome, TestBus, TestDb};
+use outbox::testing::{Error as BusError, FailTimes, Faults, Outcome, RawMessage, TestBus, TestDb};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
@@ -167,25 +168,58 @@ async fn placing_an_order_charges_it_and_marks_it_paid() {
 }
 // README: Testing your handlers (end)
 
-/// The README's example is the test above, verbatim.
+// README: Messages of other producers (begin)
+#[tokio::test]
+async fn an_order_placed_by_the_legacy_shop_is_charged_once() {
+    let db = TestDb::builder().sql(TABLES).create().await.unwrap();
+    let mut bus = TestBus::new().service(billing::consumer(db.pool().clone()));
+    // A CloudEvent of a system that does not use this framework.
+    let order_id = Uuid::now_v7();
+    let placed = RawMessage::cloud_event(OrderPlaced::TOPIC, "OrderPlaced", "inv-42")
+        .header("ce_source", "/legacy-shop")
+        .key(order_id.to_string())
+        .json(&serde_json::json!({ "order_id": order_id, "amount_cents": 500 }));
+    bus.send(placed.clone()).send(placed.clone()); // twice: charged once
+    bus.send(placed.without_header("ce_source")); // no source: no identity
+
+    let delivery = bus.deliver().await.unwrap();
+    let id = cloudevents::event_id("/legacy-shop", "inv-42"); // from source and id
+    let handled: Vec<_> = delivery.handled().map(|d| d.event_id).collect();
+    assert_eq!(handled, [Some(id)]);
+    assert_eq!(delivery.duplicates(), 1);
+    let dead = delivery.assert_dead_lettered::<OrderPlaced>(|e| e.order_id == order_id);
+    assert!(matches!(&dead.outcome, Outcome::DeadLettered { reason, .. }
+        if *reason == DeadLetterReason::NoEventId));
+}
+// README: Messages of other producers (end)
+
+/// The testing chapter's examples (docs/src/testing.md) are the tests above, verbatim.
 #[test]
-fn the_readme_example_is_this_files_test() {
-    const BEGIN: &str = "// README: Testing your handlers (begin)\n";
-    const END: &str = "// README: Testing your handlers (end)\n";
+fn the_guide_examples_are_this_files_tests() {
     let this = include_str!("testing_kit.rs");
-    let start = this.find(BEGIN).expect("the begin marker") + BEGIN.len();
-    let example = &this[start..this.find(END).expect("the end marker")];
-    let readme = include_str!("../README.md");
+    let readme = include_str!("../docs/src/testing.md");
     let section = &readme[readme
         .find("## Testing your handlers")
         .expect("the section")..];
-    let block = section.split("```rust\n").nth(1).expect("a rust block");
-    let block = &block[..block.find("```").expect("the block's end")];
-    assert!(
-        block.ends_with(example),
-        "the README's example differs from the test:\n--- README\n{block}\n--- test\n{example}"
-    );
-    assert!(block.lines().count() <= 20, "{block}");
+    let section = &section[..section[3..].find("\n## ").map_or(section.len(), |i| i + 3)];
+    let blocks: Vec<&str> = section
+        .split("```rust\n")
+        .skip(1)
+        .map(|b| &b[..b.find("```").expect("the block's end")])
+        .collect();
+    for (name, lines) in [
+        ("Testing your handlers", 20),
+        ("Messages of other producers", 25),
+    ] {
+        let begin = format!("// README: {name} (begin)\n");
+        let end = format!("// README: {name} (end)\n");
+        let start = this.find(&begin).expect("the begin marker") + begin.len();
+        let example = &this[start..this.find(&end).expect("the end marker")];
+        let Some(block) = blocks.iter().find(|b| b.ends_with(example)) else {
+            panic!("no README example is the test `{name}`:\n{example}\nREADME:\n{blocks:#?}");
+        };
+        assert!(block.lines().count() <= lines, "{block}");
+    }
 }
 
 #[tokio::test]

@@ -166,6 +166,15 @@ pub(crate) struct ConsoleArgs {
     /// is visible to every user of the machine.
     #[arg(long, value_name = "PATH")]
     pub write_token_file: Option<PathBuf>,
+    /// Mark the session cookie Secure (sent over HTTPS only): when the
+    /// console is reached through a TLS-terminating proxy.
+    #[arg(long)]
+    pub secure_cookie: bool,
+    /// A reverse proxy whose X-Forwarded-For is believed for the audit
+    /// trail's client address (repeat for several); from other peers the
+    /// header is ignored.
+    #[arg(long, value_name = "IP")]
+    pub trusted_proxy: Vec<std::net::IpAddr>,
     /// Brokers to read the consumer groups' lag from (also KAFKA_BROKERS
     /// or the configuration file); without any, no lag is shown.
     #[command(flatten)]
@@ -442,7 +451,7 @@ pub(crate) enum PartitionsCommand {
     /// start them again afterwards. Does nothing to a table already
     /// partitioned.
     Enable {
-        /// The time range of one partition (e.g. 1d, 6h; whole minutes).
+        /// The time range of one partition (e.g. 1d, 6h; whole seconds).
         #[arg(long, value_name = "DURATION", default_value = "1d")]
         period: String,
         #[command(flatten)]

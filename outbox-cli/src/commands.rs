@@ -407,10 +407,10 @@ async fn cleanup(ctx: &Ctx, args: CleanupArgs) -> Result<(), Error> {
                     report.dead_letters,
                     report.statements
                 );
-                if report.partitions_dropped + report.partitions_kept > 0 {
+                if report.partitions_dropped + report.partitions_kept + report.partitions_busy > 0 {
                     println!(
-                        "dropped {} partitions; kept {} past the window (rows still needed, or busy)",
-                        report.partitions_dropped, report.partitions_kept
+                        "dropped {} partitions; kept {} past the window (rows still needed); {} busy (dropped at a later pass)",
+                        report.partitions_dropped, report.partitions_kept, report.partitions_busy
                     );
                 }
             }
@@ -462,8 +462,17 @@ async fn partitions(ctx: &Ctx, command: PartitionsCommand) -> Result<(), Error> 
         PartitionsCommand::Maintain { ahead } => {
             match partition::maintain(&pool, &partition_plan(&ahead)).await? {
                 Some(report) => println!(
-                    "{} partitions created ahead, {} rows moved from the default partitions",
-                    report.created, report.moved_rows
+                    "{} partitions created ahead, {} rows moved from the default partitions{}",
+                    report.created,
+                    report.moved_rows,
+                    if report.busy > 0 {
+                        format!(
+                            "; {} not created (their table stayed busy): run it again",
+                            report.busy
+                        )
+                    } else {
+                        String::new()
+                    }
                 ),
                 None => println!("another maintainer is at work: nothing done"),
             }

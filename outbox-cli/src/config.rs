@@ -180,14 +180,15 @@ fn warn_if_readable_by_others(path: &Path, settings: &Settings) {
                 .as_deref()
                 .is_some_and(|u| outbox_runtime::settings::redact_url(u) != u);
         let mode = std::fs::metadata(path).map(|m| m.permissions().mode());
-        if let Ok(mode) = mode {
-            if secrets && mode & 0o077 != 0 {
-                tracing::warn!(
-                    file = %path.display(),
-                    mode = format!("{:o}", mode & 0o777),
-                    "the configuration file holds secrets and other users can read it (chmod 600)"
-                );
-            }
+        if let Ok(mode) = mode
+            && secrets
+            && mode & 0o077 != 0
+        {
+            tracing::warn!(
+                file = %path.display(),
+                mode = format!("{:o}", mode & 0o777),
+                "the configuration file holds secrets and other users can read it (chmod 600)"
+            );
         }
     }
     #[cfg(not(unix))]

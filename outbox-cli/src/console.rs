@@ -42,7 +42,9 @@ fn write_token(file: Option<&Path>) -> Result<Option<String>, Error> {
 }
 
 pub(crate) async fn run(ctx: &Ctx, args: ConsoleArgs) -> Result<(), Error> {
-    let mut config = ConsoleConfig::new();
+    let mut config = ConsoleConfig::new()
+        .secure_cookie(args.secure_cookie)
+        .trusted_proxies(args.trusted_proxy.iter().copied());
     if let Some(token) = write_token(args.write_token_file.as_deref())? {
         config = config.write_token(token)?;
     }

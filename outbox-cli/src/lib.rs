@@ -12,6 +12,8 @@
 //! `outbox schema export` builds its own `outbox` binary around its event
 //! catalogue with [`run_with`].
 
+#![deny(missing_docs)]
+
 mod args;
 mod commands;
 mod config;

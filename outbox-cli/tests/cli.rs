@@ -526,9 +526,9 @@ async fn partitions_enable_list_maintain_and_cleanup(pool: PgPool) {
     );
 
     // A bad period is refused, nothing converted.
-    let o = outbox(Some(&url), &["partitions", "enable", "--period", "90s"]).await;
+    let o = outbox(Some(&url), &["partitions", "enable", "--period", "1500ms"]).await;
     assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
-    assert!(text(&o).1.contains("whole minutes"), "{:?}", text(&o));
+    assert!(text(&o).1.contains("whole seconds"), "{:?}", text(&o));
 
     let o = outbox(
         Some(&url),

@@ -148,11 +148,13 @@ async fn the_token_comes_from_a_file_or_the_environment_never_argv(pool: PgPool)
     assert!(!err.contains("s3cr3t-db") && !err.contains(TOKEN), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 
-    // From the environment.
+    // From the environment; the cookie Secure when asked.
     let port = free_port();
-    let (child, line) = start(console(&url, port, &[], Some(TOKEN))).await;
+    let (child, line) = start(console(&url, port, &["--secure-cookie"], Some(TOKEN))).await;
     assert!(line.contains("writes allowed"), "{line}");
-    assert!(login(port, TOKEN).await.starts_with("HTTP/1.1 303"));
+    let ok = login(port, TOKEN).await;
+    assert!(ok.starts_with("HTTP/1.1 303"), "{ok}");
+    assert!(ok.contains("; Secure"), "{ok}");
     stop(child).await;
 
     // Neither: read-only.

@@ -2,7 +2,8 @@
 //! its own (`outbox_console_bench`, kept between runs and refilled only
 //! when the row count differs) with `ROWS` rows (default 10,000,000), of
 //! which 10,000 unpublished, 2,000 parked (a tenth of them dropped) and the
-//! rest published, plus 5,000 dead letters; then requests each page through
+//! rest published, plus 5,000 dead letters (and one whose error is a
+//! megabyte of secrets to scrub); then requests each page through
 //! the router and prints the median and the slowest of `RUNS` requests
 //! (default 7).
 //!
@@ -124,6 +125,19 @@ async fn main() {
     .fetch_one(&pool)
     .await
     .unwrap();
+    // A dead letter whose error quotes a hostile header of a megabyte
+    // (thousands of `password=` and URLs with credentials to scrub), as
+    // stored before consumers capped errors.
+    let hostile_id: i64 = sqlx::query_scalar(
+        r#"INSERT INTO dead_letter (consumer, topic, "partition", "offset", reason, error)
+           VALUES ('bench-hostile', 'topic-1', 0, 0, 'no_event_id',
+                   repeat('password=sekrit postgres://u:sekrit@db/x ', 25000))
+           ON CONFLICT (consumer, topic, "partition", "offset") DO UPDATE SET reason = EXCLUDED.reason
+           RETURNING id"#,
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
     let app = router(pool.clone(), ConsoleConfig::new());
     let pages = [
         "/".to_owned(),
@@ -139,6 +153,7 @@ async fn main() {
         "/dead-letters".to_owned(),
         "/dead-letters?consumer=group-1&status=all".to_owned(),
         "/dead-letters/17".to_owned(),
+        format!("/dead-letters/{hostile_id}"),
         "/audit".to_owned(),
     ];
     println!("{rows} outbox rows; {runs} requests per page");

@@ -3,25 +3,31 @@
 //! will be done and asks for a reason; the second, with `confirm=yes` and
 //! the reason, does it — the change and its audit record (`outbox_audit`:
 //! who, what, which rows, how many changed, why, when, from where) in one
-//! transaction. Both check the write session first (403 otherwise) and the
-//! input (400: ids, the reason's length).
+//! transaction. Both check the write session and the form's token first
+//! (403 otherwise: neither step can be forged by another site's form), then
+//! the input (400: ids, the reason's length).
 
-use std::fmt::Write as _;
+use std::net::SocketAddr;
 
-use axum::Form;
-use axum::extract::{Query, State};
+use axum::extract::{ConnectInfo, Query, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
+use axum::{Extension, Form};
+use maud::html;
 use outbox_runtime::inbox::dead_letter;
 use outbox_runtime::ops;
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
-use crate::auth::{Operator, operator, require_writer};
+use crate::auth::{CSRF_FIELD, Session, require_writer, session};
 use crate::error::{ConsoleError, Page};
-use crate::html::{Nav, esc, page};
+use crate::guard::client_address;
+use crate::html::{Nav, csrf_field, page};
 use crate::rows::parse_id;
 use crate::{Console, Shared};
+
+/// The peer's address, when the server gives it.
+type Peer = Option<Extension<ConnectInfo<SocketAddr>>>;
 
 /// Most rows one write names.
 pub const MAX_IDS: usize = 1000;
@@ -175,10 +181,11 @@ pub fn check_reason(reason: Option<&str>) -> Result<String, ConsoleError> {
 /// `POST /parked/action`.
 pub async fn parked_action(
     State(console): State<Shared>,
+    peer: Peer,
     headers: HeaderMap,
     Form(pairs): Form<Vec<(String, String)>>,
 ) -> Response {
-    action(&console, &headers, &pairs, true)
+    action(&console, peer, &headers, &pairs, true)
         .await
         .unwrap_or_else(|e| e.render(&console))
 }
@@ -186,22 +193,29 @@ pub async fn parked_action(
 /// `POST /dead-letters/action`.
 pub async fn dead_letter_action(
     State(console): State<Shared>,
+    peer: Peer,
     headers: HeaderMap,
     Form(pairs): Form<Vec<(String, String)>>,
 ) -> Response {
-    action(&console, &headers, &pairs, false)
+    action(&console, peer, &headers, &pairs, false)
         .await
         .unwrap_or_else(|e| e.render(&console))
 }
 
 async fn action(
     console: &Console,
+    peer: Peer,
     headers: &HeaderMap,
     pairs: &[(String, String)],
     parked: bool,
 ) -> Page {
-    // The session first: nothing about the rows is said without it.
-    let who = require_writer(console, headers)?;
+    // The session and the form's token first: nothing about the rows is
+    // said without them.
+    let csrf = pairs
+        .iter()
+        .find(|(k, _)| k == CSRF_FIELD)
+        .map(|(_, v)| v.as_str());
+    let who = require_writer(console, headers, csrf)?;
     let request = parse(pairs, parked)?;
     if !request.confirmed {
         return Ok(confirmation(console, &who, &request, None));
@@ -217,118 +231,102 @@ async fn action(
         }
         Err(other) => return Err(other),
     };
-    let client = headers
-        .get("x-forwarded-for")
-        .and_then(|v| v.to_str().ok())
-        .map(|v| v.chars().take(200).collect::<String>());
+    let client = client_address(&console.config, peer.map(|Extension(p)| p), headers);
     let affected = apply(
         &console.pool,
         &who,
         request.action,
         &request.ids,
         &reason,
-        client,
+        client.as_deref(),
     )
     .await?;
     tracing::info!(
-        operator = %who.0,
+        operator = %who.operator,
         action = request.action.as_str(),
         ids = ?request.ids,
         affected,
         reason = %reason,
+        client = client.as_deref().unwrap_or("unknown"),
         "console write"
     );
     let a = request.action;
-    let mut body = format!(
-        "<h1>{} done</h1><div class=\"notice done\" id=\"outcome\">{} {affected} of {} {}(s) selected; \
-         recorded in the audit trail.</div><ul>",
-        a.verb(),
-        match a {
-            Action::ParkedRequeue => "Requeued",
-            Action::ParkedDrop | Action::DeadLetterDrop => "Dropped",
-            Action::DeadLetterRetry => "Marked for retry",
-        },
-        request.ids.len(),
-        a.what(),
-    );
-    for id in request.ids.iter().take(20) {
-        let _ = write!(
-            body,
-            "<li><a href=\"{}\" class=\"row-link\">{} {id}</a></li>",
-            esc(&console.link(&format!("{}/{id}", a.path()))),
-            a.what()
-        );
-    }
-    let _ = write!(
-        body,
-        "</ul><p><a href=\"{}\">back to the list</a> · <a href=\"{}\">audit trail</a></p>",
-        esc(&console.link(a.path())),
-        esc(&console.link("/audit"))
-    );
-    Ok(page(console, a.nav(), "Done", Some(&who.0), &body).into_response())
+    let done = match a {
+        Action::ParkedRequeue => "Requeued",
+        Action::ParkedDrop | Action::DeadLetterDrop => "Dropped",
+        Action::DeadLetterRetry => "Marked for retry",
+    };
+    let body = html! {
+        h1 { (a.verb()) " done" }
+        div.notice.done #outcome {
+            (done) " " (affected) " of " (request.ids.len()) " " (a.what())
+            "(s) selected; recorded in the audit trail."
+        }
+        ul {
+            @for id in request.ids.iter().take(20) {
+                li { a.row-link href=(console.link(&format!("{}/{id}", a.path()))) { (a.what()) " " (id) } }
+            }
+        }
+        p {
+            a href=(console.link(a.path())) { "back to the list" }
+            " · "
+            a href=(console.link("/audit")) { "audit trail" }
+        }
+    };
+    Ok(page(console, a.nav(), "Done", Some(&who), body).into_response())
 }
 
 /// The confirmation step: what will be done, and the reason to give.
 fn confirmation(
     console: &Console,
-    who: &Operator,
+    who: &Session,
     request: &Request,
     problem: Option<&str>,
 ) -> Response {
     let a = request.action;
-    let ids: Vec<String> = request.ids.iter().map(i64::to_string).collect();
-    let mut hidden = String::new();
-    for id in &ids {
-        let _ = write!(hidden, "<input type=\"hidden\" name=\"id\" value=\"{id}\">");
-    }
-    let shown: Vec<&str> = ids.iter().take(50).map(String::as_str).collect();
-    let body = format!(
-        "<h1>{} {} {}(s)?</h1>{}<div class=\"notice\">{} {}: {}{}</div>\
-         <form method=\"post\" action=\"{}\">{hidden}\
-         <input type=\"hidden\" name=\"action\" value=\"{}\"><input type=\"hidden\" name=\"confirm\" value=\"yes\">\
-         <p><label>Reason (required, kept in the audit trail with your name, {})\
-         <textarea name=\"reason\" id=\"reason\" required maxlength=\"{MAX_REASON}\">{}</textarea></label></p>\
-         <div class=\"actions\"><button type=\"submit\" id=\"confirm\"{}>{} {} {}(s)</button>\
-         <a href=\"{}\">cancel</a></div></form>",
-        a.verb(),
-        ids.len(),
-        a.what(),
-        problem
-            .map(|p| format!("<div class=\"notice bad\" id=\"problem\">{}</div>", esc(p)))
-            .unwrap_or_default(),
-        a.effect(),
-        if ids.len() == 1 { "Row" } else { "Rows" },
-        shown.join(", "),
-        if ids.len() > shown.len() { ", …" } else { "" },
-        esc(&console.link(&format!("{}/action", a.path()))),
-        match a {
-            Action::ParkedRequeue => "requeue",
-            Action::ParkedDrop | Action::DeadLetterDrop => "drop",
-            Action::DeadLetterRetry => "retry",
-        },
-        esc(&who.0),
-        esc(request.reason.as_deref().unwrap_or("")),
-        if matches!(a, Action::ParkedDrop | Action::DeadLetterDrop) {
-            " class=\"danger\""
-        } else {
-            ""
-        },
-        a.verb(),
-        ids.len(),
-        a.what(),
-        esc(&console.link(a.path())),
-    );
-    page(console, a.nav(), "Confirm", Some(&who.0), &body).into_response()
+    let shown: Vec<String> = request.ids.iter().take(50).map(i64::to_string).collect();
+    let value = match a {
+        Action::ParkedRequeue => "requeue",
+        Action::ParkedDrop | Action::DeadLetterDrop => "drop",
+        Action::DeadLetterRetry => "retry",
+    };
+    let danger = matches!(a, Action::ParkedDrop | Action::DeadLetterDrop);
+    let n = request.ids.len();
+    let body = html! {
+        h1 { (a.verb()) " " (n) " " (a.what()) "(s)?" }
+        @if let Some(p) = problem { div.notice.bad #problem { (p) } }
+        div.notice {
+            (a.effect()) " " (if n == 1 { "Row" } else { "Rows" }) ": " (shown.join(", "))
+            @if n > shown.len() { ", …" }
+        }
+        form method="post" action=(console.link(&format!("{}/action", a.path()))) {
+            (csrf_field(Some(who)))
+            @for id in &request.ids { input type="hidden" name="id" value=(id); }
+            input type="hidden" name="action" value=(value);
+            input type="hidden" name="confirm" value="yes";
+            p { label {
+                "Reason (required, kept in the audit trail with your name, " (who.operator) ")"
+                textarea #reason name="reason" required maxlength=(MAX_REASON) {
+                    (request.reason.as_deref().unwrap_or(""))
+                }
+            } }
+            div.actions {
+                button.danger[danger] #confirm type="submit" { (a.verb()) " " (n) " " (a.what()) "(s)" }
+                a href=(console.link(a.path())) { "cancel" }
+            }
+        }
+    };
+    page(console, a.nav(), "Confirm", Some(who), body).into_response()
 }
 
 /// The change and its audit record, in one transaction.
 async fn apply(
     pool: &PgPool,
-    who: &Operator,
+    who: &Session,
     action: Action,
     ids: &[i64],
     reason: &str,
-    client: Option<String>,
+    client: Option<&str>,
 ) -> Result<u64, ConsoleError> {
     let mut tx = pool.begin().await?;
     let affected = match action {
@@ -341,7 +339,7 @@ async fn apply(
         "INSERT INTO outbox_audit (operator, action, ids, affected, reason, client)
          VALUES ($1, $2, $3, $4, $5, $6)",
     )
-    .bind(&who.0)
+    .bind(&who.operator)
     .bind(action.as_str())
     .bind(ids)
     .bind(affected as i64)
@@ -371,7 +369,8 @@ pub struct AuditRecord {
     pub affected: i64,
     /// Why.
     pub reason: String,
-    /// The client's forwarded address, when a proxy said it.
+    /// The client's address: the peer's, or the one a trusted proxy
+    /// forwarded (`None` when the server gave no peer address).
     pub client: Option<String>,
 }
 
@@ -418,46 +417,39 @@ async fn audit(console: &Console, headers: &HeaderMap, q: AuditQuery) -> Page {
     };
     let records = audit_log(&console.pool, before, LIMIT + 1).await?;
     let more = records.len() as i64 > LIMIT;
-    let mut body = String::from(
-        "<h1>Audit trail</h1><p class=\"muted\">Every write made through the console, newest first.</p>\
-         <table id=\"audit\"><thead><tr><th>when (UTC)</th><th>operator</th><th>action</th>\
-         <th>rows</th><th class=\"num\">changed</th><th>reason</th></tr></thead><tbody>",
-    );
-    if records.is_empty() {
-        body.push_str("<tr><td colspan=\"6\" class=\"muted\">nothing recorded yet</td></tr>");
-    }
-    for r in records.iter().take(LIMIT as usize) {
-        let ids: Vec<String> = r.ids.iter().take(20).map(i64::to_string).collect();
-        let _ = write!(
-            body,
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}{}</td><td class=\"num\">{}</td><td>{}</td></tr>",
-            esc(&r.at),
-            esc(&r.operator),
-            esc(&r.action),
-            ids.join(", "),
-            if r.ids.len() > ids.len() { ", …" } else { "" },
-            r.affected,
-            esc(&r.reason),
-        );
-    }
-    body.push_str("</tbody></table>");
-    if more && let Some(last) = records.get(LIMIT as usize - 1) {
-        let _ = write!(
-            body,
-            "<div class=\"pager\"><a id=\"next\" href=\"{}?before={}\">older →</a></div>",
-            esc(&console.link("/audit")),
-            last.id
-        );
-    }
-    let who = operator(console, headers);
-    Ok(page(
-        console,
-        Nav::Audit,
-        "Audit trail",
-        who.as_ref().map(|o| o.0.as_str()),
-        &body,
-    )
-    .into_response())
+    let next = records.get(LIMIT as usize - 1).filter(|_| more);
+    let body = html! {
+        h1 { "Audit trail" }
+        p.muted { "Every write made through the console, newest first." }
+        table #audit {
+            thead { tr {
+                th { "when (UTC)" } th { "operator" } th { "action" } th { "rows" }
+                th.num { "changed" } th { "reason" } th { "client" }
+            } }
+            tbody {
+                @if records.is_empty() {
+                    tr { td.muted colspan="7" { "nothing recorded yet" } }
+                }
+                @for r in records.iter().take(LIMIT as usize) {
+                    @let ids: Vec<String> = r.ids.iter().take(20).map(i64::to_string).collect();
+                    tr {
+                        td { (r.at) }
+                        td { (r.operator) }
+                        td { (r.action) }
+                        td { (ids.join(", ")) @if r.ids.len() > ids.len() { ", …" } }
+                        td.num { (r.affected) }
+                        td { (r.reason) }
+                        td { (r.client.as_deref().unwrap_or("–")) }
+                    }
+                }
+            }
+        }
+        @if let Some(last) = next {
+            div.pager { a #next href={ (console.link("/audit")) "?before=" (last.id) } { "older →" } }
+        }
+    };
+    let who = session(console, headers);
+    Ok(page(console, Nav::Audit, "Audit trail", who.as_ref(), body).into_response())
 }
 
 #[cfg(test)]

@@ -6,7 +6,9 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
-use crate::html::{Nav, esc, page, scrub_urls};
+use maud::html;
+
+use crate::html::{Nav, page, scrub_urls};
 use crate::{Console, Shared};
 
 /// A page or the error to show instead.
@@ -61,13 +63,12 @@ impl ConsoleError {
         if let Self::Failed(error) = self {
             tracing::error!(error = %scrub_urls(&error.to_string()), "console request failed");
         }
-        let body = format!(
-            "<h1>{}</h1><div class=\"notice {class}\" id=\"outcome\">{}</div>\
-             <p><a href=\"javascript:history.back()\">back</a></p>",
-            status.canonical_reason().unwrap_or("Error"),
-            esc(&text)
-        );
-        (status, page(console, Nav::Overview, &text, None, &body)).into_response()
+        let body = html! {
+            h1 { (status.canonical_reason().unwrap_or("Error")) }
+            div.notice.(class) #outcome { (text) }
+            p { a href="javascript:history.back()" { "back" } }
+        };
+        (status, page(console, Nav::Overview, &text, None, body)).into_response()
     }
 }
 

@@ -1,44 +1,23 @@
-//! HTML output: escaping (every value a page shows goes through [`esc`]),
-//! the page layout, the stylesheet, the chart's script, and how secrets are
-//! hidden (secret-looking header names as the CLI judges Kafka settings,
-//! passwords in URLs).
-
-use std::fmt::Write as _;
+//! HTML output: the page layout (maud templates, which escape every value
+//! they are given), the stylesheet, the chart's script, how long texts are
+//! cut, and how secrets are hidden (secret-looking header names as the CLI
+//! judges Kafka settings, passwords in URLs and `password=` pairs).
 
 use axum::http::header;
-use axum::response::{Html, IntoResponse, Response};
+use axum::response::{IntoResponse, Response};
+use maud::{DOCTYPE, Markup, PreEscaped, html};
 
 use crate::Console;
+use crate::auth::Session;
 
-/// `text` with the five HTML-special characters escaped: safe in element
-/// content and in quoted attribute values.
-pub fn esc(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() + 8);
-    for c in text.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c => out.push(c),
-        }
+/// A query string of `pairs`, form-encoded (`?a=1&b=x+y`), or nothing.
+pub fn query(pairs: &[(&str, &str)]) -> String {
+    if pairs.is_empty() {
+        return String::new();
     }
-    out
-}
-
-/// `text` for a query-string value: everything but unreserved characters
-/// percent-encoded (the result is then safe in an attribute too).
-pub fn url_param(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for b in text.bytes() {
-        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
-            out.push(b as char);
-        } else {
-            let _ = write!(out, "%{b:02X}");
-        }
-    }
-    out
+    let mut q = form_urlencoded::Serializer::for_suffix(String::from("?"), 1);
+    q.extend_pairs(pairs);
+    q.finish()
 }
 
 /// The text shown instead of a secret.
@@ -56,8 +35,14 @@ pub fn secret_header(name: &str) -> bool {
 }
 
 /// `text` with the password of every `scheme://user:password@host` in it
-/// replaced by `***` (as the CLI shows database URLs).
+/// and every `password=value` (any case) replaced by `***` (as the CLI
+/// shows database URLs). One pass over the text: each byte is looked at a
+/// bounded number of times, whatever the text holds.
 pub fn scrub_urls(text: &str) -> String {
+    scrub_password_pairs(&scrub_url_passwords(text))
+}
+
+fn scrub_url_passwords(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
     while let Some(pos) = rest.find("://") {
@@ -79,66 +64,92 @@ pub fn scrub_urls(text: &str) -> String {
         rest = &after[end..];
     }
     out.push_str(rest);
-    // `password=...` in a query string or key-value text.
-    let mut result = String::with_capacity(out.len());
-    let mut rest = out.as_str();
-    while let Some(pos) = rest.to_ascii_lowercase().find("password=") {
-        let (before, after) = rest.split_at(pos + "password=".len());
-        result.push_str(before);
-        let end = after
+    out
+}
+
+/// `password=...` in a query string or key-value text. The text is
+/// lower-cased once (ASCII only, so offsets are the same in both).
+fn scrub_password_pairs(text: &str) -> String {
+    const KEY: &str = "password=";
+    let lower = text.to_ascii_lowercase();
+    let mut out = String::with_capacity(text.len());
+    let mut from = 0;
+    while let Some(pos) = lower[from..].find(KEY) {
+        let value = from + pos + KEY.len();
+        out.push_str(&text[from..value]);
+        let end = text[value..]
             .find(|c: char| c == '&' || c == ';' || c.is_whitespace())
-            .unwrap_or(after.len());
-        if end > 0 {
-            result.push_str(REDACTED);
+            .map_or(text.len(), |e| value + e);
+        if end > value {
+            out.push_str(REDACTED);
         }
-        rest = &after[end..];
+        from = end;
     }
-    result.push_str(rest);
-    result
+    out.push_str(&text[from..]);
+    out
 }
 
 /// Most characters of a payload a detail page shows.
 pub const MAX_SHOWN: usize = 256 * 1024;
 
-/// `text` cut to [`MAX_SHOWN`] characters, with a note when cut.
-pub fn shown(text: &str) -> (String, Option<String>) {
-    match text.char_indices().nth(MAX_SHOWN) {
-        None => (text.to_owned(), None),
+/// Most characters of an error a detail page shows (the consumers store at
+/// most 16 KiB of it; rows written before that may hold more).
+pub const MAX_ERROR_SHOWN: usize = 16 * 1024;
+
+/// `text` cut to `max` characters, with a note when cut.
+pub fn shown(text: &str, max: usize) -> (&str, Option<String>) {
+    match text.char_indices().nth(max) {
+        None => (text, None),
         Some((at, _)) => (
-            text[..at].to_owned(),
+            &text[..at],
             Some(format!(
-                "shown: the first {MAX_SHOWN} characters of {}",
+                "shown: the first {max} of {} characters",
                 text.chars().count()
             )),
         ),
     }
 }
 
-/// A table of headers (a JSON object), secret-looking ones redacted.
-pub fn headers_table(headers: &serde_json::Value) -> String {
-    let Some(map) = headers.as_object().filter(|m| !m.is_empty()) else {
-        return "<p class=\"muted\">no headers</p>".into();
-    };
-    let mut out = String::from("<table class=\"kv\"><tbody>");
-    for (name, value) in map {
-        let value = match value {
-            serde_json::Value::String(s) => s.clone(),
-            other => other.to_string(),
-        };
-        let value = if secret_header(name) {
-            REDACTED.to_owned()
-        } else {
-            scrub_urls(&value)
-        };
-        let _ = write!(
-            out,
-            "<tr><th>{}</th><td><code>{}</code></td></tr>",
-            esc(name),
-            esc(&value)
-        );
+/// An error as a detail page shows it: cut to [`MAX_ERROR_SHOWN`]
+/// characters, secrets scrubbed.
+pub fn error_block(error: &str) -> Markup {
+    let (text, cut) = shown(error, MAX_ERROR_SHOWN);
+    html! {
+        @if let Some(cut) = cut { p.muted { (cut) } }
+        pre.error #error { (scrub_urls(text)) }
     }
-    out.push_str("</tbody></table>");
-    out
+}
+
+/// A payload as a detail page shows it: cut to [`MAX_SHOWN`] characters.
+pub fn payload_block(payload: &str) -> Markup {
+    let (text, cut) = shown(payload, MAX_SHOWN);
+    html! {
+        @if let Some(cut) = cut { p.muted { (cut) } }
+        pre #payload { (text) }
+    }
+}
+
+/// A table of headers (a JSON object), secret-looking ones redacted.
+pub fn headers_table(headers: &serde_json::Value) -> Markup {
+    let Some(map) = headers.as_object().filter(|m| !m.is_empty()) else {
+        return html! { p.muted { "no headers" } };
+    };
+    html! {
+        table.kv { tbody {
+            @for (name, value) in map {
+                @let value = match value {
+                    serde_json::Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                tr {
+                    th { (name) }
+                    td { code {
+                        @if secret_header(name) { (REDACTED) } @else { (scrub_urls(&value)) }
+                    } }
+                }
+            }
+        } }
+    }
 }
 
 /// An age in seconds for people: `42s`, `3m 20s`, `5h 2m`, `2d 4h`.
@@ -152,6 +163,16 @@ pub fn age(secs: Option<f64>) -> String {
         60..=3599 => format!("{}m {}s", s / 60, s % 60),
         3600..=86_399 => format!("{}h {}m", s / 3600, s % 3600 / 60),
         _ => format!("{}d {}h", s / 86_400, s % 86_400 / 3600),
+    }
+}
+
+/// The hidden field that carries the session's form token: every form
+/// that POSTs has it (a write without it is refused).
+pub fn csrf_field(session: Option<&Session>) -> Markup {
+    html! {
+        @if let Some(s) = session {
+            input type="hidden" name=(crate::auth::CSRF_FIELD) value=(s.csrf);
+        }
     }
 }
 
@@ -172,9 +193,9 @@ pub fn page(
     console: &Console,
     nav: Nav,
     title: &str,
-    operator: Option<&str>,
-    body: &str,
-) -> Html<String> {
+    session: Option<&Session>,
+    body: Markup,
+) -> Markup {
     let items = [
         (Nav::Overview, "/", "Overview"),
         (Nav::Relays, "/relays", "Relays"),
@@ -183,50 +204,43 @@ pub fn page(
         (Nav::DeadLetters, "/dead-letters", "Dead letters"),
         (Nav::Audit, "/audit", "Audit"),
     ];
-    let mut links = String::new();
-    for (item, path, label) in items {
-        let _ = write!(
-            links,
-            "<a href=\"{}\"{}>{label}</a>",
-            esc(&console.link(path)),
-            if item == nav {
-                " class=\"current\""
-            } else {
-                ""
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                title { (title) " · outbox console" }
+                link rel="stylesheet" href=(console.link("/console.css"));
             }
-        );
+            body {
+                header {
+                    strong.brand { "outbox" }
+                    nav {
+                        @for (item, path, label) in items {
+                            a.current[item == nav] href=(console.link(path)) { (label) }
+                        }
+                    }
+                    div.who {
+                        @if !console.config.writable() {
+                            span.badge #mode { "read-only" }
+                        } @else if let Some(s) = session {
+                            span.badge.write #mode { "writing as " (s.operator) }
+                            form.inline method="post" action=(console.link("/logout")) {
+                                (csrf_field(Some(s)))
+                                button.link type="submit" { "log out" }
+                            }
+                        } @else {
+                            span.badge #mode { "not logged in" }
+                            " "
+                            a.current[nav == Nav::Login] href=(console.link("/login")) { "log in to write" }
+                        }
+                    }
+                }
+                main { (body) }
+            }
+        }
     }
-    let who = if !console.config.writable() {
-        "<span class=\"badge\" id=\"mode\">read-only</span>".to_owned()
-    } else if let Some(name) = operator {
-        format!(
-            "<span class=\"badge write\" id=\"mode\">writing as {}</span>\
-             <form method=\"post\" action=\"{}\" class=\"inline\">\
-             <button type=\"submit\" class=\"link\">log out</button></form>",
-            esc(name),
-            esc(&console.link("/logout"))
-        )
-    } else {
-        format!(
-            "<span class=\"badge\" id=\"mode\">not logged in</span> <a href=\"{}\"{}>log in to write</a>",
-            esc(&console.link("/login")),
-            if nav == Nav::Login {
-                " class=\"current\""
-            } else {
-                ""
-            }
-        )
-    };
-    Html(format!(
-        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
-         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
-         <title>{} · outbox console</title>\
-         <link rel=\"stylesheet\" href=\"{}\"></head>\
-         <body><header><strong class=\"brand\">outbox</strong><nav>{links}</nav>\
-         <div class=\"who\">{who}</div></header><main>{body}</main></body></html>",
-        esc(title),
-        esc(&console.link("/console.css")),
-    ))
 }
 
 /// The stylesheet (cached by browsers for an hour).
@@ -292,13 +306,13 @@ form.inline { display:inline; }
 
 /// The overview's live chart: polls `url` every 2 s, redraws the SVG and
 /// the per-topic cells (by `data-topic` and `data-field`).
-pub fn chart_script(url: &str) -> String {
+pub fn chart_script(url: &str) -> Markup {
     // The URL is the console's own path, JSON-encoded for the script.
     let url = serde_json::to_string(url).unwrap_or_else(|_| "\"\"".into());
     // `</` cannot occur in the JSON string of a path made of safe characters,
     // and is escaped anyway.
     let url = url.replace("</", "<\\/");
-    format!(
+    PreEscaped(format!(
         r#"<script>
 (function () {{
   var url = {url}, svg = document.getElementById('chart'), NS = 'http://www.w3.org/2000/svg';
@@ -356,7 +370,7 @@ pub fn chart_script(url: &str) -> String {
   draw([]); tick(); setInterval(tick, 2000);
 }})();
 </script>"#
-    )
+    ))
 }
 
 #[cfg(test)]
@@ -364,16 +378,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn escapes_every_special_character() {
+    fn templates_escape_every_value() {
+        let hostile = r#"<script>alert("x&y")</script>"#;
         assert_eq!(
-            esc(r#"<script>alert("x&'y")</script>"#),
-            "&lt;script&gt;alert(&quot;x&amp;&#39;y&quot;)&lt;/script&gt;"
+            html! { td title=(hostile) { (hostile) } }.into_string(),
+            "<td title=\"&lt;script&gt;alert(&quot;x&amp;y&quot;)&lt;/script&gt;\">\
+             &lt;script&gt;alert(&quot;x&amp;y&quot;)&lt;/script&gt;</td>"
         );
     }
 
     #[test]
-    fn url_params_are_percent_encoded() {
-        assert_eq!(url_param("a b&c=\"<"), "a%20b%26c%3D%22%3C");
+    fn query_strings_are_form_encoded() {
+        assert_eq!(
+            query(&[("a", "x y&c=\"<"), ("b", "1")]),
+            "?a=x+y%26c%3D%22%3C&b=1"
+        );
+        assert_eq!(query(&[]), "");
     }
 
     #[test]
@@ -394,12 +414,29 @@ mod tests {
         assert_eq!(scrub_urls("http://example/x"), "http://example/x");
     }
 
+    /// A megabyte of hostile text (thousands of `password=` and URLs with
+    /// credentials) is scrubbed in one pass: no quadratic blow-up.
+    #[test]
+    fn scrubbing_a_megabyte_is_linear() {
+        let unit = "password=sekrit x postgres://u:sekrit@db/ PASSWORD=sekrit;";
+        let text = unit.repeat((1 << 20) / unit.len());
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(scrub_urls(&text));
+        });
+        let scrubbed = rx
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("a megabyte scrubbed in 20 s (a linear pass takes milliseconds)");
+        assert!(!scrubbed.contains("sekrit"));
+        assert!(scrubbed.starts_with("password=*** x postgres://u:***@db/ PASSWORD=***;"));
+    }
+
     #[test]
     fn long_texts_are_cut() {
         let long = "é".repeat(MAX_SHOWN + 5);
-        let (text, note) = shown(&long);
+        let (text, note) = shown(&long, MAX_SHOWN);
         assert_eq!(text.chars().count(), MAX_SHOWN);
         assert!(note.unwrap().contains(&(MAX_SHOWN + 5).to_string()));
-        assert_eq!(shown("short"), ("short".into(), None));
+        assert_eq!(shown("short", 10), ("short", None));
     }
 }

@@ -1,20 +1,21 @@
 //! Parked outbox rows and dead letters: the lists (filters, keyset pages of
 //! at most [`MAX_PAGE`] rows) and the detail page of one row (error,
 //! headers with secrets hidden, payload), each with the forms of the writes
-//! it allows.
-
-use std::fmt::Write as _;
+//! it allows (carrying the session's form token).
 
 use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
+use maud::{Markup, html};
 use outbox_runtime::inbox::dead_letter::{self, DeadLetterFilter, STATUSES};
 use outbox_runtime::ops::{self, MAX_PAGE, ParkedFilter, check_filter_text};
 use serde::Deserialize;
 
-use crate::auth::operator;
+use crate::auth::session;
 use crate::error::{ConsoleError, Page};
-use crate::html::{Nav, esc, headers_table, page, scrub_urls, shown, url_param};
+use crate::html::{
+    Nav, csrf_field, error_block, headers_table, page, payload_block, query, scrub_urls,
+};
 use crate::{Console, Shared};
 
 /// Rows per page unless asked otherwise.
@@ -69,8 +70,36 @@ fn page_params(
     Ok((after, limit))
 }
 
-fn who(console: &Console, headers: &HeaderMap) -> Option<String> {
-    operator(console, headers).map(|o| o.0)
+/// The first line of an error, at most 160 characters, secrets scrubbed.
+fn first_line(error: &str) -> String {
+    let line: String = error
+        .lines()
+        .next()
+        .unwrap_or("")
+        .chars()
+        .take(160)
+        .collect();
+    scrub_urls(&line)
+}
+
+/// The link to the next page (when there is one): the list's path, the
+/// position after `last`, the limit and the filters given.
+fn next_link(
+    console: &Console,
+    path: &str,
+    last: Option<i64>,
+    limit: i64,
+    filters: &[(&str, Option<&str>)],
+) -> Markup {
+    let Some(last) = last else {
+        return html! {};
+    };
+    let (last, limit) = (last.to_string(), limit.to_string());
+    let mut pairs = vec![("after", last.as_str()), ("limit", limit.as_str())];
+    pairs.extend(filters.iter().filter_map(|(k, v)| Some((*k, (*v)?))));
+    html! {
+        div.pager { a #next href={ (console.link(path)) (query(&pairs)) } { "next page →" } }
+    }
 }
 
 /// The parked list's query string.
@@ -105,83 +134,59 @@ async fn parked_list_page(console: &Console, headers: &HeaderMap, q: ParkedQuery
     let mut rows = ops::parked_page(&console.pool, &filter).await?;
     let more = rows.len() as i64 > limit;
     rows.truncate(limit as usize);
-    let mut body = format!(
-        "<h1>Parked rows</h1><p class=\"muted\">Rows the relays gave up on after repeated \
-         failures (dropped ones are not listed), oldest first. Requeue puts them back in the \
-         relays' queue; drop keeps them, never published.</p>\
-         <form class=\"filters\" method=\"get\" action=\"{}\">\
-         <label>topic<input name=\"topic\" value=\"{}\"></label>\
-         <label>key<input name=\"key\" value=\"{}\"></label>\
-         <label>error contains<input name=\"error\" value=\"{}\"></label>\
-         <button type=\"submit\" class=\"secondary\">Filter</button></form>",
-        esc(&console.link("/parked")),
-        esc(topic.as_deref().unwrap_or("")),
-        esc(key.as_deref().unwrap_or("")),
-        esc(error.as_deref().unwrap_or("")),
-    );
-    let _ = write!(
-        body,
-        "<form method=\"post\" action=\"{}\"><table id=\"parked\"><thead><tr><th></th><th>id</th><th>topic</th>\
-         <th>key</th><th>event type</th><th class=\"num\">attempts</th><th>last error</th></tr></thead><tbody>",
-        esc(&console.link("/parked/action"))
-    );
-    if rows.is_empty() {
-        body.push_str("<tr><td colspan=\"7\" class=\"muted\">no parked rows match</td></tr>");
-    }
-    for r in &rows {
-        let error = r.last_error.as_deref().unwrap_or("");
-        let first_line: String = error
-            .lines()
-            .next()
-            .unwrap_or("")
-            .chars()
-            .take(160)
-            .collect();
-        let _ = write!(
-            body,
-            "<tr data-id=\"{id}\"><td><input type=\"checkbox\" name=\"id\" value=\"{id}\" aria-label=\"select row {id}\"></td>\
-             <td><a href=\"{}\">{id}</a></td><td>{}</td><td><code>{}</code></td><td>{}</td>\
-             <td class=\"num\">{}</td><td class=\"error\">{}</td></tr>",
-            esc(&console.link(&format!("/parked/{}", r.id))),
-            esc(&r.topic),
-            esc(&r.partition_key),
-            esc(&r.event_type),
-            r.attempts,
-            esc(&scrub_urls(&first_line)),
-            id = r.id,
-        );
-    }
-    body.push_str(
-        "</tbody></table><div class=\"actions\">\
-         <button type=\"submit\" name=\"action\" value=\"requeue\">Requeue selected…</button>\
-         <button type=\"submit\" name=\"action\" value=\"drop\" class=\"danger\">Drop selected…</button></div></form>",
-    );
-    if more && let Some(last) = rows.last() {
-        let mut next = format!(
-            "{}?after={}&limit={limit}",
-            console.link("/parked"),
-            last.id
-        );
-        for (name, value) in [("topic", &topic), ("key", &key), ("error", &error)] {
-            if let Some(v) = value {
-                let _ = write!(next, "&{name}={}", url_param(v));
+    let who = session(console, headers);
+    let body = html! {
+        h1 { "Parked rows" }
+        p.muted { "Rows the relays gave up on after repeated failures (dropped ones are not \
+            listed), oldest first. Requeue puts them back in the relays' queue; drop keeps them, \
+            never published." }
+        form.filters method="get" action=(console.link("/parked")) {
+            label { "topic" input name="topic" value=(topic.as_deref().unwrap_or("")); }
+            label { "key" input name="key" value=(key.as_deref().unwrap_or("")); }
+            label { "error contains" input name="error" value=(error.as_deref().unwrap_or("")); }
+            button.secondary type="submit" { "Filter" }
+        }
+        form method="post" action=(console.link("/parked/action")) {
+            (csrf_field(who.as_ref()))
+            table #parked {
+                thead { tr {
+                    th {} th { "id" } th { "topic" } th { "key" } th { "event type" }
+                    th.num { "attempts" } th { "last error" }
+                } }
+                tbody {
+                    @if rows.is_empty() {
+                        tr { td.muted colspan="7" { "no parked rows match" } }
+                    }
+                    @for r in &rows {
+                        tr data-id=(r.id) {
+                            td { input type="checkbox" name="id" value=(r.id) aria-label={ "select row " (r.id) }; }
+                            td { a href=(console.link(&format!("/parked/{}", r.id))) { (r.id) } }
+                            td { (r.topic) }
+                            td { code { (r.partition_key) } }
+                            td { (r.event_type) }
+                            td.num { (r.attempts) }
+                            td.error { (first_line(r.last_error.as_deref().unwrap_or(""))) }
+                        }
+                    }
+                }
+            }
+            div.actions {
+                button type="submit" name="action" value="requeue" { "Requeue selected…" }
+                button.danger type="submit" name="action" value="drop" { "Drop selected…" }
             }
         }
-        let _ = write!(
-            body,
-            "<div class=\"pager\"><a id=\"next\" href=\"{}\">next page →</a></div>",
-            esc(&next)
-        );
-    }
-    if after.is_some() {
-        let _ = write!(
-            body,
-            "<div class=\"pager\"><a href=\"{}\">← first page</a></div>",
-            esc(&console.link("/parked"))
-        );
-    }
-    let who = who(console, headers);
-    Ok(page(console, Nav::Parked, "Parked rows", who.as_deref(), &body).into_response())
+        (next_link(
+            console,
+            "/parked",
+            rows.last().filter(|_| more).map(|r| r.id),
+            limit,
+            &[("topic", topic.as_deref()), ("key", key.as_deref()), ("error", error.as_deref())],
+        ))
+        @if after.is_some() {
+            div.pager { a href=(console.link("/parked")) { "← first page" } }
+        }
+    };
+    Ok(page(console, Nav::Parked, "Parked rows", who.as_ref(), body).into_response())
 }
 
 /// `GET /parked/{id}`.
@@ -200,74 +205,52 @@ async fn parked_detail_page(console: &Console, headers: &HeaderMap, id: &str) ->
     };
     let state = row.state();
     let payload = serde_json::to_string_pretty(&row.payload).unwrap_or_default();
-    let (payload, cut) = shown(&payload);
-    let mut body = format!(
-        "<h1>Outbox row {id} <span class=\"badge state-{s}\" id=\"state\">{s}</span></h1>\
-         <table class=\"kv\"><tbody>\
-         <tr><th>event id</th><td><code>{}</code></td></tr>\
-         <tr><th>event type</th><td>{} (version {})</td></tr>\
-         <tr><th>aggregate</th><td>{} <code>{}</code></td></tr>\
-         <tr><th>topic</th><td>{}</td></tr><tr><th>partition key</th><td><code>{}</code></td></tr>\
-         <tr><th>attempts</th><td>{}</td></tr>\
-         <tr><th>created</th><td>{}</td></tr>",
-        row.event_id,
-        esc(&row.event_type),
-        row.event_version,
-        esc(&row.aggregate_type),
-        esc(&row.aggregate_id),
-        esc(&row.topic),
-        esc(&row.partition_key),
-        row.attempts,
-        esc(&row.created_at),
-        s = state.as_str(),
-    );
-    for (label, value) in [
-        ("published", &row.published_at),
-        ("parked", &row.parked_at),
-        ("held until", &row.held_until),
-        ("dropped", &row.discarded_at),
-        ("drop reason", &row.discard_reason),
-    ] {
-        if let Some(value) = value {
-            let _ = write!(body, "<tr><th>{label}</th><td>{}</td></tr>", esc(value));
-        }
-    }
-    body.push_str("</tbody></table>");
-    if let Some(error) = &row.last_error {
-        let _ = write!(
-            body,
-            "<h2>Last error</h2><pre class=\"error\" id=\"error\">{}</pre>",
-            esc(&scrub_urls(error))
-        );
-    }
-    let _ = write!(
-        body,
-        "<h2>Headers</h2>{}<h2>Payload</h2>{}<pre id=\"payload\">{}</pre>",
-        headers_table(&row.headers),
-        cut.map(|c| format!("<p class=\"muted\">{}</p>", esc(&c)))
-            .unwrap_or_default(),
-        esc(&payload)
-    );
-    if matches!(state, ops::RowState::Parked | ops::RowState::Discarded) {
-        let _ = write!(
-            body,
-            "<form method=\"post\" action=\"{}\" class=\"actions\"><input type=\"hidden\" name=\"id\" value=\"{id}\">\
-             <button type=\"submit\" name=\"action\" value=\"requeue\" id=\"requeue\">Requeue…</button>{}</form>",
-            esc(&console.link("/parked/action")),
-            if state == ops::RowState::Parked {
-                "<button type=\"submit\" name=\"action\" value=\"drop\" class=\"danger\" id=\"drop\">Drop…</button>"
-            } else {
-                ""
+    let who = session(console, headers);
+    let body = html! {
+        h1 { "Outbox row " (id) " " span.badge.{"state-" (state.as_str())} #state { (state.as_str()) } }
+        table.kv { tbody {
+            tr { th { "event id" } td { code { (row.event_id) } } }
+            tr { th { "event type" } td { (row.event_type) " (version " (row.event_version) ")" } }
+            tr { th { "aggregate" } td { (row.aggregate_type) " " code { (row.aggregate_id) } } }
+            tr { th { "topic" } td { (row.topic) } }
+            tr { th { "partition key" } td { code { (row.partition_key) } } }
+            tr { th { "attempts" } td { (row.attempts) } }
+            tr { th { "created" } td { (row.created_at) } }
+            @for (label, value) in [
+                ("published", &row.published_at),
+                ("parked", &row.parked_at),
+                ("held until", &row.held_until),
+                ("dropped", &row.discarded_at),
+                ("drop reason", &row.discard_reason),
+            ] {
+                @if let Some(value) = value { tr { th { (label) } td { (value) } } }
             }
-        );
-    }
-    let who = who(console, headers);
+        } }
+        @if let Some(error) = &row.last_error {
+            h2 { "Last error" }
+            (error_block(error))
+        }
+        h2 { "Headers" }
+        (headers_table(&row.headers))
+        h2 { "Payload" }
+        (payload_block(&payload))
+        @if matches!(state, ops::RowState::Parked | ops::RowState::Discarded) {
+            form.actions method="post" action=(console.link("/parked/action")) {
+                (csrf_field(who.as_ref()))
+                input type="hidden" name="id" value=(id);
+                button #requeue type="submit" name="action" value="requeue" { "Requeue…" }
+                @if state == ops::RowState::Parked {
+                    button.danger #drop type="submit" name="action" value="drop" { "Drop…" }
+                }
+            }
+        }
+    };
     Ok(page(
         console,
         Nav::Parked,
         &format!("Outbox row {id}"),
-        who.as_deref(),
-        &body,
+        who.as_ref(),
+        body,
     )
     .into_response())
 }
@@ -327,106 +310,84 @@ async fn dead_letter_list_page(console: &Console, headers: &HeaderMap, q: DeadLe
     let mut rows = dead_letter::list(&console.pool, &filter).await?;
     let more = rows.len() as i64 > limit;
     rows.truncate(limit as usize);
-    let option = |value: &str, label: &str, current: Option<&str>| {
-        format!(
-            "<option value=\"{value}\"{}>{label}</option>",
-            if current == Some(value) {
-                " selected"
-            } else {
-                ""
+    let current = status.as_deref().unwrap_or("open");
+    let current_reason = reason.map_or("", |r| r.as_str());
+    let statuses = [
+        ("open", "dead or retry"),
+        ("dead", "dead"),
+        ("retry", "retry"),
+        ("resolved", "resolved"),
+        ("all", "all"),
+    ];
+    let who = session(console, headers);
+    let body = html! {
+        h1 { "Dead letters" }
+        p.muted { "Messages consumers could not apply, oldest first. Retry marks them for their \
+            group's consumer to run again; drop deletes them." }
+        form.filters method="get" action=(console.link("/dead-letters")) {
+            label { "consumer group" input name="consumer" value=(consumer.as_deref().unwrap_or("")); }
+            label { "status" select name="status" {
+                @for (value, label) in statuses {
+                    option value=(value) selected[current == value] { (label) }
+                }
+            } }
+            label { "reason" select name="reason" {
+                option value="" selected[current_reason.is_empty()] { "any" }
+                @for r in outbox_runtime::inbox::DeadLetterReason::ALL {
+                    option value=(r.as_str()) selected[current_reason == r.as_str()] { (r.as_str()) }
+                }
+            } }
+            button.secondary type="submit" { "Filter" }
+        }
+        form method="post" action=(console.link("/dead-letters/action")) {
+            (csrf_field(who.as_ref()))
+            table #dead-letters {
+                thead { tr {
+                    th {} th { "id" } th { "group" } th { "topic" } th.num { "partition" }
+                    th.num { "offset" } th { "reason" } th { "status" } th { "error" }
+                } }
+                tbody {
+                    @if rows.is_empty() {
+                        tr { td.muted colspan="9" { "no dead letters match" } }
+                    }
+                    @for r in &rows {
+                        tr data-id=(r.id) {
+                            td { input type="checkbox" name="id" value=(r.id) aria-label={ "select dead letter " (r.id) }; }
+                            td { a href=(console.link(&format!("/dead-letters/{}", r.id))) { (r.id) } }
+                            td { (r.consumer) }
+                            td { (r.topic) }
+                            td.num { (r.partition) }
+                            td.num { (r.offset) }
+                            td { (r.reason) }
+                            td { span.badge.{"state-" (r.status)} { (r.status) } }
+                            td.error { (first_line(&r.error)) }
+                        }
+                    }
+                }
             }
-        )
+            div.actions {
+                button type="submit" name="action" value="retry" { "Retry selected…" }
+                button.danger type="submit" name="action" value="drop" { "Drop selected…" }
+            }
+        }
+        (next_link(
+            console,
+            "/dead-letters",
+            rows.last().filter(|_| more).map(|r| r.id),
+            limit,
+            &[
+                ("consumer", consumer.as_deref()),
+                ("status", status.as_deref()),
+                ("reason", reason.map(|r| r.as_str())),
+            ],
+        ))
     };
-    let current = status.as_deref().or(Some("open"));
-    let mut reasons = option("", "any", reason.map(|r| r.as_str()).or(Some("")));
-    for r in outbox_runtime::inbox::DeadLetterReason::ALL {
-        reasons.push_str(&option(r.as_str(), r.as_str(), reason.map(|r| r.as_str())));
-    }
-    let mut body = format!(
-        "<h1>Dead letters</h1><p class=\"muted\">Messages consumers could not apply, oldest first. \
-         Retry marks them for their group's consumer to run again; drop deletes them.</p>\
-         <form class=\"filters\" method=\"get\" action=\"{}\">\
-         <label>consumer group<input name=\"consumer\" value=\"{}\"></label>\
-         <label>status<select name=\"status\">{}{}{}{}{}</select></label>\
-         <label>reason<select name=\"reason\">{reasons}</select></label>\
-         <button type=\"submit\" class=\"secondary\">Filter</button></form>",
-        esc(&console.link("/dead-letters")),
-        esc(consumer.as_deref().unwrap_or("")),
-        option("open", "dead or retry", current),
-        option("dead", "dead", current),
-        option("retry", "retry", current),
-        option("resolved", "resolved", current),
-        option("all", "all", current),
-    );
-    let _ = write!(
-        body,
-        "<form method=\"post\" action=\"{}\"><table id=\"dead-letters\"><thead><tr><th></th><th>id</th>\
-         <th>group</th><th>topic</th><th class=\"num\">partition</th><th class=\"num\">offset</th>\
-         <th>reason</th><th>status</th><th>error</th></tr></thead><tbody>",
-        esc(&console.link("/dead-letters/action"))
-    );
-    if rows.is_empty() {
-        body.push_str("<tr><td colspan=\"9\" class=\"muted\">no dead letters match</td></tr>");
-    }
-    for r in &rows {
-        let first_line: String = r
-            .error
-            .lines()
-            .next()
-            .unwrap_or("")
-            .chars()
-            .take(160)
-            .collect();
-        let _ = write!(
-            body,
-            "<tr data-id=\"{id}\"><td><input type=\"checkbox\" name=\"id\" value=\"{id}\" aria-label=\"select dead letter {id}\"></td>\
-             <td><a href=\"{}\">{id}</a></td><td>{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>\
-             <td>{}</td><td><span class=\"badge state-{}\">{}</span></td><td class=\"error\">{}</td></tr>",
-            esc(&console.link(&format!("/dead-letters/{}", r.id))),
-            esc(&r.consumer),
-            esc(&r.topic),
-            r.partition,
-            r.offset,
-            esc(&r.reason),
-            esc(&r.status),
-            esc(&r.status),
-            esc(&scrub_urls(&first_line)),
-            id = r.id,
-        );
-    }
-    body.push_str(
-        "</tbody></table><div class=\"actions\">\
-         <button type=\"submit\" name=\"action\" value=\"retry\">Retry selected…</button>\
-         <button type=\"submit\" name=\"action\" value=\"drop\" class=\"danger\">Drop selected…</button></div></form>",
-    );
-    if more && let Some(last) = rows.last() {
-        let mut next = format!(
-            "{}?after={}&limit={limit}",
-            console.link("/dead-letters"),
-            last.id
-        );
-        if let Some(c) = &consumer {
-            let _ = write!(next, "&consumer={}", url_param(c));
-        }
-        if let Some(s) = &status {
-            let _ = write!(next, "&status={}", url_param(s));
-        }
-        if let Some(r) = reason {
-            let _ = write!(next, "&reason={}", r.as_str());
-        }
-        let _ = write!(
-            body,
-            "<div class=\"pager\"><a id=\"next\" href=\"{}\">next page →</a></div>",
-            esc(&next)
-        );
-    }
-    let who = who(console, headers);
     Ok(page(
         console,
         Nav::DeadLetters,
         "Dead letters",
-        who.as_deref(),
-        &body,
+        who.as_ref(),
+        body,
     )
     .into_response())
 }
@@ -454,67 +415,47 @@ async fn dead_letter_detail_page(console: &Console, headers: &HeaderMap, id: &st
             .and_then(|v| serde_json::to_string_pretty(&v).ok())
             .unwrap_or_else(|| p.to_owned())
     });
-    let mut body = format!(
-        "<h1>Dead letter {id} <span class=\"badge state-{s}\" id=\"state\">{s}</span></h1>\
-         <table class=\"kv\"><tbody>\
-         <tr><th>consumer group</th><td>{}</td></tr>\
-         <tr><th>message</th><td>{} partition {} offset {}</td></tr>\
-         <tr><th>key</th><td><code>{}</code></td></tr>\
-         <tr><th>event</th><td>{} <code>{}</code></td></tr>\
-         <tr><th>reason</th><td>{}</td></tr><tr><th>handler</th><td>{}</td></tr>\
-         <tr><th>attempts / retries</th><td>{} / {}</td></tr>\
-         <tr><th>first dead-lettered</th><td>{}</td></tr><tr><th>last failed</th><td>{}</td></tr>\
-         </tbody></table>\
-         <h2>Error</h2><pre class=\"error\" id=\"error\">{}</pre>",
-        esc(&d.consumer),
-        esc(&d.topic),
-        d.partition,
-        d.offset,
-        esc(d.key.as_deref().unwrap_or("–")),
-        esc(d.event_type.as_deref().unwrap_or("–")),
-        d.event_id.map(|e| e.to_string()).unwrap_or_default(),
-        esc(&d.reason),
-        esc(d.handler.as_deref().unwrap_or("–")),
-        d.attempts,
-        d.retries,
-        esc(&d.created_at),
-        esc(&d.last_failed_at),
-        esc(&scrub_urls(&d.error)),
-        s = esc(&d.status),
-    );
-    let _ = write!(
-        body,
-        "<h2>Headers</h2>{}<h2>Payload</h2>",
-        headers_table(&d.headers)
-    );
-    match payload {
-        None => body.push_str("<p class=\"muted\">no payload</p>"),
-        Some(p) => {
-            let (p, cut) = shown(&p);
-            if let Some(c) = cut {
-                let _ = write!(body, "<p class=\"muted\">{}</p>", esc(&c));
-            }
-            let _ = write!(body, "<pre id=\"payload\">{}</pre>", esc(&p));
+    let who = session(console, headers);
+    let body = html! {
+        h1 { "Dead letter " (id) " " span.badge.{"state-" (d.status)} #state { (d.status) } }
+        table.kv { tbody {
+            tr { th { "consumer group" } td { (d.consumer) } }
+            tr { th { "message" } td { (d.topic) " partition " (d.partition) " offset " (d.offset) } }
+            tr { th { "key" } td { code { (d.key.as_deref().unwrap_or("–")) } } }
+            tr { th { "event" } td {
+                (d.event_type.as_deref().unwrap_or("–")) " "
+                code { @if let Some(e) = d.event_id { (e) } }
+            } }
+            tr { th { "reason" } td { (d.reason) } }
+            tr { th { "handler" } td { (d.handler.as_deref().unwrap_or("–")) } }
+            tr { th { "attempts / retries" } td { (d.attempts) " / " (d.retries) } }
+            tr { th { "first dead-lettered" } td { (d.created_at) } }
+            tr { th { "last failed" } td { (d.last_failed_at) } }
+        } }
+        h2 { "Error" }
+        (error_block(&d.error))
+        h2 { "Headers" }
+        (headers_table(&d.headers))
+        h2 { "Payload" }
+        @match &payload {
+            None => p.muted { "no payload" },
+            Some(p) => (payload_block(p)),
         }
-    }
-    let _ = write!(
-        body,
-        "<form method=\"post\" action=\"{}\" class=\"actions\"><input type=\"hidden\" name=\"id\" value=\"{id}\">{}\
-         <button type=\"submit\" name=\"action\" value=\"drop\" class=\"danger\" id=\"drop\">Drop…</button></form>",
-        esc(&console.link("/dead-letters/action")),
-        if d.status == "dead" {
-            "<button type=\"submit\" name=\"action\" value=\"retry\" id=\"retry\">Retry…</button>"
-        } else {
-            ""
-        },
-    );
-    let who = who(console, headers);
+        form.actions method="post" action=(console.link("/dead-letters/action")) {
+            (csrf_field(who.as_ref()))
+            input type="hidden" name="id" value=(id);
+            @if d.status == "dead" {
+                button #retry type="submit" name="action" value="retry" { "Retry…" }
+            }
+            button.danger #drop type="submit" name="action" value="drop" { "Drop…" }
+        }
+    };
     Ok(page(
         console,
         Nav::DeadLetters,
         &format!("Dead letter {id}"),
-        who.as_deref(),
-        &body,
+        who.as_ref(),
+        body,
     )
     .into_response())
 }

@@ -1,21 +1,21 @@
 //! The read-only pages about the whole outbox: the overview (per topic
 //! backlog, oldest unpublished age, throughput, the live chart and its JSON
-//! endpoint), the relays and their lanes, the consumer groups.
-
-use std::fmt::Write as _;
-use std::time::Duration;
+//! endpoint), the relays and their lanes, the consumer groups (their lag
+//! from [`crate::lag`]).
 
 use axum::Json;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
-use outbox_runtime::inbox::groups::{self, PartitionLag};
+use maud::html;
+use outbox_runtime::inbox::groups;
 use outbox_runtime::ops;
 use serde_json::json;
 
-use crate::auth::operator;
+use crate::auth::session;
 use crate::error::{ConsoleError, Page};
-use crate::html::{Nav, age, chart_script, esc, page, url_param};
+use crate::html::{Nav, age, chart_script, page, query};
+use crate::lag::{MAX_GROUPS, Reading};
 use crate::{Console, Shared};
 
 fn render(console: &Console, result: Page) -> Response {
@@ -44,93 +44,80 @@ async fn overview_page(console: &Console, headers: &HeaderMap) -> Page {
             n.to_string()
         }
     };
-    let mut body = format!(
-        "<h1>Overview</h1><div class=\"cards\">\
-         <div class=\"card\"><b data-total=\"unpublished\">{}</b><span>unpublished</span></div>\
-         <div class=\"card\"><b data-total=\"age\">{}</b><span>oldest unpublished</span></div>\
-         <div class=\"card\"><b data-total=\"held\">{}</b><span>held</span></div>\
-         <div class=\"card\"><b><a href=\"{}\" data-total=\"parked\">{}</a></b><span>parked</span></div>\
-         <div class=\"card\"><b data-total=\"discarded\">{}</b><span>dropped</span></div>\
-         <div class=\"card\"><b data-total=\"published\">{}</b><span>published{}</span></div>\
-         <div class=\"card\"><b><a href=\"{}\" data-total=\"relays\">{}</a></b><span>relays</span></div></div>",
-        backlog(s.unpublished),
-        age(s.oldest_unpublished_secs),
-        backlog(s.held),
-        esc(&console.link("/parked")),
-        backlog(s.parked),
-        backlog(s.discarded),
-        published(s.published),
-        if s.estimated { " (estimate)" } else { "" },
-        esc(&console.link("/relays")),
-        s.relays.len(),
-    );
-    body.push_str(
-        "<h2>Throughput</h2><svg id=\"chart\" role=\"img\" aria-label=\"rows written and published per second\"></svg>\
-         <div class=\"legend\"><span><i style=\"background:#2f5fd0\"></i>published/s</span>\
-         <span><i style=\"background:#9aa6b8\"></i>written/s</span><span>updated <span id=\"updated\">–</span></span></div>",
-    );
-    body.push_str(
-        "<h2>Topics</h2><table id=\"topics\"><thead><tr><th>topic</th><th class=\"num\">unpublished</th>\
-         <th class=\"num\">held</th><th class=\"num\">oldest unpublished</th><th class=\"num\">published/s</th>\
-         <th class=\"num\">parked</th><th class=\"num\">dropped</th><th class=\"num\">published</th></tr></thead><tbody>",
-    );
-    if s.topics.is_empty() {
-        body.push_str("<tr><td colspan=\"8\" class=\"muted\">the outbox is empty</td></tr>");
-    }
-    for t in &s.topics {
-        let topic = esc(&t.topic);
-        let rate = snap
-            .rates
-            .get(&t.topic)
-            .map_or_else(|| "–".to_owned(), |r| format!("{r:.1}/s"));
-        let _ = write!(
-            body,
-            "<tr><td>{topic}</td>\
-             <td class=\"num\" data-topic=\"{topic}\" data-field=\"unpublished\">{}</td>\
-             <td class=\"num\" data-topic=\"{topic}\" data-field=\"held\">{}</td>\
-             <td class=\"num\" data-topic=\"{topic}\" data-field=\"age\">{}</td>\
-             <td class=\"num\" data-topic=\"{topic}\" data-field=\"rate\">{rate}</td>\
-             <td class=\"num\"><a href=\"{}?topic={}\" data-topic=\"{topic}\" data-field=\"parked\">{}</a></td>\
-             <td class=\"num\" data-topic=\"{topic}\" data-field=\"discarded\">{}</td>\
-             <td class=\"num\" data-topic=\"{topic}\" data-field=\"published\">{}</td></tr>",
-            backlog(t.unpublished),
-            backlog(t.held),
-            age(t.oldest_unpublished_secs),
-            esc(&console.link("/parked")),
-            url_param(&t.topic),
-            backlog(t.parked),
-            backlog(t.discarded),
-            published(t.published),
-        );
-    }
-    body.push_str("</tbody></table>");
-    let _ = write!(
-        body,
-        "<p class=\"muted\">Outbox table in schema <code>{}</code>; commit-time NOTIFY {} \
-         (channel <code>{}</code>). {}</p>",
-        esc(&s.schema),
-        if s.notify_enabled { "on" } else { "off" },
-        esc(&s.channel),
-        match (s.backlog_estimated, s.estimated) {
-            (false, false) => "Every count is exact.",
-            (false, true) =>
-                "Published counts are estimates from the table's statistics; every other count is exact.",
-            (true, false) =>
-                "Counts marked ~ are estimates (a backlog of more than 10,000 rows of a kind; topics whose rows all lie beyond the first 10,000 are not listed); published counts are exact.",
-            (true, true) =>
-                "Counts marked ~ are estimates (a backlog of more than 10,000 rows of a kind; topics whose rows all lie beyond the first 10,000 are not listed, and published counts come from the table's statistics).",
-        },
-    );
-    body.push_str(&chart_script(&console.link("/api/overview")));
-    let who = operator(console, headers);
-    Ok(page(
-        console,
-        Nav::Overview,
-        "Overview",
-        who.as_ref().map(|o| o.0.as_str()),
-        &body,
-    )
-    .into_response())
+    let counts = match (s.backlog_estimated, s.estimated) {
+        (false, false) => "Every count is exact.",
+        (false, true) => {
+            "Published counts are estimates from the table's statistics; every other count is exact."
+        }
+        (true, false) => {
+            "Counts marked ~ are estimates (a backlog of more than 10,000 rows of a kind; topics \
+             whose rows all lie beyond the first 10,000 are not listed); published counts are exact."
+        }
+        (true, true) => {
+            "Counts marked ~ are estimates (a backlog of more than 10,000 rows of a kind; topics \
+             whose rows all lie beyond the first 10,000 are not listed, and published counts come \
+             from the table's statistics)."
+        }
+    };
+    let body = html! {
+        h1 { "Overview" }
+        div.cards {
+            div.card { b data-total="unpublished" { (backlog(s.unpublished)) } span { "unpublished" } }
+            div.card { b data-total="age" { (age(s.oldest_unpublished_secs)) } span { "oldest unpublished" } }
+            div.card { b data-total="held" { (backlog(s.held)) } span { "held" } }
+            div.card { b { a href=(console.link("/parked")) data-total="parked" { (backlog(s.parked)) } } span { "parked" } }
+            div.card { b data-total="discarded" { (backlog(s.discarded)) } span { "dropped" } }
+            div.card {
+                b data-total="published" { (published(s.published)) }
+                span { "published" @if s.estimated { " (estimate)" } }
+            }
+            div.card { b { a href=(console.link("/relays")) data-total="relays" { (s.relays.len()) } } span { "relays" } }
+        }
+        h2 { "Throughput" }
+        svg #chart role="img" aria-label="rows written and published per second" {}
+        div.legend {
+            span { i style="background:#2f5fd0" {} "published/s" }
+            span { i style="background:#9aa6b8" {} "written/s" }
+            span { "updated " span #updated { "–" } }
+        }
+        h2 { "Topics" }
+        table #topics {
+            thead { tr {
+                th { "topic" } th.num { "unpublished" } th.num { "held" } th.num { "oldest unpublished" }
+                th.num { "published/s" } th.num { "parked" } th.num { "dropped" } th.num { "published" }
+            } }
+            tbody {
+                @if s.topics.is_empty() {
+                    tr { td.muted colspan="8" { "the outbox is empty" } }
+                }
+                @for t in &s.topics {
+                    @let topic = t.topic.as_str();
+                    @let rate = snap.rates.get(topic).map_or_else(|| "–".to_owned(), |r| format!("{r:.1}/s"));
+                    tr {
+                        td { (topic) }
+                        td.num data-topic=(topic) data-field="unpublished" { (backlog(t.unpublished)) }
+                        td.num data-topic=(topic) data-field="held" { (backlog(t.held)) }
+                        td.num data-topic=(topic) data-field="age" { (age(t.oldest_unpublished_secs)) }
+                        td.num data-topic=(topic) data-field="rate" { (rate) }
+                        td.num {
+                            a href={ (console.link("/parked")) (query(&[("topic", topic)])) }
+                              data-topic=(topic) data-field="parked" { (backlog(t.parked)) }
+                        }
+                        td.num data-topic=(topic) data-field="discarded" { (backlog(t.discarded)) }
+                        td.num data-topic=(topic) data-field="published" { (published(t.published)) }
+                    }
+                }
+            }
+        }
+        p.muted {
+            "Outbox table in schema " code { (s.schema) } "; commit-time NOTIFY "
+            (if s.notify_enabled { "on" } else { "off" })
+            " (channel " code { (s.channel) } "). " (counts)
+        }
+        (chart_script(&console.link("/api/overview")))
+    };
+    let who = session(console, headers);
+    Ok(page(console, Nav::Overview, "Overview", who.as_ref(), body).into_response())
 }
 
 /// `GET /api/overview`: the status, the rates and the chart's points.
@@ -210,43 +197,34 @@ pub async fn relays(State(console): State<Shared>, headers: HeaderMap) -> Respon
 
 async fn relays_page(console: &Console, headers: &HeaderMap) -> Page {
     let relays = ops::relays(&console.pool).await?;
-    let mut body = String::from(
-        "<h1>Relays</h1><p class=\"muted\">The relays running on this outbox, read from the \
-         advisory locks they hold: a relay that stops answering loses its lanes to the others.</p>\
-         <table id=\"relays\"><thead><tr><th>relay (backend pid)</th><th>client</th>\
-         <th class=\"num\">lane count</th><th>lanes owned</th></tr></thead><tbody>",
-    );
-    if relays.is_empty() {
-        body.push_str("<tr><td colspan=\"4\" class=\"muted\">no relay is running</td></tr>");
-    }
-    for r in &relays {
-        let _ = write!(
-            body,
-            "<tr><td>{}</td><td>{}</td><td class=\"num\">{}</td><td>{}</td></tr>",
-            r.pid,
-            esc(r.client.as_deref().unwrap_or("local")),
-            r.lane_count.map_or_else(|| "–".into(), |c| c.to_string()),
-            if r.lane_count == Some(0) {
-                "all (no lanes)".to_owned()
-            } else {
-                esc(&lane_list(&r.lanes))
-            },
-        );
-    }
-    body.push_str("</tbody></table>");
-    let who = operator(console, headers);
-    Ok(page(
-        console,
-        Nav::Relays,
-        "Relays",
-        who.as_ref().map(|o| o.0.as_str()),
-        &body,
-    )
-    .into_response())
+    let body = html! {
+        h1 { "Relays" }
+        p.muted { "The relays running on this outbox, read from the advisory locks they hold: \
+            a relay that stops answering loses its lanes to the others." }
+        table #relays {
+            thead { tr {
+                th { "relay (backend pid)" } th { "client" } th.num { "lane count" } th { "lanes owned" }
+            } }
+            tbody {
+                @if relays.is_empty() {
+                    tr { td.muted colspan="4" { "no relay is running" } }
+                }
+                @for r in &relays {
+                    tr {
+                        td { (r.pid) }
+                        td { (r.client.as_deref().unwrap_or("local")) }
+                        td.num { (r.lane_count.map_or_else(|| "–".into(), |c| c.to_string())) }
+                        td {
+                            @if r.lane_count == Some(0) { "all (no lanes)" } @else { (lane_list(&r.lanes)) }
+                        }
+                    }
+                }
+            }
+        }
+    };
+    let who = session(console, headers);
+    Ok(page(console, Nav::Relays, "Relays", who.as_ref(), body).into_response())
 }
-
-/// How long the lag of one group may take to read from the broker.
-const LAG_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// `GET /consumers`.
 pub async fn consumers(State(console): State<Shared>, headers: HeaderMap) -> Response {
@@ -254,104 +232,106 @@ pub async fn consumers(State(console): State<Shared>, headers: HeaderMap) -> Res
 }
 
 async fn consumers_page(console: &Console, headers: &HeaderMap) -> Page {
-    let groups = groups::groups(&console.pool).await?;
-    let mut body = String::from("<h1>Consumer groups</h1>");
-    body.push_str(if console.config.brokers.is_some() {
-        "<p class=\"muted\">Groups this database has rows of (dedup rows, inbox rows, dead \
-         letters). Lag: the group's committed offsets against the end of each partition's log, \
-         read from the broker.</p>"
-    } else {
-        "<p class=\"muted\">Groups this database has rows of (dedup rows, inbox rows, dead \
-         letters). No broker is configured, so the lag is not shown: what the database knows is \
-         the inbox backlog (inbox mode) and the open dead letters. Start the console with \
-         brokers to see the lag.</p>"
-    });
-    body.push_str(
-        "<table id=\"groups\"><thead><tr><th>group</th><th class=\"num\">inbox pending</th>\
-         <th class=\"num\">oldest pending</th><th class=\"num\">dead letters</th>\
-         <th class=\"num\">marked for retry</th><th class=\"num\">lag</th></tr></thead><tbody>",
-    );
-    if groups.is_empty() {
-        body.push_str("<tr><td colspan=\"6\" class=\"muted\">no consumer group has left rows in this database</td></tr>");
-    }
-    let mut details = String::new();
-    for g in &groups {
-        let lag = match &console.config.brokers {
-            None => "–".to_owned(),
-            Some(brokers) => match group_lag(console, brokers, &g.group).await {
-                Ok(parts) => {
-                    let total: i64 = parts.iter().map(|p| p.lag).sum();
-                    if !parts.is_empty() {
-                        let _ = write!(
-                            details,
-                            "<h2>{}</h2><table><thead><tr><th>topic</th><th class=\"num\">partition</th>\
-                             <th class=\"num\">committed</th><th class=\"num\">log end</th><th class=\"num\">lag</th>\
-                             </tr></thead><tbody>",
-                            esc(&g.group)
-                        );
-                        for p in &parts {
-                            let _ = write!(
-                                details,
-                                "<tr><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>\
-                                 <td class=\"num\">{}</td><td class=\"num\">{}</td></tr>",
-                                esc(&p.topic),
-                                p.partition,
-                                p.committed,
-                                p.log_end,
-                                p.lag
-                            );
+    let mut groups = groups::groups(&console.pool).await?;
+    let total = groups.len();
+    groups.truncate(MAX_GROUPS);
+    let names: Vec<String> = groups.iter().map(|g| g.group.clone()).collect();
+    let lag = match &console.lag {
+        Some(lag) => Some(lag.read(&names).await),
+        None => None,
+    };
+    let reading = |group: &str| lag.as_ref().and_then(|l| l.groups.get(group));
+    let body = html! {
+        h1 { "Consumer groups" }
+        @if let Some(lag) = &lag {
+            p.muted {
+                "Groups this database has rows of (dedup rows, inbox rows, dead letters). Lag: the \
+                 group's committed offsets against the end of each partition's log, read from the \
+                 broker in the background at most every " (lag.refresh.as_secs()) " s"
+                @if let Some(ago) = lag.last_read { " (last read " (age(Some(ago.as_secs_f64()))) " ago)" }
+                "."
+            }
+        } @else {
+            p.muted { "Groups this database has rows of (dedup rows, inbox rows, dead letters). No \
+                broker is configured, so the lag is not shown: what the database knows is the inbox \
+                backlog (inbox mode) and the open dead letters. Start the console with brokers to \
+                see the lag." }
+        }
+        @if total > groups.len() {
+            p.notice #capped { "The first " (groups.len()) " of " (total) " groups, by name." }
+        }
+        table #groups {
+            thead { tr {
+                th { "group" } th.num { "inbox pending" } th.num { "oldest pending" }
+                th.num { "dead letters" } th.num { "marked for retry" } th.num { "lag" }
+            } }
+            tbody {
+                @if groups.is_empty() {
+                    tr { td.muted colspan="6" { "no consumer group has left rows in this database" } }
+                }
+                @for g in &groups {
+                    tr {
+                        td { (g.group) }
+                        td.num { (g.inbox_pending) }
+                        td.num { (age(g.oldest_pending_secs)) }
+                        td.num {
+                            a href={ (console.link("/dead-letters")) (query(&[("consumer", &g.group)])) } { (g.dead) }
                         }
-                        details.push_str("</tbody></table>");
-                        total.to_string()
-                    } else {
-                        "no committed offsets".to_owned()
+                        td.num { (g.retry) }
+                        td.num {
+                            @match (lag.is_some(), reading(&g.group)) {
+                                (false, _) => "–",
+                                (true, None) => span.muted { "reading…" },
+                                (true, Some(Reading::Failed(text))) => span.error { (text) },
+                                (true, Some(Reading::Read(parts))) if parts.is_empty() => "no committed offsets",
+                                (true, Some(Reading::Read(parts))) if parts.iter().any(|p| p.end_unknown) => {
+                                    span title="the broker reports a log end below the committed offset on some partition" {
+                                        "≥ " (parts.iter().map(|p| p.lag).sum::<i64>()) " ?"
+                                    }
+                                }
+                                (true, Some(Reading::Read(parts))) => (parts.iter().map(|p| p.lag).sum::<i64>()),
+                            }
+                        }
                     }
                 }
-                Err(text) => format!("<span class=\"error\">{}</span>", esc(&text)),
-            },
-        };
-        let _ = write!(
-            body,
-            "<tr><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>\
-             <td class=\"num\"><a href=\"{}?consumer={}\">{}</a></td><td class=\"num\">{}</td>\
-             <td class=\"num\">{lag}</td></tr>",
-            esc(&g.group),
-            g.inbox_pending,
-            age(g.oldest_pending_secs),
-            esc(&console.link("/dead-letters")),
-            url_param(&g.group),
-            g.dead,
-            g.retry,
-        );
-    }
-    body.push_str("</tbody></table>");
-    body.push_str(&details);
-    let who = operator(console, headers);
+            }
+        }
+        @for g in &groups {
+            @if let Some(Reading::Read(parts)) = reading(&g.group) {
+                @if !parts.is_empty() {
+                    h2 { (g.group) }
+                    table {
+                        thead { tr {
+                            th { "topic" } th.num { "partition" } th.num { "committed" }
+                            th.num { "log end" } th.num { "lag" }
+                        } }
+                        tbody {
+                            @for p in parts {
+                                tr {
+                                    td { (p.topic) } td.num { (p.partition) } td.num { (p.committed) }
+                                    td.num { (p.log_end) }
+                                    td.num {
+                                        @if p.end_unknown {
+                                            span title="the broker reports a log end below the committed offset: the lag is unknown" { "?" }
+                                        } @else {
+                                            (p.lag)
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    };
+    let who = session(console, headers);
     Ok(page(
         console,
         Nav::Consumers,
         "Consumer groups",
-        who.as_ref().map(|o| o.0.as_str()),
-        &body,
+        who.as_ref(),
+        body,
     )
     .into_response())
-}
-
-/// The lag of `group`, read on a blocking thread; an error as text.
-async fn group_lag(
-    console: &Console,
-    brokers: &str,
-    group: &str,
-) -> Result<Vec<PartitionLag>, String> {
-    let brokers = brokers.to_owned();
-    let settings = console.config.kafka_settings.clone();
-    let group = group.to_owned();
-    let task =
-        tokio::task::spawn_blocking(move || groups::lag(&brokers, &settings, &group, LAG_TIMEOUT));
-    match tokio::time::timeout(LAG_TIMEOUT * 4, task).await {
-        Ok(Ok(Ok(parts))) => Ok(parts),
-        Ok(Ok(Err(error))) => Err(crate::html::scrub_urls(&error.to_string())),
-        Ok(Err(_)) => Err("the lag query failed".into()),
-        Err(_) => Err("the broker did not answer in time".into()),
-    }
 }

@@ -120,15 +120,22 @@ async fn console(pool: &PgPool, config: ConsoleConfig) -> (SocketAddr, Cancellat
 }
 
 async fn text_of(client: &Client, css: &str) -> String {
-    client
-        .wait()
-        .at_most(WAIT)
-        .for_element(Locator::Css(css))
-        .await
-        .unwrap_or_else(|e| panic!("{css}: {e}"))
-        .text()
-        .await
-        .unwrap()
+    // An element found just before the page was replaced (after a click)
+    // is stale: look again.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let element = client
+            .wait()
+            .at_most(WAIT)
+            .for_element(Locator::Css(css))
+            .await
+            .unwrap_or_else(|e| panic!("{css}: {e}"));
+        match element.text().await {
+            Ok(text) => return text,
+            Err(e) => assert!(Instant::now() < deadline, "{css}: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The parked row and the pages are seen; a requeue without logging in is
@@ -212,8 +219,9 @@ async fn pages_show_the_rows_and_a_write_without_login_is_refused(pool: PgPool) 
     stop.cancel();
 }
 
-/// Log in, requeue a parked row through the UI (reason, confirmation), and
-/// see a real relay publish it.
+/// Log in, requeue a parked row through the UI (reason, confirmation: the
+/// browser's forms carry the session's form token and pass the same-origin
+/// check), see a real relay publish it, and log out.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_parked_row_requeued_in_the_browser_is_published(pool: PgPool) {
     let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
@@ -370,6 +378,24 @@ async fn a_parked_row_requeued_in_the_browser_is_published(pool: PgPool) {
         ),
         ("ann", "parked_requeue", &[id][..])
     );
+    assert_eq!(
+        log[0].client.as_deref(),
+        Some("127.0.0.1"),
+        "the peer's address"
+    );
+    // The header's logout form carries the form token too.
+    client
+        .find(Locator::Css("form.inline button"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let deadline = Instant::now() + WAIT;
+    while text_of(&client, "#mode").await != "not logged in" {
+        assert!(Instant::now() < deadline, "not logged out");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     client.close().await.unwrap();
     stop.cancel();
     relay.shutdown().await.unwrap();

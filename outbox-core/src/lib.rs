@@ -5,7 +5,7 @@
 //! Applications use it through the `outbox` facade crate.
 
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod aggregate;
 mod command;

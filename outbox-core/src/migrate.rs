@@ -1,4 +1,5 @@
-//! The embedded schema migrations (`migrations/` at the workspace root), and
+//! The embedded schema migrations (`outbox-core/migrations/`, also reached as
+//! `migrations/` at the workspace root), and
 //! how schema changes wait for their locks ([`LockPolicy`]).
 //!
 //! They live in sqlx's `_sqlx_migrations` table under timestamped versions.
@@ -19,7 +20,7 @@ use crate::error::{Error, Result};
 /// `#[sqlx::test(migrator = "outbox::MIGRATOR")]`.
 pub static MIGRATOR: Migrator = Migrator {
     ignore_missing: true,
-    ..sqlx::migrate!("../migrations")
+    ..sqlx::migrate!("./migrations")
 };
 
 /// How a schema change (a migration, `outbox notify on|off`) waits for the

@@ -3,7 +3,7 @@
 //! trace id, new parent span id). The Unit of Work and the handler context
 //! use it so that one trace id follows a business flow from the command,
 //! through the outbox and Kafka, into the handlers and their follow-ups.
-//! With the `otel` feature, [`otel`] turns it into OpenTelemetry span
+//! With the `otel` feature, its `otel` module turns it into OpenTelemetry span
 //! contexts and back.
 
 #[cfg(feature = "otel")]

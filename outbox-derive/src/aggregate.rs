@@ -64,14 +64,14 @@ fn check(cx: &Ctxt, item: &ItemStruct, attrs: &attr::Aggregate) -> bool {
         );
         return false;
     }
-    if let Some(root) = &attrs.root {
-        if *root == item.ident {
-            cx.error_spanned_by(
-                root,
-                "the root type needs a name of its own: it is declared next to the state struct",
-            );
-            return false;
-        }
+    if let Some(root) = &attrs.root
+        && *root == item.ident
+    {
+        cx.error_spanned_by(
+            root,
+            "the root type needs a name of its own: it is declared next to the state struct",
+        );
+        return false;
     }
     true
 }

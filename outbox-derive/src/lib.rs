@@ -13,7 +13,7 @@
 //! as written), so one mistake does not cascade into unrelated ones.
 
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod aggregate;
 mod domain_event;

@@ -31,10 +31,13 @@
 //! pages): a pass with nothing to delete reads next to nothing; the dead
 //! letters (kept unless asked, and few) are read whole.
 //!
-//! With the partitioned layout ([`crate::partition`]), a pass first drops
-//! the partitions whose whole range is past the window and creates the
-//! partitions missing ahead; only the legacy and default partitions are
-//! then cleaned row by row.
+//! With the partitioned layout ([`crate::partition`]), a pass first creates
+//! the partitions missing ahead and drops the partitions whose whole range
+//! is past the window, with the plan given to [`partition::enable`]
+//! (partitions ahead, lock timeout), read back from the tables; a
+//! partition whose table stays busy is left for the next pass (counted),
+//! and the rest of the pass goes on. Only the legacy and default partitions
+//! are then cleaned row by row.
 
 use std::time::{Duration, Instant};
 
@@ -47,7 +50,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
 use crate::ops::format_duration;
-use crate::partition::{self, PartitionPlan};
+use crate::partition;
 use crate::scope::OutboxScope;
 
 /// The default deduplication window (7 days).
@@ -166,8 +169,11 @@ pub struct CleanupReport {
     pub partitions_dropped: u64,
     /// Partitions past the window kept: they hold rows still needed
     /// (unpublished, parked, unprocessed or younger by their own
-    /// timestamp), or their lock was busy.
+    /// timestamp).
     pub partitions_kept: u64,
+    /// Partitions past the window left for the next pass: their table
+    /// stayed locked longer than the lock timeout.
+    pub partitions_busy: u64,
 }
 
 /// The first row at or after `$1` (a probe of the bound's binary search).
@@ -240,9 +246,10 @@ pub async fn cleanup(pool: &PgPool, retention: &Retention) -> Result<CleanupRepo
     let started = Instant::now();
 
     // Whole partitions first (partitioned layout).
-    let dropped = partition::retention_pass(pool, cutoff, &PartitionPlan::default()).await?;
+    let dropped = partition::retention_pass(pool, cutoff).await?;
     report.partitions_dropped = dropped.dropped;
     report.partitions_kept = dropped.kept;
+    report.partitions_busy = dropped.busy;
 
     // Published outbox rows, in id order.
     for table in partition::row_cleaned(pool, "outbox_event").await? {
@@ -298,6 +305,7 @@ pub async fn cleanup(pool: &PgPool, retention: &Retention) -> Result<CleanupRepo
         statements = report.statements,
         partitions_dropped = report.partitions_dropped,
         partitions_kept = report.partitions_kept,
+        partitions_busy = report.partitions_busy,
         elapsed_ms = started.elapsed().as_millis() as u64,
         older_than = %format_duration(retention.older_than),
         "cleanup pass done"
@@ -588,11 +596,11 @@ impl Cleanup {
     ) {
         let mut leadership: Option<Leadership> = None;
         loop {
-            if let Some(l) = leadership.as_mut() {
-                if !l.alive().await {
-                    tracing::warn!("cleanup leader lost its lock connection");
-                    leadership = None;
-                }
+            if let Some(l) = leadership.as_mut()
+                && !l.alive().await
+            {
+                tracing::warn!("cleanup leader lost its lock connection");
+                leadership = None;
             }
             if leadership.is_none() {
                 match Leadership::try_take(&self.pool).await {

@@ -4,11 +4,17 @@
 //! headers (an event from another producer): `ce_type` is the event type,
 //! `ce_id` the event id, `ce_eventversion` (an extension) the version.
 //!
-//! A `ce_id` that is not a UUID gets a stable one: the first 16 bytes of
-//! SHA-256 over `ce_source`, a NUL and `ce_id`, as a version-8 UUID. The
-//! same event (same source and id, the CloudEvents identity) always gets
-//! the same event id, so it is deduplicated like any other; events of two
-//! sources that reuse an id are not confused.
+//! The event id of such a message: a CloudEvent is identified by its
+//! `ce_source` and `ce_id` together, and producers use all kinds of ids
+//! (request ids, trace ids, UUIDs in any spelling), so the id is derived
+//! from both — the first 16 bytes of SHA-256 over `ce_source`, a NUL and
+//! `ce_id`, as a version-8 UUID ([`event_id`]). The same event (same source
+//! and id) always gets the same event id, so it is deduplicated like any
+//! other; equal ids of two sources stay apart. Only a message in the form
+//! this framework's relay writes keeps its `ce_id` as the event id: the
+//! canonical lower-case hyphenated UUID, with the relay's `ce_aggregatetype`
+//! extension beside it ([`relay_event_id`]) — so an event keeps its id
+//! whether its relay writes CloudEvents headers or not.
 
 use std::fmt;
 use std::str::FromStr;
@@ -126,12 +132,10 @@ impl CloudEvents {
     }
 }
 
-/// The event id of a CloudEvents message: `ce_id` itself when it is a
-/// UUID, else one derived from (`ce_source`, `ce_id`) (see the module docs).
+/// The event id of a CloudEvents message of another producer: derived from
+/// its `ce_source` and `ce_id` (see the module docs), whatever `id` looks
+/// like — a UUID too.
 pub fn event_id(source: &str, id: &str) -> Uuid {
-    if let Ok(uuid) = id.parse::<Uuid>() {
-        return uuid;
-    }
     use sha2::{Digest, Sha256};
     let mut hasher = Sha256::new();
     hasher.update(source.as_bytes());
@@ -143,6 +147,26 @@ pub fn event_id(source: &str, id: &str) -> Uuid {
     uuid::Builder::from_custom_bytes(bytes).into_uuid()
 }
 
+/// `ce_id` as this framework's relay writes it — an event id in the
+/// canonical lower-case hyphenated form — parsed; `None` for any other
+/// spelling (upper case, 32 digits, braces, `urn:uuid:`) or id.
+pub fn relay_event_id(id: &str) -> Option<Uuid> {
+    let uuid = Uuid::try_parse(id).ok()?;
+    let canonical = *uuid.hyphenated().encode_lower(&mut Uuid::encode_buffer()) == *id;
+    canonical.then_some(uuid)
+}
+
+/// The event id a consumer gives a CloudEvents message: `ce_id` as is when
+/// the message is in the relay's form (`relay_extension`: it carries
+/// `ce_aggregatetype`, and `id` is canonical), else derived from `source`
+/// and `id`.
+pub(crate) fn message_event_id(source: &str, id: &str, relay_extension: bool) -> Uuid {
+    relay_extension
+        .then(|| relay_event_id(id))
+        .flatten()
+        .unwrap_or_else(|| event_id(source, id))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,7 +174,8 @@ mod tests {
     #[test]
     fn ids_are_kept_or_derived_stably() {
         let uuid = Uuid::now_v7();
-        assert_eq!(event_id("/a", &uuid.to_string()), uuid);
+        let canonical = uuid.to_string();
+        assert_eq!(message_event_id("/a", &canonical, true), uuid);
         let derived = event_id("/billing", "inv-42");
         assert_eq!(derived, event_id("/billing", "inv-42"));
         assert_eq!(derived.get_version_num(), 8);
@@ -158,6 +183,33 @@ mod tests {
         assert_ne!(derived, event_id("/billing", "inv-43"));
         // The separator keeps (source, id) pairs apart.
         assert_ne!(event_id("/a", "bc"), event_id("/ab", "c"));
+        // Without the relay's extension, a UUID is an id of its source.
+        assert_eq!(
+            message_event_id("/a", &canonical, false),
+            event_id("/a", &canonical)
+        );
+        assert_ne!(event_id("/a", &canonical), uuid);
+    }
+
+    #[test]
+    fn only_the_canonical_spelling_is_the_relays() {
+        let uuid = Uuid::now_v7();
+        assert_eq!(relay_event_id(&uuid.to_string()), Some(uuid));
+        for other in [
+            uuid.hyphenated().to_string().to_uppercase(),
+            uuid.simple().to_string(),
+            uuid.braced().to_string(),
+            uuid.urn().to_string(),
+            format!(" {uuid}"),
+            "inv-42".to_owned(),
+        ] {
+            assert_eq!(relay_event_id(&other), None, "{other}");
+            assert_eq!(
+                message_event_id("/a", &other, true),
+                event_id("/a", &other),
+                "{other}"
+            );
+        }
     }
 
     #[test]

@@ -188,10 +188,11 @@ impl LastError {
     }
 
     fn keep(&self, reason: &str) {
-        if let Ok(mut errors) = self.0.lock() {
-            if errors.len() < 3 && !errors.iter().any(|e| e == reason) {
-                errors.push(reason.to_owned());
-            }
+        if let Ok(mut errors) = self.0.lock()
+            && errors.len() < 3
+            && !errors.iter().any(|e| e == reason)
+        {
+            errors.push(reason.to_owned());
         }
     }
 }

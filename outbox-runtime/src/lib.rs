@@ -13,7 +13,7 @@
 //! Kafka producer to application code.
 
 #![deny(unsafe_code)] // one exception: `inbox::raw_headers` reads header names as bytes
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod backoff;
 pub mod cleanup;
@@ -24,6 +24,7 @@ pub mod kafka;
 pub mod metrics;
 pub mod ops;
 pub mod partition;
+mod refusal;
 pub mod relay;
 pub mod replay;
 pub mod scope;
@@ -38,6 +39,6 @@ pub use inbox::{
     Consumer, ConsumerBuilder, ConsumerConfig, ConsumerCounts, ConsumerHandle, ConsumerHealth,
     ConsumerStats, DeadLetter, DeadLetterFilter, DeadLetterReason, Mode,
 };
-pub use relay::{Relay, RelayBuilder, RelayConfig, RelayCounts, RelayHandle};
+pub use relay::{Relay, RelayBuilder, RelayConfig, RelayCounts, RelayHandle, RelayHealth};
 pub use scope::OutboxScope;
 pub use tokio_util::sync::CancellationToken;

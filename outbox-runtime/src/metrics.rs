@@ -26,6 +26,7 @@
 //! | `outbox_relay_batch_duration_seconds` | histogram | | a batch, from handing it to the producer to the last acknowledgement |
 //! | `outbox_relay_up` | gauge | | relays running in this process (1 while its relay runs, 0 once it stopped) |
 //! | `outbox_relay_consecutive_failures` | gauge | | failed rounds in a row: batches with failed deliveries and none delivered, claims or marks the database refused; 0 once a batch delivers or nothing is left to publish |
+//! | `outbox_relay_refused` | gauge | | 1 while the database refuses a statement of the relay that retrying cannot cure (a missing privilege, table or column: see `RelayHealth::Refused`), else 0 |
 //! | `outbox_relay_lanes_owned` | gauge | | lanes this relay claims from |
 //! | `outbox_backlog_events` | gauge | | unpublished, not parked events |
 //! | `outbox_held_events` | gauge | | of those, events held back for a while (a missing topic, a failing key) |
@@ -40,6 +41,9 @@
 //! | `outbox_consumer_handler_seconds` | histogram | `group` | mean handler time per event, one sample per batch |
 //! | `outbox_consumer_lag` | gauge | `group`, `topic`, `partition` | messages between the committed offset and the end of the partition (librdkafka statistics) |
 //! | `outbox_consumer_up` | gauge | `group` | 1 while the consumer runs, 0 once it stopped or failed |
+//! | `outbox_consumer_stalled` | gauge | `group` | 1 while the consumer receives nothing although there are messages to read (for longer than its stall timeout), else 0 |
+//! | `outbox_consumer_rejoins_total` | counter | `group` | times the consumer rejoined its group after owning no partition, or none with messages left, while the group's offsets stood still with messages to read |
+//! | `outbox_consumer_refused` | gauge | `group` | 1 while the database refuses one of the consumer's own statements that retrying cannot cure (see `ConsumerHealth::Refused`), else 0 |
 //! | `outbox_dead_letters` | gauge | `group` | the group's dead letters awaiting an operator (status `dead`), sampled every 5 s |
 //! | `outbox_replayed_total` | counter | | events sent again by `replay` |
 
@@ -50,8 +54,47 @@ use metrics::{Counter, Histogram, counter, gauge, histogram};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use crate::inbox::{ConsumerCounts, ConsumerStats};
-use crate::relay::{RelayCounts, RelayStats};
+use crate::backoff::Health;
+use crate::inbox::{ConsumerCounts, ConsumerHealth, ConsumerStats};
+use crate::refusal::{Statement, Trouble};
+use crate::relay::{RelayCounts, RelayHealth, RelayStats};
+
+/// The relay's backlog sample, as a refusal names it.
+const BACKLOG_SAMPLE: Statement = Statement {
+    name: "relay: sample the backlog (metrics)",
+    needs: "SELECT ON outbox_event",
+};
+
+/// A consumer's dead-letter sample.
+const DEAD_LETTER_SAMPLE: Statement = Statement {
+    name: "consumer: count dead letters (metrics)",
+    needs: "SELECT ON dead_letter",
+};
+
+/// A sample's health: a refusal is reported (once, and in the process's
+/// health), anything else only logged at debug level (the next sample
+/// tries again).
+fn sample_health<T>(
+    health: &mut Health,
+    result: Result<T, sqlx::Error>,
+    statement: Statement,
+) -> Option<T> {
+    match result {
+        Ok(value) => {
+            health.up();
+            Some(value)
+        }
+        Err(error) => {
+            match Trouble::from(&error).during(statement) {
+                refused @ Trouble::Refused(_) => {
+                    health.down(refused);
+                }
+                Trouble::Outage(error) => tracing::debug!(%error, "{} failed", statement.name),
+            }
+            None
+        }
+    }
+}
 
 /// How often counters are copied into the metrics.
 const COPY_INTERVAL: Duration = Duration::from_secs(1);
@@ -127,12 +170,21 @@ pub(crate) async fn relay_task(pool: PgPool, stats: Arc<RelayStats>, shutdown: C
     let batches = counter!("outbox_relay_batches_total");
     let lanes = gauge!("outbox_relay_lanes_owned");
     let failing = gauge!("outbox_relay_consecutive_failures");
+    let refused = gauge!("outbox_relay_refused");
     let up = gauge!("outbox_relay_up");
     up.increment(1.0);
+    let mut health = Health::new(
+        "database (backlog sample)",
+        BACKLOG_INTERVAL,
+        BACKLOG_INTERVAL,
+    )
+    .reporting(stats.problems());
     let mut last = RelayCounts::default();
     let mut copy = |now: RelayCounts| {
         lanes.set(stats.lanes().len() as f64);
         failing.set(stats.consecutive_failures() as f64);
+        let is_refused = matches!(stats.health(), RelayHealth::Refused { .. });
+        refused.set(if is_refused { 1.0 } else { 0.0 });
         published.increment(now.published - last.published);
         failed.increment(now.failed - last.failed);
         parked.increment(now.parked - last.parked);
@@ -152,11 +204,15 @@ pub(crate) async fn relay_task(pool: PgPool, stats: Arc<RelayStats>, shutdown: C
             // connection inside a read-only transaction.
             let sample = tokio::spawn(sample_backlog(pool.clone()));
             tokio::select! {
-                sampled = tokio::time::timeout(BACKLOG_INTERVAL, sample) => {
+                done = tokio::time::timeout(BACKLOG_INTERVAL, sample) => {
+                    let backlog = match done {
+                        Ok(Ok(result)) => sample_health(&mut health, result, BACKLOG_SAMPLE),
+                        _ => None,
+                    };
                     // Nothing left to publish: no delivery can be failing
                     // (the failing rows were parked, or published by
                     // another relay).
-                    if let Ok(Ok(Some(0))) = sampled {
+                    if backlog == Some(0) {
                         stats.failing_over();
                         copy(stats.snapshot());
                     }
@@ -182,9 +238,8 @@ fn sample_begin() -> String {
     )
 }
 
-/// Samples the backlog gauges; returns the backlog (`None` if the sample
-/// failed).
-async fn sample_backlog(pool: PgPool) -> Option<i64> {
+/// Samples the backlog gauges; returns the backlog.
+async fn sample_backlog(pool: PgPool) -> Result<i64, sqlx::Error> {
     let row: Result<(i64, Option<f64>, i64, i64), sqlx::Error> = async {
         let mut tx = pool.begin_with(sample_begin()).await?;
         let row = sqlx::query_as(BACKLOG).fetch_one(&mut *tx).await?;
@@ -198,17 +253,14 @@ async fn sample_backlog(pool: PgPool) -> Option<i64> {
             gauge!("outbox_backlog_events").set(backlog as f64);
             gauge!("outbox_oldest_unpublished_seconds").set(oldest.unwrap_or(0.0));
             gauge!("outbox_parked_events").set(parked as f64);
-            Some(backlog)
+            Ok(backlog)
         }
-        Err(error) => {
-            tracing::debug!(%error, "backlog sample failed");
-            None
-        }
+        Err(error) => Err(error),
     }
 }
 
 /// Samples the `outbox_dead_letters` gauge of `group`.
-async fn sample_dead_letters(pool: PgPool, group: String) {
+async fn sample_dead_letters(pool: PgPool, group: String) -> Result<(), sqlx::Error> {
     let count: Result<i64, sqlx::Error> = async {
         let mut tx = pool.begin_with(sample_begin()).await?;
         let n = sqlx::query_scalar(DEAD_LETTERS)
@@ -219,10 +271,7 @@ async fn sample_dead_letters(pool: PgPool, group: String) {
         Ok(n)
     }
     .await;
-    match count {
-        Ok(n) => gauge!("outbox_dead_letters", "group" => group).set(n as f64),
-        Err(error) => tracing::debug!(%error, group, "dead letter sample failed"),
-    }
+    count.map(|n| gauge!("outbox_dead_letters", "group" => group).set(n as f64))
 }
 
 /// Copies a consumer's counters into the metrics and samples its dead
@@ -239,8 +288,17 @@ pub(crate) async fn consumer_task(
     let duplicates = counter!("outbox_consumer_duplicates_total", &labels);
     let dead = counter!("outbox_consumer_dead_lettered_total", &labels);
     let failures = counter!("outbox_consumer_handler_failures_total", &labels);
+    let refused = gauge!("outbox_consumer_refused", &labels);
+    let mut health = Health::new(
+        "database (dead-letter sample)",
+        BACKLOG_INTERVAL,
+        BACKLOG_INTERVAL,
+    )
+    .reporting(stats.problems());
     let mut last = ConsumerCounts::default();
     let mut copy = |now: ConsumerCounts| {
+        let is_refused = matches!(stats.health(), ConsumerHealth::Refused { .. });
+        refused.set(if is_refused { 1.0 } else { 0.0 });
         let add = |c: &Counter, n: u64, l: u64| c.increment(n.saturating_sub(l));
         add(&received, now.received, last.received);
         add(&processed, now.processed, last.processed);
@@ -257,7 +315,11 @@ pub(crate) async fn consumer_task(
             // On a task of its own, as the relay's backlog sample.
             let sample = tokio::spawn(sample_dead_letters(pool.clone(), group.clone()));
             tokio::select! {
-                _ = tokio::time::timeout(BACKLOG_INTERVAL, sample) => {}
+                done = tokio::time::timeout(BACKLOG_INTERVAL, sample) => {
+                    if let Ok(Ok(result)) = done {
+                        sample_health(&mut health, result, DEAD_LETTER_SAMPLE);
+                    }
+                }
                 _ = shutdown.cancelled() => break,
             }
         }
@@ -273,6 +335,21 @@ pub(crate) async fn consumer_task(
 /// runs, 0 once it stopped (or failed).
 pub(crate) fn consumer_up(group: &str, up: bool) {
     gauge!("outbox_consumer_up", "group" => group.to_owned()).set(if up { 1.0 } else { 0.0 });
+}
+
+/// Sets the `outbox_consumer_stalled` gauge of `group`.
+pub(crate) fn consumer_stalled(group: &str, stalled: bool) {
+    gauge!("outbox_consumer_stalled", "group" => group.to_owned()).set(if stalled {
+        1.0
+    } else {
+        0.0
+    });
+}
+
+/// Counts a rejoin of `group`'s consumer (rare: not through the counters'
+/// copy task).
+pub(crate) fn consumer_rejoined(group: &str) {
+    counter!("outbox_consumer_rejoins_total", "group" => group.to_owned()).increment(1);
 }
 
 /// The per-batch latency histograms of one consumer.

@@ -146,31 +146,30 @@ impl ReplayOptions {
 
     fn validate(&self) -> Result<()> {
         let f = &self.filter;
-        if let (Some(a), Some(b)) = (f.from_id, f.to_id) {
-            if a > b {
-                return Err(Error::Config(format!(
-                    "empty id range: --from-id {a} is after --to-id {b}"
-                )));
-            }
+        if let (Some(a), Some(b)) = (f.from_id, f.to_id)
+            && a > b
+        {
+            return Err(Error::Config(format!(
+                "empty id range: --from-id {a} is after --to-id {b}"
+            )));
         }
-        if let (Some(a), Some(b)) = (f.since, f.until) {
-            if a >= b {
-                return Err(Error::Config(format!(
-                    "empty time range: --since {a} is not before --until {b}"
-                )));
-            }
+        if let (Some(a), Some(b)) = (f.since, f.until)
+            && a >= b
+        {
+            return Err(Error::Config(format!(
+                "empty time range: --since {a} is not before --until {b}"
+            )));
         }
-        if let Some(t) = &self.to_topic {
-            if t.is_empty()
+        if let Some(t) = &self.to_topic
+            && (t.is_empty()
                 || t.len() > 249
                 || !t
                     .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
-            {
-                return Err(Error::Config(format!(
-                    "invalid --to-topic `{t}`: 1-249 characters of [a-zA-Z0-9._-]"
-                )));
-            }
+                    .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)))
+        {
+            return Err(Error::Config(format!(
+                "invalid --to-topic `{t}`: 1-249 characters of [a-zA-Z0-9._-]"
+            )));
         }
         if !(1..=100_000).contains(&self.batch_size) {
             return Err(Error::Config(format!(

@@ -19,6 +19,8 @@ const ALERTS: &[&str] = &[
     "OutboxRelayDown",
     "OutboxRelayFailing",
     "OutboxConsumerDown",
+    "OutboxStatementRefused",
+    "OutboxConsumerStalled",
 ];
 
 fn promtool(args: &[&str]) -> Output {

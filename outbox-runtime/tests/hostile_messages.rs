@@ -220,10 +220,10 @@ async fn run(pool: &PgPool, topic: &str, mode: Mode, handler: impl InboxHandler)
     want.sort();
     assert_eq!(reasons, want);
     for letter in &letters {
-        if let Some(id) = letter.event_id {
-            if let Some(reason) = expected.get(&id) {
-                assert_eq!(letter.reason, *reason, "{letter:?}");
-            }
+        if let Some(id) = letter.event_id
+            && let Some(reason) = expected.get(&id)
+        {
+            assert_eq!(letter.reason, *reason, "{letter:?}");
         }
         if letter.reason == "oversized" {
             assert!(letter.error.contains("sha256"), "{}", letter.error);

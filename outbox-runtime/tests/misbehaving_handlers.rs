@@ -114,13 +114,12 @@ impl<E: ActEvent> InboxHandler for Handler<E> {
                 .await?;
                 return Ok(());
             }
-            if act == Act::Release {
-                if let Err(error) = sqlx::query("RELEASE SAVEPOINT never_made")
+            if act == Act::Release
+                && let Err(error) = sqlx::query("RELEASE SAVEPOINT never_made")
                     .execute(&mut **ctx)
                     .await
-                {
-                    tracing::info!(%error, "release failed: carrying on");
-                }
+            {
+                tracing::info!(%error, "release failed: carrying on");
             }
             sqlx::query(EFFECT).bind(id).execute(&mut **ctx).await?;
             match act {

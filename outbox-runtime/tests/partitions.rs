@@ -475,14 +475,17 @@ async fn retention_drops_old_partitions_and_keeps_those_with_rows_still_needed(p
         let (from, name) = at(&outbox, days_ago);
         let id = id_at(from + 1000);
         insert_outbox(&pool, id, "t").await;
+        // Created at its id's time, as a UUIDv7 says.
         sqlx::query(
             "UPDATE outbox_event SET published_at = now() - make_interval(days => $2),
-                                     parked_at = CASE WHEN $3 THEN now() END
+                                     parked_at = CASE WHEN $3 THEN now() END,
+                                     created_at = to_timestamp($4 / 1000.0)
              WHERE event_id = $1",
         )
         .bind(id)
         .bind(published.unwrap_or(0))
         .bind(parked)
+        .bind((from + 1000) as f64)
         .execute(&pool)
         .await
         .unwrap();
@@ -756,4 +759,198 @@ async fn an_inbox_consumer_stores_and_applies_into_partitioned_tables(pool: PgPo
         scalar(&pool, "SELECT count(*) FROM processed_event").await,
         30
     );
+}
+
+/// A writer in the middle of its transaction holds the wake-up trigger's
+/// probe lock (shared): that is no relay. `enable` waits for its table
+/// lock instead of refusing, and the writer's row is kept.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn enabling_waits_for_a_writer_in_the_middle_of_its_transaction(pool: PgPool) {
+    let writer_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    // A writer's transaction, held open after its insert (the trigger
+    // took the probe lock).
+    let mut tx = writer_pool.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload,
+                                   topic, partition_key)
+         VALUES ($1, 'Order', 'k', 'OrderPlaced', '{}', 't', 'k')",
+    )
+    .bind(Uuid::now_v7())
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let probe_held = scalar(
+        &pool,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND mode = 'ShareLock'
+           AND classid::int8 = 'outbox_event'::regclass::oid::int8
+           AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .await;
+    assert_eq!(probe_held, 1, "the writer holds the probe lock");
+    let commit = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        tx.commit().await.unwrap();
+    });
+    let report = partition::enable(&pool, &PartitionPlan::default())
+        .await
+        .unwrap();
+    commit.await.unwrap();
+    assert_eq!(report.converted.len(), 3);
+    assert_eq!(scalar(&pool, "SELECT count(*) FROM outbox_event").await, 1);
+}
+
+/// A maintenance pass dropped mid-way (its future cancelled while it
+/// waits for a table lock, as a cleanup job's shutdown does) leaves the
+/// maintenance lock to the next maintainer at once, not when its pooled
+/// connection is closed some day.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_cancelled_pass_releases_the_maintenance_lock(pool: PgPool) {
+    partition::enable(
+        &pool,
+        &PartitionPlan {
+            ahead: 1,
+            ..PartitionPlan::default()
+        },
+    )
+    .await
+    .unwrap();
+    let plan = PartitionPlan {
+        ahead: 3,
+        lock_timeout: Duration::from_secs(30),
+        ..PartitionPlan::default()
+    };
+    // An application's pool: connections are kept.
+    let app = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let mut blocker = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE outbox_event IN SHARE MODE")
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    {
+        let pass = partition::maintain(&app, &plan);
+        tokio::pin!(pass);
+        let waiting = tokio::select! {
+            r = &mut pass => panic!("the pass ended while the table was locked: {r:?}"),
+            w = eventually(Duration::from_secs(10), || async {
+                scalar(
+                    &pool,
+                    "SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'relation'
+                       AND database = (SELECT oid FROM pg_database
+                                       WHERE datname = current_database())",
+                )
+                .await
+                    > 0
+            }) => w,
+        };
+        assert!(waiting, "the pass waits for a table lock");
+    }
+    blocker.rollback().await.unwrap();
+    // Another maintainer (another process) takes the lock right away.
+    let other = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut report = None;
+    while report.is_none() && started.elapsed() < Duration::from_secs(3) {
+        report = partition::maintain(&other, &plan).await.unwrap();
+        if report.is_none() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let report = report.expect("the lock of the cancelled pass was released");
+    assert_eq!(report.created, 3 * 2, "{report:?}");
+    app.close().await;
+    other.close().await;
+}
+
+/// The cleanup job keeps as many partitions ahead as `enable` was told,
+/// not the default.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn cleanup_keeps_the_partitions_ahead_given_at_enable(pool: PgPool) {
+    partition::enable(
+        &pool,
+        &PartitionPlan {
+            ahead: 6,
+            ..PartitionPlan::default()
+        },
+    )
+    .await
+    .unwrap();
+    let ranges = |pool: PgPool| async move {
+        partition::list(&pool)
+            .await
+            .unwrap()
+            .iter()
+            .filter(|p| p.table == "outbox_event" && p.kind == PartitionKind::Range)
+            .count()
+    };
+    assert_eq!(ranges(pool.clone()).await, 6);
+    // The newest four gone (a maintainer that stopped for a while).
+    let newest: Vec<String> = partition::list(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|p| p.kind == PartitionKind::Range)
+        .rev()
+        .filter(|p| p.table == "outbox_event")
+        .take(4)
+        .map(|p| p.name)
+        .collect();
+    for name in newest {
+        sqlx::query(&format!("DROP TABLE {name}"))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    assert_eq!(ranges(pool.clone()).await, 2);
+    let report = cleanup::cleanup(&pool, &Retention::new(Duration::from_secs(30 * 86_400)))
+        .await
+        .unwrap();
+    assert_eq!(report.partitions_dropped, 0);
+    assert_eq!(ranges(pool.clone()).await, 6, "six ahead again");
+}
+
+/// A table that stays locked (a long transaction reading it) leaves its
+/// partitions for the next call, counted busy; the other tables get
+/// theirs, and the next call creates the rest.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_busy_table_does_not_stop_the_partitions_of_the_others(pool: PgPool) {
+    partition::enable(
+        &pool,
+        &PartitionPlan {
+            ahead: 1,
+            ..PartitionPlan::default()
+        },
+    )
+    .await
+    .unwrap();
+    let plan = PartitionPlan {
+        ahead: 3,
+        lock_timeout: Duration::from_millis(100),
+        ..PartitionPlan::default()
+    };
+    let mut reader = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE processed_event IN ACCESS SHARE MODE")
+        .execute(&mut *reader)
+        .await
+        .unwrap();
+    let report = partition::maintain(&pool, &plan).await.unwrap().unwrap();
+    assert_eq!(
+        (report.created, report.busy),
+        (2 * 2, 2),
+        "two more for outbox_event and inbox_event, two busy: {report:?}"
+    );
+    reader.rollback().await.unwrap();
+    let report = partition::maintain(&pool, &plan).await.unwrap().unwrap();
+    assert_eq!((report.created, report.busy), (2, 0), "{report:?}");
 }

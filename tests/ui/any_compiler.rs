@@ -93,10 +93,10 @@ fn expected(stderr: &str, case: &str) -> BTreeSet<Expected> {
         };
         let mut parts = location.rsplitn(3, ':');
         let (_column, line, file) = (parts.next(), parts.next(), parts.next());
-        if file.is_some_and(|f| f.ends_with(case)) {
-            if let Some(line) = line.and_then(|l| l.parse().ok()) {
-                wanted.insert(Expected { code, line });
-            }
+        if file.is_some_and(|f| f.ends_with(case))
+            && let Some(line) = line.and_then(|l| l.parse().ok())
+        {
+            wanted.insert(Expected { code, line });
         }
     }
     wanted
@@ -156,13 +156,14 @@ fn build(
                 for span in message["message"]["spans"].as_array().into_iter().flatten() {
                     let file = span["file_name"].as_str().map(|f| root.join(f));
                     let in_case = file.is_some_and(|f| f == source);
-                    if span["is_primary"] == true && in_case {
-                        if let Some(line) = span["line_start"].as_u64() {
-                            errors.insert(Expected {
-                                code: code.clone(),
-                                line,
-                            });
-                        }
+                    if span["is_primary"] == true
+                        && in_case
+                        && let Some(line) = span["line_start"].as_u64()
+                    {
+                        errors.insert(Expected {
+                            code: code.clone(),
+                            line,
+                        });
                     }
                 }
             }

@@ -197,6 +197,12 @@ impl Figures {
     /// Prints the row and the notes, writes `target/reliability/<slug>.json`,
     /// then asserts the invariants.
     pub fn report_and_assert(&self) {
+        self.report();
+        self.assert_invariants();
+    }
+
+    /// Prints the row and the notes, writes `target/reliability/<slug>.json`.
+    pub fn report(&self) {
         eprintln!("{}\n{}", Self::HEADER, self.row());
         for (name, value) in &self.notes {
             eprintln!("  {name}: {value}");
@@ -211,7 +217,6 @@ impl Figures {
         if let Err(e) = written {
             eprintln!("could not write the figures to {}: {e}", dir.display());
         }
-        self.assert_invariants();
     }
 
     /// Nothing lost, no phantom, per-key order kept, every effect applied

@@ -80,6 +80,15 @@ pub struct Ledger {
     pub uncertain: Vec<Written>,
     /// Failed begins and commits.
     pub errors: u64,
+    /// The first of those errors, for the report.
+    pub first_error: Option<String>,
+}
+
+impl Ledger {
+    fn error(&mut self, error: impl std::fmt::Display) {
+        self.errors += 1;
+        self.first_error.get_or_insert_with(|| error.to_string());
+    }
 }
 
 /// Writer tasks committing events to one topic until stopped.
@@ -100,7 +109,15 @@ const GUARD: &str = "CREATE TABLE IF NOT EXISTS phantom_guard (
 impl Writers {
     /// Starts the writers on a pool of their own (one connection each).
     pub async fn start(pool: &PgPool, topic: &str, load: Load) -> Self {
-        sqlx::query(GUARD).execute(pool).await.expect("guard table");
+        // Created by the owner beforehand when the writers run as a role
+        // that may not create tables.
+        let exists: bool = sqlx::query_scalar("SELECT to_regclass('phantom_guard') IS NOT NULL")
+            .fetch_one(pool)
+            .await
+            .expect("guard table lookup");
+        if !exists {
+            sqlx::query(GUARD).execute(pool).await.expect("guard table");
+        }
         let pool = PgPoolOptions::new()
             .max_connections(load.writers as u32 + 1)
             .acquire_timeout(Duration::from_secs(2))
@@ -135,8 +152,16 @@ impl Writers {
     }
 
     /// Stops the writers and resolves the uncertain commits against the
-    /// outbox (`check` is a pool that reaches the database once it is up).
+    /// outbox through the writers' own pool.
     pub async fn stop(self) -> Ledger {
+        let pool = self.pool.clone();
+        self.stop_checking(&pool).await
+    }
+
+    /// Stops the writers and resolves the uncertain commits against the
+    /// outbox through `check` (writers running as a role that may only
+    /// insert cannot read the outbox).
+    pub async fn stop_checking(self, check: &PgPool) -> Ledger {
         self.token.cancel();
         for task in self.tasks {
             task.await.expect("writer task");
@@ -149,7 +174,7 @@ impl Writers {
             let present: HashSet<Uuid> =
                 sqlx::query_scalar("SELECT event_id FROM outbox_event WHERE event_id = ANY($1)")
                     .bind(&ids)
-                    .fetch_all(&self.pool)
+                    .fetch_all(check)
                     .await
                     .expect("resolve uncertain commits")
                     .into_iter()
@@ -195,8 +220,8 @@ async fn write(
         };
         let mut uow = match UnitOfWork::begin(pool).await {
             Ok(uow) => uow,
-            Err(_) => {
-                ledger.lock().unwrap().errors += 1;
+            Err(e) => {
+                ledger.lock().unwrap().error(e);
                 continue;
             }
         };
@@ -234,8 +259,8 @@ async fn write(
                         ledger.rolled_back.extend(ids());
                     }
                     Ok(_) => panic!("a commit that must fail succeeded"),
-                    Err(_) => {
-                        ledger.errors += 1;
+                    Err(e) => {
+                        ledger.error(e);
                         ledger.uncertain.extend(events);
                     }
                 }
@@ -245,8 +270,8 @@ async fn write(
                 let mut ledger = ledger.lock().unwrap();
                 match result {
                     Ok(_) => ledger.committed.extend(events),
-                    Err(_) => {
-                        ledger.errors += 1;
+                    Err(e) => {
+                        ledger.error(e);
                         ledger.uncertain.extend(events);
                     }
                 }
@@ -285,6 +310,33 @@ macro_rules! scenario_event {
                 })
             }
         }
+
+        impl outbox_core::InboxHandler for $crate::harness::InboxEffect<$name> {
+            type Event = $name;
+            const NAME: &'static str = "record_inbox_effect";
+
+            fn handle<'a, 'c>(
+                &'a self,
+                ctx: &'a mut outbox_core::HandlerContext<'c>,
+                event: $name,
+            ) -> outbox_core::HandlerFuture<'a>
+            where
+                'c: 'a,
+            {
+                Box::pin(async move {
+                    let event_id = ctx.incoming().event_id;
+                    $crate::harness::apply_to(
+                        &mut **ctx,
+                        "effect_inbox",
+                        event_id,
+                        &event.key,
+                        event.seq,
+                    )
+                    .await?;
+                    Ok(())
+                })
+            }
+        }
     };
 }
 pub(crate) use scenario_event;
@@ -298,6 +350,16 @@ impl<E> Effect<E> {
     }
 }
 
+/// A second group's handler of events `E` (inbox mode, in scenarios with
+/// a group of each mode): its effects in `effect_inbox`.
+pub struct InboxEffect<E>(std::marker::PhantomData<fn() -> E>);
+
+impl<E> InboxEffect<E> {
+    pub fn new() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
 /// Records one applied effect.
 pub async fn apply(
     conn: &mut sqlx::PgConnection,
@@ -305,13 +367,53 @@ pub async fn apply(
     key: &str,
     seq: u64,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query("INSERT INTO effect (event_id, key, seq) VALUES ($1, $2, $3)")
-        .bind(event_id)
-        .bind(key)
-        .bind(seq as i64)
-        .execute(conn)
-        .await?;
+    apply_to(conn, "effect", event_id, key, seq).await
+}
+
+/// Records one applied effect in `table` (`effect`, `effect_inbox`).
+pub async fn apply_to(
+    conn: &mut sqlx::PgConnection,
+    table: &str,
+    event_id: Uuid,
+    key: &str,
+    seq: u64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(&format!(
+        "INSERT INTO {table} (event_id, key, seq) VALUES ($1, $2, $3)"
+    ))
+    .bind(event_id)
+    .bind(key)
+    .bind(seq as i64)
+    .execute(conn)
+    .await?;
     Ok(())
+}
+
+/// Creates `effect` and `effect_inbox` (idempotent): a scenario with a
+/// consumer group of each mode.
+pub async fn effect_tables(pool: &PgPool) {
+    effect_table(pool).await;
+    sqlx::query("CREATE TABLE IF NOT EXISTS effect_inbox (LIKE effect INCLUDING ALL)")
+        .execute(pool)
+        .await
+        .expect("effect_inbox table");
+}
+
+/// The effects of `table`, as the checker reads them.
+pub async fn effects_of(pool: &PgPool, table: &str) -> Vec<Seen> {
+    sqlx::query_as::<_, (Uuid, String, i64)>(&format!(
+        "SELECT event_id, key, seq FROM {table} ORDER BY id"
+    ))
+    .fetch_all(pool)
+    .await
+    .expect("effects")
+    .into_iter()
+    .map(|(event_id, key, seq)| Seen {
+        event_id,
+        key,
+        seq: seq as u64,
+    })
+    .collect()
 }
 
 /// Creates the effect table (idempotent).

@@ -14,8 +14,12 @@
 mod common;
 
 mod checker;
+mod children;
+mod groups;
 mod harness;
 mod misbehaving;
+mod production;
+mod profile;
 mod sharing;
 
 use common::pg;
@@ -32,8 +36,13 @@ use harness::{
 };
 use outbox_core::{DomainEvent, InboxHandler};
 use outbox_runtime::{Consumer, ConsumerHandle, Relay, RelayBuilder};
+use profile::{Maintenance, Setup};
 use sqlx::PgPool;
 use uuid::Uuid;
+
+/// The retention (and dedup window) of the scenarios that can run in the
+/// production profile (`profile.rs`): longer than any of them.
+const PROFILE_RETENTION: Duration = Duration::from_secs(120);
 
 /// One scenario at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -317,10 +326,15 @@ async fn relay_sigkilled_repeatedly(pool: PgPool) {
     let brokers = brokers();
     let topic = RelayKillEvent::TOPIC;
     reset_topic(&brokers, topic).await;
-    effect_table(&pool).await;
-    let consumer = consumer(&pool, &brokers, Effect::<RelayKillEvent>::new()).await;
-    let writers = Writers::start(&pool, topic, Load::default()).await;
-    let url = database_url(&pool);
+    let setup = Setup::prepare(&pool, PROFILE_RETENTION).await;
+    let consumer = consumer(
+        &setup.pool("outbox_consumer", 1).await,
+        &brokers,
+        Effect::<RelayKillEvent>::new(),
+    )
+    .await;
+    let writers = Writers::start(&setup.pool("outbox_app", 1).await, topic, Load::default()).await;
+    let url = setup.url("outbox_relay");
     let args = ["--batch-size", "200", "--delivery-timeout-ms", "5000"];
 
     let kills = 6 * soak();
@@ -334,7 +348,7 @@ async fn relay_sigkilled_repeatedly(pool: PgPool) {
     let mut relay = relay_process(&url, &brokers, &args);
     let recovered = recovery(&pool, &writers, None);
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let ledger = writers.stop().await;
+    let ledger = writers.stop_checking(&pool).await;
     let evidence = collect(
         &pool,
         &brokers,
@@ -351,8 +365,10 @@ async fn relay_sigkilled_repeatedly(pool: PgPool) {
     signal(relay.id().expect("running"), "-TERM");
     let status = relay.wait().await.unwrap();
     consumer.shutdown().await.unwrap();
+    let maintenance = setup.finish(&mut figures).await;
     assert!(status.success(), "the last relay stops cleanly: {status}");
     figures.report_and_assert();
+    maintenance.inspect(Maintenance::assert_kept_up);
 }
 
 scenario_event!(ThreeRelaysEvent, "reliability-three-relays");
@@ -547,17 +563,17 @@ async fn consumer_killed_between_database_commit_and_offset_commit(pool: PgPool)
     let brokers = brokers();
     let topic = ConsumerKillEvent::TOPIC;
     reset_topic(&brokers, topic).await;
-    effect_table(&pool).await;
+    let setup = Setup::prepare(&pool, PROFILE_RETENTION).await;
     // One record per record batch: the test broker answers a fetch that
     // starts inside a batch wrongly (see `produce_unbatched`), and a killed
     // consumer resumes from wherever its last offset commit was.
-    let relay = relay(&pool, &brokers)
+    let relay = relay(&setup.pool("outbox_relay", 1).await, &brokers)
         .await
         .kafka_setting("batch.num.messages", "1")
         .spawn()
         .unwrap();
-    let writers = Writers::start(&pool, topic, Load::default()).await;
-    let url = database_url(&pool);
+    let writers = Writers::start(&setup.pool("outbox_app", 1).await, topic, Load::default()).await;
+    let url = setup.url("outbox_consumer");
 
     sqlx::query(
         "CREATE TABLE consumer_incarnation (pid bigint PRIMARY KEY, received bigint, duplicates bigint)",
@@ -565,6 +581,12 @@ async fn consumer_killed_between_database_commit_and_offset_commit(pool: PgPool)
     .execute(&pool)
     .await
     .unwrap();
+    setup
+        .grant(
+            "SELECT, INSERT, UPDATE ON consumer_incarnation",
+            "outbox_consumer",
+        )
+        .await;
     let kills = 3 * soak();
     let mut applied_at_kills = Vec::new();
     let mut lifetimes = Vec::new();
@@ -584,7 +606,7 @@ async fn consumer_killed_between_database_commit_and_offset_commit(pool: PgPool)
         lifetimes.push(format!("{:.1} s", born.elapsed().as_secs_f64()));
         applied_at_kills.push(effects(&pool).await);
     }
-    let consumer = Consumer::builder(pool_of(&pool, 3).await)
+    let consumer = Consumer::builder(setup.pool("outbox_consumer", 3).await)
         .group(group_of(ConsumerKillEvent::TOPIC))
         .kafka_setting("session.timeout.ms", CHILD_SESSION_MS)
         .kafka_setting("heartbeat.interval.ms", "500")
@@ -595,7 +617,7 @@ async fn consumer_killed_between_database_commit_and_offset_commit(pool: PgPool)
         .expect("consumer");
     let recovered = recovery(&pool, &writers, None);
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let ledger = writers.stop().await;
+    let ledger = writers.stop_checking(&pool).await;
     let evidence = collect(
         &pool,
         &brokers,
@@ -631,7 +653,9 @@ async fn consumer_killed_between_database_commit_and_offset_commit(pool: PgPool)
     figures.note("last consumer", format!("{counts:?}"));
     consumer.shutdown().await.unwrap();
     relay.shutdown().await.unwrap();
+    let maintenance = setup.finish(&mut figures).await;
     figures.report_and_assert();
+    maintenance.inspect(Maintenance::assert_kept_up);
 }
 
 scenario_event!(LongTransactionEvent, "reliability-long-transaction");
@@ -702,8 +726,10 @@ async fn now(pool: &PgPool) -> sqlx::types::chrono::DateTime<sqlx::types::chrono
 /// table as it is.
 async fn table_state(pool: &PgPool) -> String {
     tokio::time::sleep(Duration::from_millis(1_500)).await;
+    // The table's, or its partitions' (production profile).
     let dead: i64 = sqlx::query_scalar(
-        "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'outbox_event'",
+        "SELECT coalesce(sum(n_dead_tup), 0)::int8 FROM pg_stat_user_tables
+         WHERE relid IN (SELECT relid FROM pg_partition_tree('outbox_event'))",
     )
     .fetch_one(pool)
     .await
@@ -737,10 +763,18 @@ async fn long_transaction_holding_the_xmin_horizon(pool: PgPool) {
     let brokers = brokers();
     let topic = LongTransactionEvent::TOPIC;
     reset_topic(&brokers, topic).await;
-    effect_table(&pool).await;
-    let relay = relay(&pool, &brokers).await.spawn().unwrap();
-    let consumer = consumer(&pool, &brokers, Effect::<LongTransactionEvent>::new()).await;
-    let writers = Writers::start(&pool, topic, Load::default()).await;
+    let setup = Setup::prepare(&pool, PROFILE_RETENTION).await;
+    let relay = relay(&setup.pool("outbox_relay", 1).await, &brokers)
+        .await
+        .spawn()
+        .unwrap();
+    let consumer = consumer(
+        &setup.pool("outbox_consumer", 1).await,
+        &brokers,
+        Effect::<LongTransactionEvent>::new(),
+    )
+    .await;
+    let writers = Writers::start(&setup.pool("outbox_app", 1).await, topic, Load::default()).await;
 
     tokio::time::sleep(Duration::from_secs(1)).await;
     let t0 = now(&pool).await;
@@ -769,7 +803,7 @@ async fn long_transaction_holding_the_xmin_horizon(pool: PgPool) {
     let t4 = now(&pool).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let t5 = now(&pool).await;
-    let ledger = writers.stop().await;
+    let ledger = writers.stop_checking(&pool).await;
     let evidence = collect(
         &pool,
         &brokers,
@@ -801,5 +835,7 @@ async fn long_transaction_holding_the_xmin_horizon(pool: PgPool) {
     figures.note("relay", format!("{:?}", relay.counts()));
     consumer.shutdown().await.unwrap();
     relay.shutdown().await.unwrap();
+    let maintenance = setup.finish(&mut figures).await;
     figures.report_and_assert();
+    maintenance.inspect(Maintenance::assert_kept_up);
 }

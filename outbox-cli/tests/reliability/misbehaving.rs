@@ -199,7 +199,7 @@ async fn misbehaving_handlers_in_normal_traffic(pool: PgPool) {
 scenario_event!(HostileTrafficEvent, "reliability-hostile-messages");
 
 /// The hostile messages injected: every kind the consumer must survive.
-fn hostile(i: usize) -> TestMessage {
+pub(crate) fn hostile(i: usize) -> TestMessage {
     let good = || {
         TestMessage::event(
             Uuid::now_v7(),

@@ -4,9 +4,12 @@
 
 #![allow(dead_code)]
 
+use std::net::SocketAddr;
+
 use axum::Router;
 use axum::body::Body;
-use axum::http::{Request, StatusCode, header};
+use axum::extract::ConnectInfo;
+use axum::http::{HeaderMap, Request, StatusCode, header};
 use sqlx::PgPool;
 use tower::ServiceExt;
 
@@ -63,9 +66,10 @@ pub async fn dead_letter(
     .unwrap()
 }
 
-/// A response's status, body and `Set-Cookie` header.
+/// A response's status, headers, body and `Set-Cookie` header.
 pub struct Answer {
     pub status: StatusCode,
+    pub headers: HeaderMap,
     pub body: String,
     pub cookie: Option<String>,
 }
@@ -73,8 +77,8 @@ pub struct Answer {
 async fn send(app: &Router, request: Request<Body>) -> Answer {
     let response = app.clone().oneshot(request).await.unwrap();
     let status = response.status();
-    let cookie = response
-        .headers()
+    let headers = response.headers().clone();
+    let cookie = headers
         .get(header::SET_COOKIE)
         .map(|v| v.to_str().unwrap().to_owned());
     let bytes = axum::body::to_bytes(response.into_body(), 16 << 20)
@@ -82,6 +86,7 @@ async fn send(app: &Router, request: Request<Body>) -> Answer {
         .unwrap();
     Answer {
         status,
+        headers,
         body: String::from_utf8(bytes.to_vec()).unwrap(),
         cookie,
     }
@@ -95,30 +100,40 @@ pub async fn get(app: &Router, path: &str, cookie: Option<&str>) -> Answer {
     send(app, request.body(Body::empty()).unwrap()).await
 }
 
-/// Percent-encodes a form value.
-pub fn enc(text: &str) -> String {
-    text.bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
+/// A form body, form-encoded.
+pub fn form_body(form: &[(&str, &str)]) -> String {
+    form_urlencoded::Serializer::new(String::new())
+        .extend_pairs(form)
+        .finish()
 }
 
-pub async fn post(app: &Router, path: &str, form: &[(&str, &str)], cookie: Option<&str>) -> Answer {
-    let body: Vec<String> = form
-        .iter()
-        .map(|(k, v)| format!("{}={}", enc(k), enc(v)))
-        .collect();
+/// A POST of `form` with `cookie`, these request headers, and the peer
+/// address the server would give (connect info).
+pub async fn post_with(
+    app: &Router,
+    path: &str,
+    form: &[(&str, &str)],
+    cookie: Option<&str>,
+    headers: &[(&str, &str)],
+    peer: Option<SocketAddr>,
+) -> Answer {
     let mut request =
         Request::post(path).header(header::CONTENT_TYPE, "application/x-www-form-urlencoded");
     if let Some(c) = cookie {
         request = request.header(header::COOKIE, c);
     }
-    send(app, request.body(Body::from(body.join("&"))).unwrap()).await
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let mut request = request.body(Body::from(form_body(form))).unwrap();
+    if let Some(peer) = peer {
+        request.extensions_mut().insert(ConnectInfo(peer));
+    }
+    send(app, request).await
+}
+
+pub async fn post(app: &Router, path: &str, form: &[(&str, &str)], cookie: Option<&str>) -> Answer {
+    post_with(app, path, form, cookie, &[], None).await
 }
 
 /// Logs in as `name`; the cookie to send back.
@@ -131,6 +146,31 @@ pub async fn login(app: &Router, name: &str) -> String {
         "{set}"
     );
     set.split(';').next().unwrap().to_owned()
+}
+
+/// The form token of the session: read from a page's forms, as a browser
+/// submits it.
+pub async fn csrf(app: &Router, cookie: &str) -> String {
+    let page = get(app, "/parked", Some(cookie)).await.body;
+    form_tokens(&page)
+        .into_iter()
+        .next()
+        .unwrap_or_else(|| panic!("no form token in {page}"))
+}
+
+/// The values of every form-token field of a page.
+pub fn form_tokens(page: &str) -> Vec<String> {
+    page.split("name=\"csrf\" value=\"")
+        .skip(1)
+        .map(|s| s.split('"').next().unwrap().to_owned())
+        .collect()
+}
+
+/// Logs in as `name`: the cookie and the session's form token.
+pub async fn session(app: &Router, name: &str) -> (String, String) {
+    let cookie = login(app, name).await;
+    let token = csrf(app, &cookie).await;
+    (cookie, token)
 }
 
 /// Whether the row is still parked (not requeued, not dropped).

@@ -447,11 +447,12 @@ impl Walk<'_> {
         self.compare_alternatives(&o.alternatives, &n.alternatives, path);
         self.compare_object(o.schema, n.schema, path);
         for keyword in ["items", "additionalProperties"] {
-            if let (Some(a), Some(b)) = (o.schema.get(keyword), n.schema.get(keyword)) {
-                if a.is_object() && b.is_object() {
-                    let suffix = if keyword == "items" { "[]" } else { "{}" };
-                    self.compare(a, b, &format!("{path}{suffix}"), false);
-                }
+            if let (Some(a), Some(b)) = (o.schema.get(keyword), n.schema.get(keyword))
+                && a.is_object()
+                && b.is_object()
+            {
+                let suffix = if keyword == "items" { "[]" } else { "{}" };
+                self.compare(a, b, &format!("{path}{suffix}"), false);
             }
         }
         if let (Some(Value::Array(a)), Some(Value::Array(b))) =
@@ -488,14 +489,14 @@ impl Walk<'_> {
                 );
             }
         }
-        if let (Some(a), Some(b)) = (old.get("const"), new.get("const")) {
-            if a != b {
-                self.push(
-                    path,
-                    Err(Breaking::TypeChanged),
-                    format!("constant changed from {a} to {b}"),
-                );
-            }
+        if let (Some(a), Some(b)) = (old.get("const"), new.get("const"))
+            && a != b
+        {
+            self.push(
+                path,
+                Err(Breaking::TypeChanged),
+                format!("constant changed from {a} to {b}"),
+            );
         }
     }
 

@@ -38,10 +38,10 @@ pub(crate) fn embed(mut schema: Value, at: &str) -> Value {
     fn walk(value: &mut Value, at: &str) {
         match value {
             Value::Object(map) => {
-                if let Some(Value::String(reference)) = map.get_mut("$ref") {
-                    if let Some(rest) = reference.strip_prefix('#') {
-                        *reference = format!("#{at}{rest}");
-                    }
+                if let Some(Value::String(reference)) = map.get_mut("$ref")
+                    && let Some(rest) = reference.strip_prefix('#')
+                {
+                    *reference = format!("#{at}{rest}");
                 }
                 for (key, child) in map.iter_mut() {
                     // `const`, `enum`, `default` and `examples` hold data,

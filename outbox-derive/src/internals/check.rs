@@ -44,10 +44,10 @@ fn check_topic(cx: &Ctxt, cont: &Container) {
 }
 
 fn check_aggregate_type(cx: &Ctxt, cont: &Container) {
-    if let Some(lit) = &cont.attrs.aggregate_type {
-        if lit.value().is_empty() {
-            cx.error_spanned_by(lit, "`aggregate_type` must not be empty");
-        }
+    if let Some(lit) = &cont.attrs.aggregate_type
+        && lit.value().is_empty()
+    {
+        cx.error_spanned_by(lit, "`aggregate_type` must not be empty");
     }
 }
 
@@ -97,10 +97,10 @@ fn check_upcast_from(cx: &Ctxt, cont: &Container) {
 }
 
 fn check_event(cx: &Ctxt, event: &Event) {
-    if let Some(lit) = &event.attrs.event_type {
-        if lit.value().is_empty() {
-            cx.error_spanned_by(lit, "`event_type` must not be empty");
-        }
+    if let Some(lit) = &event.attrs.event_type
+        && lit.value().is_empty()
+    {
+        cx.error_spanned_by(lit, "`event_type` must not be empty");
     }
 
     if event.fields.is_empty() {

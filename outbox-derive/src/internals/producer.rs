@@ -474,17 +474,16 @@ impl<'a> Visit<'a> for Body<'_> {
     }
 
     fn visit_expr_call(&mut self, call: &'a ExprCall) {
-        if let Expr::Path(func) = &*call.func {
-            if func
+        if let Expr::Path(func) = &*call.func
+            && func
                 .path
                 .segments
                 .last()
                 .is_some_and(|segment| is_one_of(&segment.ident, SPAWN))
-            {
-                self.visit_expr(&call.func);
-                self.visit_spawned(&call.args);
-                return;
-            }
+        {
+            self.visit_expr(&call.func);
+            self.visit_spawned(&call.args);
+            return;
         }
         visit::visit_expr_call(self, call);
     }

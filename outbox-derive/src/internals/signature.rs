@@ -77,17 +77,17 @@ pub fn check(cx: &Ctxt, handler: &Handler, producer_params: &[bool]) {
     for param in &params {
         check_param(cx, kind, param);
     }
-    if let Some(input) = params.get(1) {
-        if let Type::Reference(reference) = input.ty {
-            cx.error_spanned_by(
-                reference.and_token,
-                format!(
-                    "{} takes the {} by value: remove the `&`",
-                    kind.an_attr(),
-                    kind.input(),
-                ),
-            );
-        }
+    if let Some(input) = params.get(1)
+        && let Type::Reference(reference) = input.ty
+    {
+        cx.error_spanned_by(
+            reference.and_token,
+            format!(
+                "{} takes the {} by value: remove the `&`",
+                kind.an_attr(),
+                kind.input(),
+            ),
+        );
     }
 
     check_output(cx, handler);

@@ -8,10 +8,10 @@
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::Poll;
 use std::time::Duration;
 
+use futures_util::FutureExt as _;
 use outbox_core::{HandlerContext, Headers, OutboxMessage};
 use sqlx::PgConnection;
 use tokio_util::sync::CancellationToken;
@@ -21,11 +21,14 @@ use super::db::{is_outage, sqlx_error_in};
 use super::dispatch::Registry;
 use super::record::{Event, Rejected};
 use super::txn::{self, Broken};
+use crate::refusal::{Statement, Trouble, about_the_data, retrying_cures};
 
 /// Why a transaction over events did not commit.
 pub(crate) enum Failure {
-    /// The database is unavailable: back off, retry, count nothing.
-    Outage(String),
+    /// The database is unavailable, or refuses one of the consumer's own
+    /// statements (see `crate::refusal`): back off, retry, count nothing —
+    /// never the event's fault.
+    Outage(Trouble),
     /// A handler failed on the event at index `at` of the transaction's
     /// range: counts as an attempt of that event.
     Handler {
@@ -55,7 +58,24 @@ impl Failure {
 
 impl From<sqlx::Error> for Failure {
     fn from(error: sqlx::Error) -> Self {
-        Self::Outage(error.to_string())
+        Self::Outage(error.into())
+    }
+}
+
+/// The follow-up events' insert, as a refusal names it.
+const FOLLOW_UPS: Statement = Statement {
+    name: "consumer: write follow-up events",
+    needs: "INSERT ON outbox_event",
+};
+
+/// A failed follow-up insert that is not the handler's doing: an outage, or
+/// a refusal of our setup (a missing privilege, say) rather than of the
+/// events' data.
+fn not_the_handlers(error: &sqlx::Error) -> Option<Failure> {
+    if is_outage(error) || !(retrying_cures(error) || about_the_data(error)) {
+        Some(Failure::Outage(Trouble::from(error).during(FOLLOW_UPS)))
+    } else {
+        None
     }
 }
 
@@ -84,9 +104,11 @@ impl FollowUps {
     }
 
     /// Writes every follow-up event to the outbox on `conn`. If the statement
-    /// fails for a reason other than an outage, finds the event whose
-    /// follow-ups caused it (writing them handler by handler) and returns a
-    /// handler failure located there.
+    /// fails for a reason other than an outage or a refusal of the
+    /// consumer's own setup (its role may not insert into the outbox, say:
+    /// never an event's fault), finds the event whose follow-ups caused it
+    /// (writing them handler by handler) and returns a handler failure
+    /// located there.
     pub async fn write(self, conn: &mut PgConnection) -> Result<(), Failure> {
         if self.messages.is_empty() {
             return Ok(());
@@ -99,9 +121,10 @@ impl FollowUps {
                 .await
             {
                 Ok(_) => return Ok(()),
-                Err(outbox_core::Error::Database(db)) if is_outage(&db) => {
-                    return Err(Failure::Outage(db.to_string()));
-                }
+                Err(outbox_core::Error::Database(db)) => match not_the_handlers(&db) {
+                    Some(failure) => return Err(failure),
+                    None => outbox_core::Error::Database(db),
+                },
                 Err(error) => error,
             };
         sqlx::query("ROLLBACK TO SAVEPOINT outbox_follow_ups")
@@ -120,10 +143,12 @@ impl FollowUps {
             .await
             {
                 Ok(_) => {}
-                Err(outbox_core::Error::Database(db)) if is_outage(&db) => {
-                    return Err(Failure::Outage(db.to_string()));
-                }
                 Err(error) => {
+                    if let outbox_core::Error::Database(db) = &error
+                        && let Some(failure) = not_the_handlers(db)
+                    {
+                        return Err(failure);
+                    }
                     return Err(Failure::Handler {
                         at,
                         handler,
@@ -230,14 +255,12 @@ async fn run_handlers_inner(
             error,
         };
         let mut ctx = HandlerContext::new(&mut *conn, &event.incoming);
-        let outcome = match within(
-            handling.timeout,
-            CatchUnwind(handler.handle(&mut ctx, value)),
-        )
-        .await
-        {
+        // A handler that panics is a failing handler: retried, then
+        // dead-lettered; the consumer goes on.
+        let call = AssertUnwindSafe(handler.handle(&mut ctx, value)).catch_unwind();
+        let outcome = match within(handling.timeout, call).await {
             Ok(Ok(result)) => result,
-            Ok(Err(panic)) => Err(format!("handler panicked: {panic}").into()),
+            Ok(Err(panic)) => Err(format!("handler panicked: {}", panic_message(&*panic)).into()),
             Err(_) => {
                 return Err(fail(format!(
                     "handler timed out after {} ms (the consumer's handler timeout)",
@@ -248,7 +271,7 @@ async fn run_handlers_inner(
         if let Err(error) = outcome {
             let sqlx = sqlx_error_in(&error);
             return Err(match sqlx {
-                Some(e) if is_outage(e) => Failure::Outage(error.to_string()),
+                Some(e) if is_outage(e) => Failure::Outage(error.to_string().into()),
                 // The transaction was broken before this handler ran (it
                 // only met the consequence), unless every earlier event was
                 // checked: then it broke it itself.
@@ -264,7 +287,7 @@ async fn run_handlers_inner(
         if handling.careful {
             match txn::probe(&mut *conn).await {
                 Ok(()) => {}
-                Err(Broken::Outage(error)) => return Err(Failure::Outage(error.to_string())),
+                Err(Broken::Outage(error)) => return Err(Failure::Outage(error.into())),
                 Err(broken) => return Err(fail(broken.blame())),
             }
         }
@@ -287,7 +310,7 @@ async fn run_handlers_inner(
 pub(crate) async fn seal(conn: &mut PgConnection) -> Result<(), Failure> {
     match txn::seal(conn).await {
         Ok(()) => Ok(()),
-        Err(Broken::Outage(error)) => Err(Failure::Outage(error.to_string())),
+        Err(Broken::Outage(error)) => Err(Failure::Outage(error.into())),
         Err(broken) => Err(Failure::Suspect(broken.blame())),
     }
 }
@@ -309,28 +332,13 @@ async fn within<F: Future>(
     tokio::time::timeout(timeout, future).await
 }
 
-/// Runs a future, turning a panic into an error (a handler that panics is a
-/// failing handler: retried, then dead-lettered; the consumer goes on).
-struct CatchUnwind<F>(F);
-
-impl<F: Future + Unpin> Future for CatchUnwind<F> {
-    type Output = Result<F::Output, String>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let inner = &mut self.0;
-        match std::panic::catch_unwind(AssertUnwindSafe(|| Pin::new(inner).poll(cx))) {
-            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
-            Ok(Poll::Pending) => Poll::Pending,
-            Err(panic) => {
-                let message = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "(no message)".to_owned());
-                Poll::Ready(Err(message))
-            }
-        }
-    }
+/// The message a panic was raised with.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".to_owned())
 }
 
 /// Sleeps `d` unless `shutdown` comes first; returns false on shutdown.

@@ -362,6 +362,29 @@ pub async fn counts(pool: &PgPool, consumer: Option<&str>) -> Result<Vec<(String
     .await?)
 }
 
+/// Longest error text a dead letter keeps, in bytes: an error that quotes
+/// the message (a hostile header of a megabyte) is cut to this, at a
+/// character boundary, with a note of its full length.
+pub const MAX_ERROR_BYTES: usize = 16 * 1024;
+
+/// `error` as the `error` column keeps it: text PostgreSQL can store (no
+/// NUL), at most [`MAX_ERROR_BYTES`] of it followed by
+/// `… [truncated: N bytes in all]` when longer.
+pub(crate) fn stored_error(error: &str) -> String {
+    if error.len() <= MAX_ERROR_BYTES {
+        return pg_text(error).into_owned();
+    }
+    let mut cut = MAX_ERROR_BYTES;
+    while !error.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!(
+        "{}… [truncated: {} bytes in all]",
+        pg_text(&error[..cut]),
+        error.len()
+    )
+}
+
 /// A dead letter to write: the message's coordinates and what was wrong.
 pub(crate) struct NewDeadLetter<'a> {
     pub topic: &'a str,
@@ -422,7 +445,7 @@ pub(crate) async fn insert(
             .push(pg_text(&serde_json::Value::Object(r.headers.clone()).to_string()).into_owned());
         payloads.push(r.payload.as_deref());
         reasons.push(r.reason.as_str());
-        errors.push(pg_text(&r.error).into_owned());
+        errors.push(stored_error(&r.error));
         handlers.push(r.handler);
         attempts.push(r.attempts);
         sizes.push(r.payload_bytes);
@@ -450,6 +473,68 @@ pub(crate) async fn insert(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn long_errors_are_cut_with_their_length() {
+        assert_eq!(stored_error("boom\0"), "boom\u{FFFD}");
+        let exact = "x".repeat(MAX_ERROR_BYTES);
+        assert_eq!(stored_error(&exact), exact);
+        // A character across the limit is not split.
+        let long = format!(
+            "{}é{}",
+            "x".repeat(MAX_ERROR_BYTES - 1),
+            "y".repeat(1 << 20)
+        );
+        let stored = stored_error(&long);
+        assert!(stored.starts_with(&"x".repeat(MAX_ERROR_BYTES - 1)));
+        assert!(
+            stored.ends_with(&format!("… [truncated: {} bytes in all]", long.len())),
+            "{}",
+            &stored[MAX_ERROR_BYTES - 10..]
+        );
+        assert!(stored.len() < MAX_ERROR_BYTES + 64);
+    }
+
+    /// A consumer's dead letter keeps a capped error: a hostile `event_id`
+    /// header of a megabyte quoted in the error is not stored whole.
+    #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+    async fn a_megabyte_error_is_stored_capped(pool: PgPool) {
+        let hostile = "password=".repeat((1 << 20) / 9);
+        let rejected = Rejected {
+            key: Some(b"k".to_vec()),
+            event_id: None,
+            event_type: None,
+            headers: serde_json::Map::new(),
+            payload: Some(b"{}".to_vec()),
+            reason: DeadLetterReason::NoEventId,
+            error: format!("the `event_id` header `{hostile}` is not a UUID"),
+            handler: None,
+            attempts: 0,
+            payload_bytes: None,
+        };
+        let mut conn = pool.acquire().await.unwrap();
+        let letters = [NewDeadLetter {
+            topic: "orders",
+            partition: 0,
+            offset: 7,
+            rejected: &rejected,
+        }];
+        assert_eq!(insert(&mut conn, "capped", &letters).await.unwrap(), 1);
+        let error: String = sqlx::query_scalar("SELECT error FROM dead_letter")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert!(error.len() <= MAX_ERROR_BYTES + 64, "{} bytes", error.len());
+        assert!(error.starts_with("the `event_id` header `password="));
+        assert!(
+            error.ends_with(&format!(
+                "[truncated: {} bytes in all]",
+                rejected.error.len()
+            )),
+            "{}",
+            &error[error.len() - 80..]
+        );
+    }
 
     #[test]
     fn reasons_round_trip() {

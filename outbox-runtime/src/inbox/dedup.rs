@@ -35,12 +35,31 @@ use super::record::{Body, Record};
 use super::txn::GuardedConn;
 use super::{ConsumerConfig, Stats};
 use crate::backoff::Health;
+use crate::refusal::{Statement, Trouble};
 
 const INSERT_PROCESSED: &str = "\
 INSERT INTO processed_event (consumer, event_id)
 SELECT $1, e FROM UNNEST($2::uuid[]) AS u(e)
 ON CONFLICT DO NOTHING
 RETURNING event_id";
+
+/// [`INSERT_PROCESSED`], as a refusal names it (the inbox processor runs it too).
+pub(crate) const PROCESSED: Statement = Statement {
+    name: "consumer: record processed events",
+    needs: "SELECT, INSERT ON processed_event",
+};
+
+/// The `BEGIN` of a handlers' transaction, which arms the commit guard.
+pub(crate) const TX_GUARD: Statement = Statement {
+    name: "consumer: arm the commit guard",
+    needs: "SELECT, INSERT, UPDATE ON outbox_tx_guard",
+};
+
+/// Writing dead letters.
+pub(crate) const DEAD_LETTERS: Statement = Statement {
+    name: "consumer: write dead letters",
+    needs: "INSERT ON dead_letter",
+};
 
 /// What one committed transaction did.
 #[derive(Default)]
@@ -99,12 +118,12 @@ impl Applier<'_> {
                 }
                 doomed = Some((i, handler, error, attempts));
             }
-            if let Some((i, _, at)) = failing {
-                if i == start {
-                    let wait = at.saturating_duration_since(self.clock.now());
-                    if !wait.is_zero() && !self.clock.pause(wait, shutdown).await {
-                        return;
-                    }
+            if let Some((i, _, at)) = failing
+                && i == start
+            {
+                let wait = at.saturating_duration_since(self.clock.now());
+                if !wait.is_zero() && !self.clock.pause(wait, shutdown).await {
+                    return;
                 }
             }
             let result = self.transaction(&mut batch[start..end], careful).await;
@@ -211,7 +230,11 @@ impl Applier<'_> {
             timeout: self.config.handler_timeout,
             careful,
         };
-        let mut tx = self.conn.begin().await?;
+        let mut tx = self
+            .conn
+            .begin()
+            .await
+            .map_err(|e| Failure::Outage(Trouble::from(e).during(TX_GUARD)))?;
         let ids: Vec<Uuid> = records
             .iter()
             .filter_map(|r| match &r.body {
@@ -226,7 +249,8 @@ impl Applier<'_> {
                 .bind(&self.config.group)
                 .bind(&ids)
                 .fetch_all(&mut *tx)
-                .await?
+                .await
+                .map_err(|e| Failure::Outage(Trouble::from(e).during(PROCESSED)))?
                 .into_iter()
                 .collect()
         };
@@ -267,7 +291,7 @@ impl Applier<'_> {
             .collect();
         dead_letter::insert(&mut tx, &self.config.group, &letters)
             .await
-            .map_err(refused_dead_letters)?;
+            .map_err(|e| Failure::Outage(refused_dead_letters(e)))?;
         report.rejected = letters
             .iter()
             .map(|l| (l.rejected.reason, l.rejected.error.clone()))
@@ -331,7 +355,7 @@ impl Applier<'_> {
                     return true;
                 }
                 Err(db) => {
-                    let wait = self.db.down(&refused_dead_letters(db).to_string());
+                    let wait = self.db.down(refused_dead_letters(db));
                     if !apply::pause(wait, shutdown).await {
                         return false;
                     }
@@ -341,24 +365,25 @@ impl Applier<'_> {
     }
 }
 
-/// A dead-letter insert that failed: an outage, or a refusal (a constraint,
-/// a permission, a trigger) that is retried like one — the message is never
+/// A dead-letter insert that failed: an outage, a refusal of our setup (a
+/// missing privilege: see `crate::refusal`), or another refusal (a trigger's
+/// policy, say) that is retried like an outage — the message is never
 /// acknowledged without its dead letter — and said so.
-pub(crate) fn refused_dead_letters(error: sqlx::Error) -> Failure {
-    if super::db::is_outage(&error) {
-        Failure::Outage(error.to_string())
-    } else {
-        Failure::Outage(format!(
+pub(crate) fn refused_dead_letters(error: sqlx::Error) -> Trouble {
+    match Trouble::from(&error).during(DEAD_LETTERS) {
+        Trouble::Outage(_) if !super::db::is_outage(&error) => Trouble::Outage(format!(
             "the database refuses to write dead letters ({error}): retrying; nothing from the \
              refused message on is acknowledged until it is written"
-        ))
+        )),
+        trouble => trouble,
     }
 }
 
 impl std::fmt::Display for Failure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Failure::Outage(e) | Failure::Suspect(e) => f.write_str(e),
+            Failure::Outage(e) => e.fmt(f),
+            Failure::Suspect(e) => f.write_str(e),
             Failure::Handler { error, .. } => f.write_str(error),
             Failure::Rejected { rejected, .. } => f.write_str(&rejected.error),
         }

@@ -104,10 +104,17 @@ pub struct PartitionLag {
     pub partition: i32,
     /// The group's committed offset (the next message it will read).
     pub committed: i64,
-    /// The end of the partition's log (its high watermark).
+    /// The end of the partition's log (its high watermark): the larger of
+    /// the broker's answer to an offsets request and the high watermark of
+    /// a fetch from the committed offset (brokers have been seen to answer
+    /// the first with an end below what they hold).
     pub log_end: i64,
-    /// Messages not yet consumed: `log_end - committed`.
+    /// Messages not yet consumed: `log_end - committed`, or 0 when the end
+    /// is unknown (see `end_unknown`).
     pub lag: i64,
+    /// The broker's ends are both below the committed offset: the lag
+    /// cannot be told (it is at least 0, and the group read that far).
+    pub end_unknown: bool,
 }
 
 /// Most topics [`lag`] asks about (the broker's first ones by name).
@@ -124,10 +131,33 @@ pub fn lag(
     group: &str,
     timeout: Duration,
 ) -> Result<Vec<PartitionLag>> {
-    let mut config = kafka::client_config(brokers, settings);
+    lag_of(
+        kafka::client_config(brokers, settings),
+        group,
+        None,
+        timeout,
+    )
+}
+
+/// [`lag`] with a client configuration of the caller's, on `topics` only
+/// (`None`: every topic); partitions without a committed offset are read
+/// from their start (the low watermark).
+pub(crate) fn lag_of(
+    mut config: rdkafka::ClientConfig,
+    group: &str,
+    only: Option<&[String]>,
+    timeout: Duration,
+) -> Result<Vec<PartitionLag>> {
     config.set("group.id", group);
     config.set("enable.auto.commit", "false");
-    let consumer: BaseConsumer = kafka::create(&config)?;
+    // The fetches that read the log ends: quick and small, their
+    // statistics soon.
+    config.set("statistics.interval.ms", "100");
+    config.set("fetch.wait.max.ms", "10");
+    config.set("max.partition.fetch.bytes", "65536");
+    config.set("fetch.max.bytes", "1048576");
+    let consumer: BaseConsumer<FetchedEnds> =
+        kafka::create_with_context(&config, FetchedEnds::default())?;
     let metadata = consumer
         .fetch_metadata(None, timeout)
         .map_err(|e| Error::Config(format!("broker metadata: {e}")))?;
@@ -135,6 +165,7 @@ pub fn lag(
         .topics()
         .iter()
         .filter(|t| !t.name().starts_with("__"))
+        .filter(|t| only.is_none_or(|only| only.iter().any(|o| o == t.name())))
         .map(|t| (t.name(), t.partitions().iter().map(|p| p.id()).collect()))
         .collect();
     topics.sort_by(|a, b| a.0.cmp(b.0));
@@ -151,23 +182,98 @@ pub fn lag(
     let committed = consumer
         .committed_offsets(tpl, timeout)
         .map_err(|e| Error::Config(format!("committed offsets of group `{group}`: {e}")))?;
-    let mut out = Vec::new();
+    let mut positions: Vec<(String, i32, i64)> = Vec::new();
     for e in committed.elements() {
-        let Offset::Offset(committed) = e.offset() else {
-            continue;
-        };
-        let (_, high) = consumer
-            .fetch_watermarks(e.topic(), e.partition(), timeout)
-            .map_err(|err| Error::Config(format!("log end of {}: {err}", e.topic())))?;
+        match e.offset() {
+            Offset::Offset(o) => positions.push((e.topic().to_owned(), e.partition(), o)),
+            // Nothing committed: the group starts at the log's start.
+            _ if only.is_some() => {
+                let (low, _) = consumer
+                    .fetch_watermarks(e.topic(), e.partition(), timeout)
+                    .map_err(|err| Error::Config(format!("log start of {}: {err}", e.topic())))?;
+                positions.push((e.topic().to_owned(), e.partition(), low));
+            }
+            _ => {}
+        }
+    }
+    let fetched = fetched_ends(&consumer, &positions, timeout);
+    let mut out = Vec::new();
+    for (topic, partition, committed) in positions {
+        let (_, listed) = consumer
+            .fetch_watermarks(&topic, partition, timeout)
+            .map_err(|err| Error::Config(format!("log end of {topic}: {err}")))?;
+        let log_end = fetched
+            .iter()
+            .find(|(t, p, _)| *t == topic && *p == partition)
+            .map_or(listed, |(_, _, end)| listed.max(*end));
         out.push(PartitionLag {
-            topic: e.topic().to_owned(),
-            partition: e.partition(),
+            topic,
+            partition,
             committed,
-            log_end: high,
-            lag: (high - committed).max(0),
+            log_end,
+            lag: (log_end - committed).max(0),
+            end_unknown: log_end < committed,
         });
     }
     Ok(out)
+}
+
+/// The partitions' high watermarks as librdkafka's statistics report them
+/// from its fetches.
+#[derive(Default)]
+struct FetchedEnds(std::sync::Mutex<Vec<(String, i32, i64)>>);
+
+impl rdkafka::ClientContext for FetchedEnds {
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        let mut ends = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        for (topic, t) in &statistics.topics {
+            for (partition, p) in &t.partitions {
+                if *partition >= 0 && p.hi_offset >= 0 {
+                    ends.retain(|(t, q, _)| !(t == topic && q == partition));
+                    ends.push((topic.clone(), *partition, p.hi_offset));
+                }
+            }
+        }
+    }
+}
+
+impl rdkafka::consumer::ConsumerContext for FetchedEnds {}
+
+/// The high watermarks of fetches from the committed offsets `positions`
+/// (topic, partition, offset): what a consumer reading there is told. One
+/// short round of small fetches (at most a second, or `timeout`); the
+/// partitions not answered in time are left out.
+fn fetched_ends(
+    consumer: &BaseConsumer<FetchedEnds>,
+    positions: &[(String, i32, i64)],
+    timeout: Duration,
+) -> Vec<(String, i32, i64)> {
+    let mut tpl = TopicPartitionList::new();
+    for (topic, partition, offset) in positions {
+        if tpl
+            .add_partition_offset(topic, *partition, Offset::Offset(*offset))
+            .is_err()
+        {
+            return Vec::new();
+        }
+    }
+    if tpl.count() == 0 || consumer.assign(&tpl).is_err() {
+        return Vec::new();
+    }
+    let until = std::time::Instant::now() + timeout.min(Duration::from_secs(1));
+    let answered = || {
+        consumer
+            .context()
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    };
+    while std::time::Instant::now() < until && answered().len() < positions.len() {
+        let _ = consumer.poll(Duration::from_millis(20));
+    }
+    let _ = consumer.unassign();
+    answered()
 }
 
 #[cfg(test)]

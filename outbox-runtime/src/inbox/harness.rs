@@ -224,7 +224,7 @@ impl Driver {
                     continue;
                 }
                 Err(error) => {
-                    result = Err(error);
+                    result = Err(error.to_string());
                     break;
                 }
             }

@@ -52,6 +52,7 @@ mod processor;
 mod raw_headers;
 mod record;
 mod redrive;
+mod stall;
 mod store;
 mod txn;
 
@@ -155,6 +156,12 @@ pub struct ConsumerConfig {
     pub processor_poll_interval: Duration,
     /// Inbox mode: processor tasks in this process (0: store only).
     pub processors: usize,
+    /// A consumer that receives nothing for this long while its group (or
+    /// its own partitions) has messages to read is stalled: `health()` says
+    /// `Degraded` with the reason, the `outbox_consumer_stalled` gauge is 1,
+    /// and a member that owns no partition rejoins the group. Keep it above
+    /// the group's `session.timeout.ms` (librdkafka's default: 45 s).
+    pub stall_timeout: Duration,
     /// Prepended to the handlers' topics (default empty): a handler of
     /// `orders` events reads `{topic_prefix}orders`. The relay takes the
     /// same prefix ([`RelayConfig::topic_prefix`](crate::RelayConfig::topic_prefix));
@@ -186,6 +193,7 @@ impl std::fmt::Debug for ConsumerConfig {
             processor_batch_size,
             processor_poll_interval,
             processors,
+            stall_timeout,
             topic_prefix,
             commit_offsets,
         } = self;
@@ -209,6 +217,7 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("processor_batch_size", processor_batch_size)
             .field("processor_poll_interval", processor_poll_interval)
             .field("processors", processors)
+            .field("stall_timeout", stall_timeout)
             .field("topic_prefix", topic_prefix)
             .field("commit_offsets", commit_offsets)
             .finish()
@@ -237,6 +246,7 @@ impl ConsumerConfig {
             processor_batch_size: 500,
             processor_poll_interval: Duration::from_millis(500),
             processors: 1,
+            stall_timeout: Duration::from_secs(60),
             topic_prefix: String::new(),
             commit_offsets: true,
         }
@@ -292,16 +302,19 @@ impl ConsumerConfig {
         if self.redrive_interval.is_zero() || self.processor_poll_interval.is_zero() {
             return bad("re-drive and processor poll intervals must be > 0".into());
         }
+        if self.stall_timeout < Duration::from_secs(1) {
+            return bad("the stall timeout must be at least 1 s".into());
+        }
         for (key, value) in &self.kafka_settings {
             if key == "group.id" {
                 return bad("set the group with .group(..), not group.id".into());
             }
-            if let Some((_, enforced)) = ENFORCED.iter().find(|(k, _)| k == key) {
-                if value != enforced {
-                    return bad(format!(
-                        "{key} must stay {enforced}: the consumer commits offsets itself, after the database commit"
-                    ));
-                }
+            if let Some((_, enforced)) = ENFORCED.iter().find(|(k, _)| k == key)
+                && value != enforced
+            {
+                return bad(format!(
+                    "{key} must stay {enforced}: the consumer commits offsets itself, after the database commit"
+                ));
             }
         }
         Ok(())
@@ -471,6 +484,13 @@ impl ConsumerBuilder {
         self.config.processors = n;
         self
     }
+    /// How long a consumer may receive nothing while there are messages to
+    /// read before it is reported stalled (and, owning no partition,
+    /// rejoins its group); default 60 s. See [`ConsumerConfig::stall_timeout`].
+    pub fn stall_timeout(mut self, d: Duration) -> Self {
+        self.config.stall_timeout = d;
+        self
+    }
     /// The configuration so far.
     pub(crate) fn current(&self) -> &ConsumerConfig {
         &self.config
@@ -528,6 +548,7 @@ pub struct ConsumerStats {
     handler_failures: AtomicU64,
     batches: AtomicU64,
     redriven: AtomicU64,
+    rejoins: AtomicU64,
     /// What its tasks are stuck retrying on (dependency → last error).
     problems: crate::backoff::Problems,
     /// How the consumer ended: `Some(None)` stopped, `Some(Some(e))` failed.
@@ -546,6 +567,17 @@ pub enum ConsumerHealth {
     /// meanwhile. `error` names each component and its last error.
     Degraded {
         /// What fails, component by component (`database: …`).
+        error: String,
+    },
+    /// Running, but the database refuses one of the consumer's own
+    /// statements in a way retrying cannot cure — a missing privilege (see
+    /// the guide's "Roles and privileges"), a missing table or column:
+    /// logged once at error level, retried every outage back-off cap until
+    /// fixed. Nothing is applied twice or dead-lettered for it, and nothing
+    /// after the message in question is acknowledged meanwhile.
+    Refused {
+        /// What is refused, component by component, naming each statement
+        /// and what it needs.
         error: String,
     },
     /// Stopped after a shutdown.
@@ -579,6 +611,9 @@ pub struct ConsumerCounts {
     pub batches: u64,
     /// Dead letters re-driven successfully.
     pub redriven: u64,
+    /// Times it rejoined its group after owning no partition while the
+    /// group had messages to read (see [`ConsumerConfig::stall_timeout`]).
+    pub rejoins: u64,
 }
 
 impl ConsumerStats {
@@ -591,15 +626,16 @@ impl ConsumerStats {
                 Some(error) => ConsumerHealth::Failed { error },
             };
         }
-        let problems = self.problems.lock().unwrap_or_else(|p| p.into_inner());
-        if problems.is_empty() {
-            ConsumerHealth::Running
-        } else {
-            let error: Vec<String> = problems.iter().map(|(w, e)| format!("{w}: {e}")).collect();
-            ConsumerHealth::Degraded {
-                error: error.join("; "),
-            }
+        match crate::backoff::summary(&self.problems) {
+            None => ConsumerHealth::Running,
+            Some((true, error)) => ConsumerHealth::Refused { error },
+            Some((false, error)) => ConsumerHealth::Degraded { error },
         }
+    }
+
+    /// Where its tasks report what they are stuck on.
+    pub(crate) fn problems(&self) -> crate::backoff::Problems {
+        self.problems.clone()
     }
 
     /// The current counts.
@@ -615,6 +651,7 @@ impl ConsumerStats {
             handler_failures: l(&self.handler_failures),
             batches: l(&self.batches),
             redriven: l(&self.redriven),
+            rejoins: l(&self.rejoins),
         }
     }
 }
@@ -754,6 +791,7 @@ impl Consumer {
                 max_bytes: config.max_payload_bytes,
                 check,
                 group: config.group.clone(),
+                stall_timeout: config.stall_timeout,
             },
             shared.clone(),
         )?;
@@ -816,6 +854,7 @@ impl Consumer {
                 .reporting(stats.problems.clone())
         };
         crate::metrics::consumer_up(&config.group, true);
+        crate::metrics::consumer_stalled(&config.group, false);
         let mut failed = None;
         let mut sink = match config.mode {
             Mode::Dedup => Sink::Dedup(dedup::Applier {

@@ -15,6 +15,10 @@
 //! rebalances are served, and resumes them once the database task catches
 //! up.
 //!
+//! A consumer that receives nothing for `stall_timeout` while there are
+//! messages to read is reported stalled, and rejoins the group if it owns
+//! no partition ([`super::stall`]).
+//!
 //! Offsets are committed only here, and only what the database task
 //! reported as committed ([`Shared::completed`]): per partition the offset
 //! after the last message whose transaction committed, if the partition is
@@ -43,6 +47,7 @@ use super::Stats;
 use super::dispatch::Registry;
 use super::raw_headers;
 use super::record::{self, Check, Raw, Record};
+use super::stall::{Action, Probe, Watchdog};
 use crate::error::Result;
 
 /// How long the polling thread waits for a busy database task before it
@@ -64,6 +69,8 @@ pub(crate) struct PollerSettings {
     pub check: Check,
     /// The group, for the lag metric.
     pub group: String,
+    /// Quiet for this long with messages to read: stalled (see `stall`).
+    pub stall_timeout: Duration,
 }
 
 type Partition = (Arc<str>, i32);
@@ -101,6 +108,9 @@ pub(crate) struct Shared {
     applying: Mutex<bool>,
     applied: Condvar,
     commit_offsets: bool,
+    /// Each partition's high watermark as the fetches report it
+    /// (librdkafka's statistics), for the stall watchdog.
+    fetched_ends: Mutex<HashMap<(String, i32), i64>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -117,6 +127,7 @@ impl Shared {
             applying: Mutex::new(false),
             applied: Condvar::new(),
             commit_offsets,
+            fetched_ends: Mutex::default(),
         }
     }
 
@@ -286,6 +297,14 @@ impl ClientContext for Context {
 
     fn stats(&self, statistics: rdkafka::Statistics) {
         crate::metrics::record_lag(&self.group, &statistics);
+        let mut ends = lock(&self.shared.fetched_ends);
+        for (topic, t) in &statistics.topics {
+            for (partition, p) in &t.partitions {
+                if *partition >= 0 && p.hi_offset >= 0 {
+                    ends.insert((topic.clone(), *partition), p.hi_offset);
+                }
+            }
+        }
     }
 }
 
@@ -406,6 +425,8 @@ pub(crate) struct Poller {
 enum Exit {
     Stop,
     Fatal(KafkaError),
+    /// Stalled owning nothing: leave the group and join it again.
+    Rejoin,
 }
 
 impl Poller {
@@ -440,12 +461,22 @@ impl Poller {
         tx: mpsc::Sender<Vec<Record>>,
         stats: Arc<Stats>,
     ) -> Result<()> {
+        let mut watchdog = Watchdog::new(
+            self.settings.stall_timeout,
+            &self.settings.group,
+            stats.clone(),
+        );
         loop {
-            match self.poll_loop(&registry, &tx, &stats) {
+            match self.poll_loop(&registry, &tx, &stats, &mut watchdog) {
                 Exit::Stop => break,
                 Exit::Fatal(error) => {
                     tracing::error!(%error, "kafka consumer failed fatally: recreating it");
                     self.shared.commit(&self.consumer, CommitMode::Sync, true);
+                    self.consumer = Self::create(&self.settings, &self.shared)?;
+                }
+                Exit::Rejoin => {
+                    // Owns nothing: nothing to commit. Closing the client
+                    // leaves the group; the new one joins as a new member.
                     self.consumer = Self::create(&self.settings, &self.shared)?;
                 }
             }
@@ -459,6 +490,7 @@ impl Poller {
         registry: &Registry,
         tx: &mpsc::Sender<Vec<Record>>,
         stats: &Stats,
+        watchdog: &mut Watchdog,
     ) -> Exit {
         let consumer = &self.consumer;
         let s = &self.settings;
@@ -514,6 +546,9 @@ impl Poller {
             // poll again, so that the group membership and rebalances are
             // served (max.poll.interval.ms).
             if ready.is_some() && full(&batch, batch_bytes) {
+                // Waiting for the database is not a stall of the group
+                // (a database outage reports itself).
+                watchdog.received();
                 let since = *full_since.get_or_insert_with(Instant::now);
                 if since.elapsed() < PAUSE_AFTER {
                     std::thread::sleep(Duration::from_millis(1));
@@ -529,10 +564,10 @@ impl Poller {
                 }
             } else {
                 full_since = None;
-                if paused_at.take().is_some() {
-                    if let Ok(tpl) = consumer.assignment() {
-                        let _ = consumer.resume(&tpl);
-                    }
+                if paused_at.take().is_some()
+                    && let Ok(tpl) = consumer.assignment()
+                {
+                    let _ = consumer.resume(&tpl);
                 }
             }
 
@@ -553,6 +588,16 @@ impl Poller {
                 }
             }
 
+            let owned = lock(&self.shared.assignment).owned.len();
+            let probe = Probe {
+                client: &s.client,
+                topics: &s.topics,
+                fetched: &self.shared.fetched_ends,
+            };
+            if watchdog.check(consumer, &probe, owned) == Action::Rejoin {
+                return Exit::Rejoin;
+            }
+
             let timeout = if ready.is_some() || first_at.is_some() {
                 Duration::from_millis(2)
             } else {
@@ -562,6 +607,7 @@ impl Poller {
                 None => {}
                 Some(Ok(m)) => {
                     broker.ok();
+                    watchdog.received();
                     let raw = Raw {
                         topic: m.topic(),
                         partition: m.partition(),

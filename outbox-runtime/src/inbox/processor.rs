@@ -45,6 +45,24 @@ use super::record::{Event, Rejected};
 use super::txn::GuardedConn;
 use super::{ConsumerConfig, Stats};
 use crate::backoff::Health;
+use crate::refusal::{Statement, Trouble};
+
+/// The claim of stored events, as a refusal names it.
+const CLAIM: Statement = Statement {
+    name: "consumer (inbox): claim stored events",
+    needs: "SELECT, UPDATE ON inbox_event",
+};
+
+/// Marking stored events processed, failed or dead-lettered.
+const SETTLE: Statement = Statement {
+    name: "consumer (inbox): mark stored events processed, failed or dead-lettered",
+    needs: "UPDATE ON inbox_event",
+};
+
+/// `error` of `statement`, for the processor's retry.
+fn during(statement: Statement) -> impl Fn(sqlx::Error) -> Trouble {
+    move |error| Trouble::from(error).during(statement)
+}
 
 /// A row that may be claimed now: not waiting for a retry, and no earlier
 /// row of its key waiting for one.
@@ -252,10 +270,10 @@ impl Processor {
         &self,
         conn: &mut GuardedConn,
         careful: bool,
-    ) -> Result<Round, String> {
+    ) -> Result<Round, Trouble> {
         let group = &self.config.group;
         let limit = i64::try_from(self.config.processor_batch_size).unwrap_or(i64::MAX);
-        let mut tx = conn.begin().await.map_err(|e| e.to_string())?;
+        let mut tx = conn.begin().await.map_err(during(super::dedup::TX_GUARD))?;
         let candidates: Vec<String> = sqlx::query_scalar(&self.candidates_sql)
             .bind(group)
             .bind(limit)
@@ -263,7 +281,7 @@ impl Processor {
             .bind(self.worker as i64)
             .fetch_all(&mut *tx)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(during(CLAIM))?;
         if candidates.is_empty() {
             return Ok(Round::Settled(0));
         }
@@ -272,7 +290,7 @@ impl Processor {
             .bind(&candidates)
             .fetch_all(&mut *tx)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(during(CLAIM))?;
         if locked.is_empty() {
             return Ok(Round::Settled(0)); // other processors have them
         }
@@ -283,7 +301,7 @@ impl Processor {
             .bind(i64::try_from(self.config.max_batch_bytes).unwrap_or(i64::MAX))
             .fetch_all(&mut *tx)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(during(CLAIM))?;
         if rows.is_empty() {
             return Ok(Round::Settled(0));
         }
@@ -291,7 +309,7 @@ impl Processor {
         let mut items: Vec<Item> = rows.iter().map(|r| self.item(r)).collect();
         match self.fast(&mut tx, &rows, &mut items, careful).await {
             Ok(batch) => {
-                tx.commit().await.map_err(|e| e.to_string())?;
+                tx.commit().await?;
                 self.latency.batch.record(started.elapsed());
                 if batch.processed > 0 {
                     self.latency
@@ -306,7 +324,7 @@ impl Processor {
             }
             Err(Failure::Outage(error)) => Err(error),
             // Every event was checked and still: an outage of unknown cause.
-            Err(Failure::Suspect(error)) if careful => Err(error),
+            Err(Failure::Suspect(error)) if careful => Err(error.into()),
             Err(Failure::Suspect(error)) => {
                 tracing::info!(%error, "a handler broke the transaction: checking event by event");
                 Ok(Round::Suspect)
@@ -422,7 +440,8 @@ impl Processor {
                 .bind(group)
                 .bind(&ids)
                 .fetch_all(&mut *tx)
-                .await?
+                .await
+                .map_err(|e| Failure::Outage(during(super::dedup::PROCESSED)(e)))?
                 .into_iter()
                 .collect()
         };
@@ -460,7 +479,8 @@ impl Processor {
             .bind(1_i32)
             .bind(group)
             .execute(&mut *tx)
-            .await?;
+            .await
+            .map_err(|e| Failure::Outage(during(SETTLE)(e)))?;
         if !letters.is_empty() {
             let new: Vec<NewDeadLetter<'_>> = letters
                 .iter()
@@ -471,7 +491,9 @@ impl Processor {
                     rejected,
                 })
                 .collect();
-            dead_letter::insert(tx, group, &new).await?;
+            dead_letter::insert(tx, group, &new)
+                .await
+                .map_err(|e| Failure::Outage(super::dedup::refused_dead_letters(e)))?;
             for (row, rejected) in &letters {
                 sqlx::query(MARK_DEAD)
                     .bind(row.event_id)
@@ -479,7 +501,8 @@ impl Processor {
                     .bind(0_i32)
                     .bind(group)
                     .execute(&mut *tx)
-                    .await?;
+                    .await
+                    .map_err(|e| Failure::Outage(during(SETTLE)(e)))?;
             }
             batch.rejected = letters
                 .iter()
@@ -490,7 +513,7 @@ impl Processor {
     }
 
     /// Records a failed attempt on one row (its key waits `delay_secs`).
-    async fn record_failure(&self, row: &Row, error: &str, delay_secs: f64) -> Result<(), String> {
+    async fn record_failure(&self, row: &Row, error: &str, delay_secs: f64) -> Result<(), Trouble> {
         let result = async {
             let mut tx = self.pool.begin().await?;
             self.wait_for_partition(&mut tx, row).await?;
@@ -504,7 +527,7 @@ impl Processor {
             tx.commit().await
         }
         .await;
-        result.map_err(|e| e.to_string())
+        result.map_err(during(SETTLE))
     }
 
     /// Dead-letters one row and takes it out of the queue.
@@ -513,7 +536,7 @@ impl Processor {
         row: &Row,
         rejected: &Rejected,
         attempts: i32,
-    ) -> Result<(), String> {
+    ) -> Result<(), Trouble> {
         let result = async {
             let mut tx = self.pool.begin().await?;
             self.wait_for_partition(&mut tx, row).await?;
@@ -523,16 +546,19 @@ impl Processor {
                 offset: row.offset,
                 rejected,
             };
-            dead_letter::insert(&mut tx, &self.config.group, &[letter]).await?;
+            dead_letter::insert(&mut tx, &self.config.group, &[letter])
+                .await
+                .map_err(super::dedup::refused_dead_letters)?;
             let marked = sqlx::query(MARK_DEAD)
                 .bind(row.event_id)
                 .bind(pg_text(&rejected.error).as_ref())
                 .bind(attempts)
                 .bind(&self.config.group)
                 .execute(&mut *tx)
-                .await?;
+                .await
+                .map_err(during(SETTLE))?;
             tx.commit().await?;
-            Ok::<_, sqlx::Error>(marked.rows_affected())
+            Ok::<_, Trouble>(marked.rows_affected())
         }
         .await;
         match result {
@@ -540,7 +566,7 @@ impl Processor {
                 self.stats.dead_lettered.fetch_add(n, Ordering::Relaxed);
                 Ok(())
             }
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(e),
         }
     }
 

@@ -209,8 +209,9 @@ impl Names {
     }
 }
 
-/// The event id of a CloudEvents message (`ce_id`, or one derived from
-/// `ce_source` and `ce_id`), or why it has none we can trust.
+/// The event id of a CloudEvents message (derived from `ce_source` and
+/// `ce_id`, or `ce_id` itself in the relay's form: see `cloudevents.rs`), or
+/// why it has none we can trust.
 fn cloud_event_id(raw: &Raw<'_>) -> Result<Uuid, (DeadLetterReason, String)> {
     let value = |name| header(raw, name).flatten().map(String::from_utf8_lossy);
     match value(ce::SPECVERSION) {
@@ -241,7 +242,10 @@ fn cloud_event_id(raw: &Raw<'_>) -> Result<Uuid, (DeadLetterReason, String)> {
              so it cannot be deduplicated without it"
                 .into(),
         )),
-        (Some(id), Some(source)) => Ok(crate::cloudevents::event_id(&source, &id)),
+        (Some(id), Some(source)) => {
+            let relay = header(raw, ce::AGGREGATE_TYPE).flatten().is_some();
+            Ok(crate::cloudevents::message_event_id(&source, &id, relay))
+        }
     }
 }
 

@@ -19,7 +19,11 @@
 //!
 //! The transaction runs on a guarded connection (`txn.rs`), checked after
 //! the handlers: a handler that breaks it without saying so fails; if it
-//! ended the transaction, the status update goes into a new one.
+//! ended the transaction, the status update goes into a new one. The status
+//! updates apply only to the retry request that was claimed (the row still
+//! marked `retry`, not marked again since): a handler that ended the
+//! transaction released the row, and another consumer of the group (or an
+//! operator) may have settled it meanwhile — that decision stands.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -30,31 +34,51 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::apply::{self, Failure};
-use super::db::{is_data_error, pg_text};
-use super::dead_letter::DeadLetterReason;
+use super::db::is_data_error;
+use super::dead_letter::{self, DeadLetterReason};
 use super::dispatch::Registry;
 use super::record::{self, Body, Check, Event, Raw};
 use super::txn::{self, Broken, GuardedConn};
 use super::{ConsumerConfig, ConsumerStats, Mode};
 use crate::backoff::Health;
+use crate::refusal::{Statement, Trouble};
+
+/// The re-drive's reads and status updates, as a refusal names them.
+const REDRIVE: Statement = Statement {
+    name: "consumer: re-drive dead letters",
+    needs: "SELECT, UPDATE ON dead_letter",
+};
+
+/// Putting a re-driven event back into the inbox.
+const REQUEUED: Statement = Statement {
+    name: "consumer (inbox): requeue a re-driven event",
+    needs: "INSERT, UPDATE ON inbox_event",
+};
+
+fn during(statement: Statement) -> impl Fn(sqlx::Error) -> Trouble {
+    move |error| Trouble::from(error).during(statement)
+}
 
 const CLAIM: &str = r#"
 SELECT id, topic, "partition" AS partition, "offset" AS offset, key, headers, payload,
-       payload_bytes
+       payload_bytes, retries
 FROM dead_letter
 WHERE consumer = $1 AND status = 'retry'
 ORDER BY id
 LIMIT 1
 FOR UPDATE SKIP LOCKED"#;
 
+/// The status updates apply only to the retry request that was claimed
+/// (`retries` counts the requests): still marked, not re-marked since.
 const RESOLVED: &str = "\
-UPDATE dead_letter SET status = 'resolved', resolved_at = now() WHERE id = $1";
+UPDATE dead_letter SET status = 'resolved', resolved_at = now()
+WHERE id = $1 AND status = 'retry' AND retries = $2";
 
 const DEAD_AGAIN: &str = "\
 UPDATE dead_letter
 SET status = 'dead', reason = $2, error = $3, handler = COALESCE($4, handler),
     attempts = attempts + $5, last_failed_at = now()
-WHERE id = $1";
+WHERE id = $1 AND status = 'retry' AND retries = $6";
 
 const REQUEUE: &str = r#"
 INSERT INTO inbox_event
@@ -78,6 +102,7 @@ struct Row {
     headers: Value,
     payload: Option<Vec<u8>>,
     payload_bytes: Option<i64>,
+    retries: i32,
 }
 
 /// The re-drive task of one consumer.
@@ -129,13 +154,13 @@ impl Redriver {
     }
 
     /// Re-drives one marked row; false when there is none.
-    async fn one(&self, conn: &mut GuardedConn) -> Result<bool, String> {
-        let mut tx = conn.begin().await.map_err(|e| e.to_string())?;
+    async fn one(&self, conn: &mut GuardedConn) -> Result<bool, Trouble> {
+        let mut tx = conn.begin().await.map_err(during(super::dedup::TX_GUARD))?;
         let row: Option<Row> = sqlx::query_as(CLAIM)
             .bind(&self.config.group)
             .fetch_optional(&mut *tx)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(during(REDRIVE))?;
         let Some(row) = row else {
             return Ok(false);
         };
@@ -195,7 +220,8 @@ impl Redriver {
             Body::Event(mut event) => match self.config.mode {
                 Mode::Dedup => match self.apply(&mut tx, &mut event).await {
                     Ok(()) => (Outcome::Resolved, 1, None),
-                    Err(Failure::Outage(error) | Failure::Suspect(error)) => return Err(error),
+                    Err(Failure::Outage(error)) => return Err(error),
+                    Err(Failure::Suspect(error)) => return Err(error.into()),
                     Err(Failure::Handler { handler, error, .. }) => {
                         self.stats.handler_failures.fetch_add(1, Ordering::Relaxed);
                         (
@@ -218,44 +244,58 @@ impl Redriver {
                         0,
                         None,
                     ),
-                    Err(error) => return Err(error.to_string()),
+                    Err(error) => return Err(during(REQUEUED)(error)),
                 },
             },
         };
         // A handler that ended the transaction took the row's lock with it:
-        // the status update goes into a new transaction, on the row again.
+        // the status update goes into a new transaction, and applies only if
+        // the row is still marked (the update's condition is checked again
+        // on the row's latest version).
         let mut tx = match txn::probe(&mut tx).await {
             Ok(()) => tx,
-            Err(Broken::Outage(error)) => return Err(error.to_string()),
+            Err(Broken::Outage(error)) => return Err(error.into()),
             Err(_) => {
                 drop(tx);
-                let mut fresh = conn.begin().await.map_err(|e| e.to_string())?;
-                sqlx::query("SELECT 1 FROM dead_letter WHERE id = $1 FOR UPDATE")
-                    .bind(row.id)
-                    .execute(&mut *fresh)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                fresh
+                conn.begin().await.map_err(during(super::dedup::TX_GUARD))?
             }
         };
-        match &outcome {
-            Outcome::Resolved => sqlx::query(RESOLVED).bind(row.id).execute(&mut *tx).await,
+        let updated = match &outcome {
+            Outcome::Resolved => {
+                sqlx::query(RESOLVED)
+                    .bind(row.id)
+                    .bind(row.retries)
+                    .execute(&mut *tx)
+                    .await
+            }
             Outcome::Dead(reason, error) => {
                 sqlx::query(DEAD_AGAIN)
                     .bind(row.id)
                     .bind(reason.as_str())
-                    .bind(pg_text(error).as_ref())
+                    .bind(dead_letter::stored_error(error))
                     .bind(handler)
                     .bind(attempts)
+                    .bind(row.retries)
                     .execute(&mut *tx)
                     .await
             }
         }
-        .map_err(|e| e.to_string())?;
+        .map_err(during(REDRIVE))?
+        .rows_affected()
+            == 1;
         apply::seal(&mut tx)
             .await
-            .map_err(|_| "the re-drive transaction was broken before its commit".to_owned())?;
-        tx.commit().await.map_err(|e| e.to_string())?;
+            .map_err(|_| Trouble::from("the re-drive transaction was broken before its commit"))?;
+        tx.commit().await?;
+        if !updated {
+            tracing::info!(
+                group = %self.config.group,
+                id = row.id,
+                "dead letter settled elsewhere while it was re-driven (another consumer of the \
+                 group, or an operator): left as it is"
+            );
+            return Ok(true);
+        }
         match outcome {
             Outcome::Resolved => {
                 self.stats.redriven.fetch_add(1, Ordering::Relaxed);

@@ -33,6 +33,13 @@ use super::poller::Shared;
 use super::record::{Body, Record};
 use super::{ConsumerConfig, Stats};
 use crate::backoff::Health;
+use crate::refusal::{Statement, Trouble};
+
+/// Storing a batch, as a refusal names it.
+const STORE: Statement = Statement {
+    name: "consumer (inbox): store received events",
+    needs: "INSERT ON inbox_event (and dead_letter, for malformed messages)",
+};
 
 const INSERT_INBOX: &str = r#"
 INSERT INTO inbox_event
@@ -105,7 +112,7 @@ impl Store<'_> {
             match outage {
                 None => self.db.up(),
                 Some(error) => {
-                    let wait = self.db.down(&error);
+                    let wait = self.db.down(Trouble::from(&error).during(STORE));
                     if !apply::pause(wait, shutdown).await {
                         return;
                     }
@@ -183,7 +190,7 @@ impl Store<'_> {
                         }
                     }
                     Err(error) => {
-                        let wait = self.db.down(&error);
+                        let wait = self.db.down(Trouble::from(&error).during(STORE));
                         if !apply::pause(wait, shutdown).await {
                             return false;
                         }

@@ -8,12 +8,17 @@
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool, Row as _};
 
+use std::time::Instant;
+
+use super::ahead::create_range;
+use super::leader::as_leader;
 use super::{
-    KEY, PartitionPlan, TABLES, as_leader, create_range, ident, locate, next_boundary, now_ms,
-    qualified, set_lock_timeout, storage_clause, uuid_at, with_suffix,
+    KEY, PartitionPlan, TABLES, ident, locate, next_boundary, now_ms, qualified, record_plan,
+    set_lock_timeout, storage_clause, uuid_at, with_suffix,
 };
 use crate::error::{Error, Result};
-use crate::scope::OutboxScope;
+use crate::relay::lanes::SCOPE_LOCKS;
+use crate::scope::{Lock, OutboxScope};
 
 /// What [`enable`] did.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -28,14 +33,20 @@ pub struct EnableReport {
     pub moved_rows: u64,
     /// Partitions created (periods, default).
     pub created: u64,
+    /// Per table converted, how long it was held exclusively (writers and
+    /// readers waiting), in milliseconds.
+    pub exclusive_ms: Vec<(String, u64)>,
 }
 
 /// Converts the tables of [`TABLES`] not yet partitioned to the partitioned
 /// layout (see the module docs); the tables already partitioned are left
-/// as they are. Refused while a relay or a cleanup job of this outbox runs
-/// (they find the outbox by its table's oid, which changes: restart them
-/// afterwards). Consumers may keep running: their statements wait for the
-/// conversion's locks.
+/// as they are. `plan.ahead` and `plan.lock_timeout` are recorded on every
+/// partitioned table, for the cleanup jobs' maintenance. Refused while a
+/// relay or a cleanup job of this outbox runs (they find the outbox by its
+/// table's oid, which changes: restart them afterwards); writers in the
+/// middle of a transaction are no relay (they hold the wake-up trigger's
+/// probe lock, shared): the conversion waits for them. Consumers may keep
+/// running: their statements wait for the conversion's locks.
 ///
 /// Per table: a unique index with the partition key is built beforehand
 /// without blocking writers when the primary key lacks it (the outbox's);
@@ -44,18 +55,23 @@ pub struct EnableReport {
 /// triggers, privileges and sequences are carried over to a new partitioned
 /// parent of the same columns, and the old table becomes its first
 /// partition. No row is copied, except the few whose ids lie past the first
-/// boundary (they move to their partition).
+/// boundary (they move to their partition, found through an index on the
+/// partition key: the time under the lock does not grow with the table but
+/// for the legacy range's validation, one sequential read).
 pub async fn enable(pool: &PgPool, plan: &PartitionPlan) -> Result<EnableReport> {
     plan.validate()?;
     let mut report = EnableReport::default();
     let mut conn = pool.acquire().await?;
     let scope = OutboxScope::of(&mut *conn).await?;
-    let busy: i64 = sqlx::query_scalar(
+    // This database's locks of this outbox, but the writers' probe of the
+    // wake-up lock (shared, for the length of their transaction).
+    let busy: i64 = sqlx::query_scalar(&format!(
         "SELECT count(*) FROM pg_locks
-         WHERE locktype = 'advisory' AND classid::int8 = $1 AND objsubid = 1
-           AND pid <> pg_backend_pid()",
-    )
+         WHERE {SCOPE_LOCKS} AND pid <> pg_backend_pid()
+           AND NOT (objid::int8 = $2 AND mode = 'ShareLock')"
+    ))
     .bind(i64::from(scope.oid()))
+    .bind(OutboxScope::objid(Lock::Wake))
     .fetch_one(&mut *conn)
     .await?;
     if busy > 0 {
@@ -75,7 +91,13 @@ pub async fn enable(pool: &PgPool, plan: &PartitionPlan) -> Result<EnableReport>
                         "no `{table}` table in the connection's search_path: run `outbox migrate` first"
                     )));
                 }
-                Some((_, true)) => report.already.push(table.to_owned()),
+                Some((schema, true)) => {
+                    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+                    set_lock_timeout(&mut tx, plan.lock_timeout).await?;
+                    record_plan(&mut tx, &schema, table, plan, false).await?;
+                    tx.commit().await?;
+                    report.already.push(table.to_owned());
+                }
                 Some((schema, false)) => {
                     convert(conn, &schema, table, plan, &mut report).await?;
                     report.converted.push(table.to_owned());
@@ -100,6 +122,9 @@ struct IndexDef {
     constraint: Option<(String, String)>,
     primary: bool,
     columns: Vec<String>,
+    /// A valid B-tree over plain columns and every row (no predicate): its
+    /// first column's ranges can be read through it.
+    ordered: bool,
 }
 
 async fn convert(
@@ -171,6 +196,7 @@ async fn convert(
             }
             e => e.into(),
         })?;
+    let locked = Instant::now();
     // Read again under the lock: the definitions carried over (the index
     // built above becomes the legacy's primary key, not one of them).
     let indexes: Vec<IndexDef> = index_defs(&mut tx, &old)
@@ -234,19 +260,7 @@ async fn convert(
     // Rows past the boundary (ids that are not UUIDv7, or from a clock
     // ahead) cannot stay in the legacy range: set aside, put back through
     // the parent at the end.
-    let filter = match pk.columns.first() {
-        Some(prefix) if prefix != KEY => format!(
-            "{p} = ANY(ARRAY(
-                WITH RECURSIVE v AS (
-                    (SELECT {p} FROM {old} ORDER BY {p} LIMIT 1)
-                    UNION ALL
-                    SELECT (SELECT {p} FROM {old} WHERE {p} > v.{p} ORDER BY {p} LIMIT 1)
-                    FROM v WHERE v.{p} IS NOT NULL)
-                SELECT {p} FROM v WHERE {p} IS NOT NULL)) AND {KEY} >= $1",
-            p = ident(prefix)
-        ),
-        _ => format!("{KEY} >= $1"),
-    };
+    let filter = set_aside_filter(&indexes, pk, &old);
     let moved = sqlx::query(&format!(
         "CREATE TEMP TABLE outbox_partition_set_aside ON COMMIT DROP AS
          WITH d AS (DELETE FROM {old} WHERE {filter} RETURNING *) SELECT * FROM d"
@@ -394,14 +408,47 @@ async fn convert(
     sqlx::query("DROP TABLE outbox_partition_set_aside")
         .execute(&mut *tx)
         .await?;
+    record_plan(&mut tx, schema, table, plan, true).await?;
     tx.commit().await?;
+    let exclusive_ms = locked.elapsed().as_millis() as u64;
+    report.exclusive_ms.push((table.to_owned(), exclusive_ms));
     report.moved_rows += moved;
     tracing::info!(
         table,
         moved_rows = moved,
+        exclusive_ms,
         "table converted to the partitioned layout"
     );
     Ok(())
+}
+
+/// The condition selecting the rows of `old` whose ids lie at or past the
+/// first boundary (`$1`), read through an index so that the time it takes
+/// under the conversion's lock grows with the rows selected, not with the
+/// table: a range of a B-tree led by the partition key (the outbox's
+/// `UNIQUE (event_id)`); else, when the key comes second in the primary
+/// key (`(consumer, event_id)`), one range per value of its first column,
+/// found by a skip scan (a few consumers); else a sequential read.
+fn set_aside_filter(indexes: &[IndexDef], pk: &IndexDef, old: &str) -> String {
+    if indexes
+        .iter()
+        .any(|i| i.ordered && i.columns.first().is_some_and(|c| c == KEY))
+    {
+        return format!("{KEY} >= $1");
+    }
+    match pk.columns.as_slice() {
+        [prefix, second, ..] if second == KEY && pk.ordered => format!(
+            "{p} = ANY(ARRAY(
+                WITH RECURSIVE v AS (
+                    (SELECT {p} FROM {old} ORDER BY {p} LIMIT 1)
+                    UNION ALL
+                    SELECT (SELECT {p} FROM {old} WHERE {p} > v.{p} ORDER BY {p} LIMIT 1)
+                    FROM v WHERE v.{p} IS NOT NULL)
+                SELECT {p} FROM v WHERE {p} IS NOT NULL)) AND {KEY} >= $1",
+            p = ident(prefix)
+        ),
+        _ => format!("{KEY} >= $1"),
+    }
 }
 
 async fn index_defs(conn: &mut PgConnection, table: &str) -> Result<Vec<IndexDef>> {
@@ -410,12 +457,15 @@ async fn index_defs(conn: &mut PgConnection, table: &str) -> Result<Vec<IndexDef
                 con.conname::text AS constraint_name,
                 pg_get_constraintdef(con.oid) AS constraint_def,
                 i.indisprimary AS is_primary,
+                (a.amname = 'btree' AND i.indisvalid AND i.indpred IS NULL
+                 AND i.indexprs IS NULL) AS ordered,
                 ARRAY(SELECT a.attname::text
                       FROM unnest(i.indkey::int2[]) WITH ORDINALITY k(attnum, ord)
                       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
                       ORDER BY k.ord) AS columns
          FROM pg_index i
          JOIN pg_class c ON c.oid = i.indexrelid
+         JOIN pg_am a ON a.oid = c.relam
          LEFT JOIN pg_constraint con ON con.conindid = i.indexrelid AND con.conrelid = i.indrelid
          WHERE i.indrelid = $1::regclass
          ORDER BY c.relname",
@@ -433,7 +483,70 @@ async fn index_defs(conn: &mut PgConnection, table: &str) -> Result<Vec<IndexDef
             constraint: constraint.zip(constraint_def),
             primary: row.try_get("is_primary")?,
             columns: row.try_get("columns")?,
+            ordered: row.try_get("ordered")?,
         });
     }
     Ok(defs)
+}
+
+#[cfg(test)]
+mod tests {
+    use sqlx::PgPool;
+
+    use super::*;
+
+    /// The rows past the boundary are found through an index, by work that
+    /// grows with the rows found and the consumers, not with the table: no
+    /// step of the plan runs once per row (a walk over the primary key did,
+    /// under the conversion's exclusive lock).
+    #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+    async fn rows_past_the_boundary_are_found_without_a_walk_over_the_table(pool: PgPool) {
+        // 20,000 rows per table, 3 consumers; one id in a hundred random.
+        let id = "CASE WHEN g % 100 = 0 THEN gen_random_uuid()
+                       ELSE ('0' || lpad(to_hex(g), 11, '0') || '-7000-8000-000000000000')::uuid END";
+        for sql in [
+            format!(
+                "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                           payload, topic, partition_key)
+                 SELECT {id}, 'a', 'k', 'e', '{{}}', 't', 'k' FROM generate_series(1, 20000) g"
+            ),
+            format!(
+                "INSERT INTO processed_event (consumer, event_id)
+                 SELECT 'c' || g % 3, {id} FROM generate_series(1, 20000) g"
+            ),
+            format!(
+                "INSERT INTO inbox_event (consumer, event_id, payload)
+                 SELECT 'c' || g % 3, {id}, '{{}}' FROM generate_series(1, 20000) g"
+            ),
+        ] {
+            sqlx::query(&sql).execute(&pool).await.unwrap();
+        }
+        let mut conn = pool.acquire().await.unwrap();
+        let boundary = uuid_at(now_ms(&mut conn).await.unwrap() + 86_400_000);
+        for table in TABLES {
+            sqlx::query(&format!("ANALYZE {table}"))
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            let indexes = index_defs(&mut conn, table).await.unwrap();
+            let pk = indexes.iter().find(|i| i.primary).unwrap();
+            let filter = set_aside_filter(&indexes, pk, table);
+            let plan: Vec<String> = sqlx::query_scalar(&format!(
+                "EXPLAIN (ANALYZE, TIMING OFF) SELECT count(*) FROM {table} WHERE {filter}"
+            ))
+            .bind(boundary)
+            .fetch_all(&mut *conn)
+            .await
+            .unwrap();
+            let plan = plan.join("\n");
+            let loops = plan
+                .split("loops=")
+                .skip(1)
+                .filter_map(|s| s.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+                .max()
+                .unwrap_or(0_u64);
+            assert!(loops <= 10, "{table}: a step runs {loops} times:\n{plan}");
+            assert!(!plan.contains("Seq Scan"), "{table}:\n{plan}");
+        }
+    }
 }

@@ -3,10 +3,12 @@
 //! partitions instead of deleting rows one by one (no dead rows, no vacuum
 //! debt, writers untouched).
 //!
-//! This module owns the conversion ([`enable`], also the migration path of
-//! an installation holding rows), the partitions created ahead
-//! ([`maintain`], one leader at a time), the listing ([`list`]) and the
-//! partition half of retention (called by [`crate::cleanup`]).
+//! This module owns the layout (bounds, names, the listing [`list`], the
+//! plan); `convert` the conversion ([`enable`], also the migration path of
+//! an installation holding rows); `ahead` the partitions created ahead
+//! ([`maintain`]); `retention` the partition half of retention (called by
+//! [`crate::cleanup`]); `leader` the maintenance lock (one maintainer at a
+//! time).
 //!
 //! **Partition key: `event_id`.** Event ids are UUIDv7 (the outbox assigns
 //! `Uuid::now_v7()` unless an event brings its own): their first 48 bits
@@ -19,29 +21,50 @@
 //!
 //! **Partitions.** Each table gets: a `_legacy` partition (the table as it
 //! was, attached without copying a row, covering every id below the first
-//! boundary), one partition per period (`_pYYYYMMDD_HH24MI`, epoch-aligned;
+//! boundary), one partition per period (`_pYYYYMMDD_HH24MI`, `…MISS` for periods
+//! that are not whole minutes; epoch-aligned;
 //! the period is fixed at [`enable`] and read back from the newest
 //! partition), and a `_default` partition, so that no insert ever fails: an
 //! id with no partition of its own (not a UUIDv7, or a time outside the
 //! partitions, e.g. a clock far off) lands there. Creating a partition moves
 //! the rows of its range out of the default partition first.
 //!
-//! **Retention** ([`drop_expired`]): a partition whose whole range is older
-//! than the retention is dropped once it holds no row still needed: no
-//! unpublished or parked outbox row (a discarded row is parked: it keeps its
-//! partition), no unprocessed inbox row, no row younger than the retention
-//! by its own timestamp (`published_at`, `processed_at`: an id that is not
-//! a UUIDv7 may sit in an old range). Otherwise it is kept, reported, and
-//! tried again at the next pass. It is detached (renamed `…_retired`) under
-//! the parent's lock, and its files removed after that lock is released.
+//! **Retention** (`retention::drop_expired`): a partition whose whole
+//! range is older than the retention is dropped once it holds no row still
+//! needed: no unpublished or parked outbox row (a discarded row is parked:
+//! it keeps its partition), no unprocessed inbox row, no row younger than
+//! the retention by its own timestamps (`published_at`, `processed_at`,
+//! and `created_at` for an outbox row: an id that is not a UUIDv7 may sit
+//! in an old range). Otherwise it is kept, reported, and tried again at the
+//! next pass. It is detached (renamed `…_retired`) under the parent's lock,
+//! and its files removed after that lock is released.
 //! The legacy and default partitions are cleaned row by row, as the
 //! unpartitioned tables are.
 //!
-//! **Locks.** Creating and dropping a partition takes a short exclusive lock
-//! on the parent table, each attempt bounded by `lock_timeout`; the checks
-//! that scan a partition hold only that partition. The conversion holds
-//! each table exclusively while it validates the legacy partition's range
-//! (one sequential read of the table).
+//! **Locks.** Writers and relays lock a parent table and then its
+//! partitions (a relay's claim and marks every partition); maintenance takes
+//! its locks in the same order, so that it never deadlocks with them, and
+//! waits for each at most `lock_timeout`, a few attempts per pass. A
+//! partition whose table stays busy is left for the next pass (counted as
+//! busy), without failing the rest of it. Creating a partition locks the
+//! parent exclusively, then moves the range's rows out of the default
+//! partition (few, unless the partition fell behind) and creates it.
+//! Dropping one first checks it holding nothing (a read of the partition
+//! while writers and relays go on), then, with the parent locked
+//! exclusively, checks again through indexes only what may have been
+//! written since, and detaches it. The conversion holds each table
+//! exclusively while it moves the rows past the first boundary out (found
+//! through an index) and validates the legacy partition's range (one
+//! sequential read of the table).
+//!
+//! **Plan.** [`enable`] records `ahead` and `lock_timeout` in the comment
+//! of each partitioned table; the cleanup job's passes read them back
+//! there.
+//!
+//! **Maintenance lock.** One maintainer at a time per outbox: a
+//! session-level advisory lock on the connection doing the work. A pass
+//! cancelled mid-way (its future dropped) closes that connection and
+//! cancels its statement, so that the lock is free at once.
 
 use std::time::Duration;
 
@@ -50,11 +73,16 @@ use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
-use crate::scope::OutboxScope;
 
+mod ahead;
 mod convert;
+mod leader;
+mod retention;
 
+pub use ahead::{MaintainReport, maintain};
 pub use convert::{EnableReport, enable};
+pub use retention::DropReport;
+pub(crate) use retention::{retention_pass, row_cleaned};
 
 /// The tables the partitioned layout covers, in conversion order.
 pub const TABLES: [&str; 3] = ["outbox_event", "processed_event", "inbox_event"];
@@ -78,7 +106,7 @@ const KEY: &str = "event_id";
 /// How the partitions are laid out and kept ahead.
 #[derive(Debug, Clone)]
 pub struct PartitionPlan {
-    /// The time range of one partition (whole minutes; epoch-aligned). Read
+    /// The time range of one partition (whole seconds; epoch-aligned). Read
     /// back from the newest partition once enabled.
     pub period: Duration,
     /// Partitions kept ready ahead of now.
@@ -99,13 +127,14 @@ impl Default for PartitionPlan {
 }
 
 impl PartitionPlan {
-    /// Refuses a period that is not whole minutes (at least one) and no
-    /// partition ahead.
+    /// Refuses a period that is not whole seconds (at least one) and no
+    /// partition ahead. (Periods of seconds are for tests that roll
+    /// partitions within minutes; production periods are hours or days.)
     pub fn validate(&self) -> Result<()> {
         let secs = self.period.as_secs();
-        if secs < 60 || secs % 60 != 0 || self.period.subsec_nanos() != 0 {
+        if secs < 1 || self.period.subsec_nanos() != 0 {
             return Err(Error::Config(format!(
-                "partition period must be whole minutes (at least 1m), got {}s",
+                "partition period must be whole seconds (at least 1s), got {}s",
                 self.period.as_secs_f64()
             )));
         }
@@ -173,27 +202,6 @@ impl PartitionInfo {
     pub fn to_ms(&self) -> Option<i64> {
         self.to.map(ms_of)
     }
-}
-
-/// What [`maintain`] did.
-#[derive(Debug, Clone, Default, Serialize)]
-#[non_exhaustive]
-pub struct MaintainReport {
-    /// Partitions created ahead.
-    pub created: u64,
-    /// Rows moved from a default partition into a created one.
-    pub moved_rows: u64,
-}
-
-/// What the partition half of a retention pass did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-#[non_exhaustive]
-pub struct DropReport {
-    /// Partitions dropped.
-    pub dropped: u64,
-    /// Partitions old enough that were kept: they hold a row still needed
-    /// (see the module docs), or their lock was not granted in time.
-    pub kept: u64,
 }
 
 /// `"schema"."name"`.
@@ -335,348 +343,98 @@ async fn storage_clause(conn: &mut PgConnection, relation: &str) -> Result<Strin
     })
 }
 
-/// Creates the partition of `[from_ms, to_ms)` of `schema.table` inside the
-/// caller's transaction, moving the rows of that range out of the default
-/// partition first. Returns the rows moved.
-async fn create_range(
-    conn: &mut PgConnection,
-    schema: &str,
-    table: &str,
-    from_ms: i64,
-    to_ms: i64,
-) -> Result<u64> {
-    let name: String = sqlx::query_scalar(
-        "SELECT $1 || '_p' || to_char(to_timestamp($2 / 1000.0) AT TIME ZONE 'UTC', 'YYYYMMDD_HH24MI')",
+/// Whether `error` says a table stayed busy: a lock not granted within
+/// `lock_timeout` (55P03), or a deadlock that chose this statement to give
+/// way (40P01). The work is tried again later.
+fn is_busy(error: &Error) -> bool {
+    matches!(
+        error,
+        Error::Database(sqlx::Error::Database(db))
+            if matches!(db.code().as_deref(), Some("55P03" | "40P01"))
     )
-    .bind(table)
-    .bind(from_ms as f64)
-    .fetch_one(&mut *conn)
-    .await?;
-    let parent = qualified(schema, table);
-    let default = qualified(schema, &format!("{table}_default"));
-    let (from, to) = (uuid_at(from_ms), uuid_at(to_ms));
-    let storage = storage_clause(conn, &default).await?;
-    let moved = sqlx::query(&format!(
-        "CREATE TEMP TABLE outbox_partition_moved ON COMMIT DROP AS
-         WITH d AS (DELETE FROM {default} WHERE {KEY} >= $1 AND {KEY} < $2 RETURNING *)
-         SELECT * FROM d"
-    ))
-    .bind(from)
-    .bind(to)
-    .execute(&mut *conn)
-    .await?
-    .rows_affected();
-    sqlx::query(&format!(
-        "CREATE TABLE {} PARTITION OF {parent} FOR VALUES FROM ('{from}') TO ('{to}'){storage}",
-        qualified(schema, &name)
-    ))
-    .execute(&mut *conn)
-    .await?;
-    if moved > 0 {
-        let columns = stored_columns(conn, &parent).await?;
-        sqlx::query(&format!(
-            "INSERT INTO {parent} ({columns}) SELECT {columns} FROM outbox_partition_moved"
-        ))
-        .execute(&mut *conn)
-        .await?;
-        tracing::info!(table, partition = %name, rows = moved, "rows moved from the default partition");
+}
+
+/// The mark of the comment in which [`enable`] records its plan on each
+/// partitioned table.
+const PLAN_MARK: &str = "outbox partitions:";
+
+fn plan_comment(plan: &PartitionPlan) -> String {
+    format!(
+        "{PLAN_MARK} ahead={} lock_timeout_ms={}",
+        plan.ahead,
+        plan.lock_timeout.as_millis()
+    )
+}
+
+/// `ahead` and `lock_timeout` of a comment [`plan_comment`] wrote.
+fn parse_plan(comment: &str) -> Option<(u32, Duration)> {
+    let rest = comment.strip_prefix(PLAN_MARK)?;
+    let (mut ahead, mut lock_timeout) = (None, None);
+    for setting in rest.split_whitespace() {
+        match setting.split_once('=')? {
+            ("ahead", n) => ahead = n.parse().ok(),
+            ("lock_timeout_ms", ms) => lock_timeout = ms.parse().ok().map(Duration::from_millis),
+            _ => {}
+        }
     }
-    sqlx::query("DROP TABLE outbox_partition_moved")
-        .execute(&mut *conn)
-        .await?;
-    Ok(moved)
+    Some((ahead?, lock_timeout?))
 }
 
-/// The period of a partitioned table: the width of its newest range.
-fn period_of(parts: &[PartitionInfo]) -> Option<i64> {
-    parts
-        .iter()
-        .filter(|p| p.kind == PartitionKind::Range)
-        .filter_map(|p| Some((ms_of(p.from?), ms_of(p.to?))))
-        .max()
-        .map(|(from, to)| to - from)
-        .filter(|w| *w > 0)
-}
-
-/// Creates the missing partitions of `table` up to `ahead` periods past
-/// now, one transaction each. The caller holds the maintenance lock.
-async fn create_ahead(
+/// Records `plan` on the partitioned table `schema.table` (its comment),
+/// for the maintainers that run without one: replacing a plan recorded
+/// before only if `replace`. A comment that is not this module's is left as
+/// it is (the maintainers then use the defaults).
+async fn record_plan(
     conn: &mut PgConnection,
     schema: &str,
     table: &str,
     plan: &PartitionPlan,
-    report: &mut MaintainReport,
+    replace: bool,
 ) -> Result<()> {
-    let parts = partitions_of(conn, table).await?;
-    let period = period_of(&parts).unwrap_or(plan.period_ms());
-    let Some(mut hi) = parts.iter().filter_map(PartitionInfo::to_ms).max() else {
-        return Err(Error::Config(format!(
-            "{table} is partitioned but has no range partition: not a layout of `outbox partitions enable`"
-        )));
-    };
-    let horizon = now_ms(conn).await? + i64::from(plan.ahead) * period;
-    while hi < horizon {
-        let to = next_boundary(hi, period);
-        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-        set_lock_timeout(&mut tx, plan.lock_timeout).await?;
-        let moved = create_range(&mut tx, schema, table, hi, to).await?;
-        tx.commit().await?;
-        report.created += 1;
-        report.moved_rows += moved;
-        hi = to;
-    }
-    Ok(())
-}
-
-/// The key of the maintenance lock of the outbox `scope`.
-async fn maintenance_lock(conn: &mut PgConnection) -> Result<i64> {
-    let scope = OutboxScope::of(&mut *conn).await?;
-    Ok(
-        sqlx::query_scalar("SELECT hashtextextended('outbox partitions ' || $1::text, 0)")
-            .bind(i64::from(scope.oid()))
+    let table = qualified(schema, table);
+    let comment: Option<String> =
+        sqlx::query_scalar("SELECT obj_description($1::regclass, 'pg_class')")
+            .bind(&table)
             .fetch_one(&mut *conn)
-            .await?,
-    )
-}
-
-/// Runs `work` holding the maintenance lock (session-level, on a connection
-/// of its own); `None` when another maintainer holds it.
-async fn as_leader<T>(
-    pool: &PgPool,
-    work: impl AsyncFnOnce(&mut PgConnection) -> Result<T>,
-) -> Result<Option<T>> {
-    let mut conn = pool.acquire().await?;
-    let lock = maintenance_lock(&mut conn).await?;
-    let taken: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-        .bind(lock)
-        .fetch_one(&mut *conn)
-        .await?;
-    if !taken {
-        return Ok(None);
-    }
-    let result = work(&mut conn).await;
-    let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
-        .bind(lock)
-        .execute(&mut *conn)
-        .await;
-    if unlocked.is_err() {
-        // A connection in an unknown state must not go back to the pool
-        // holding the lock.
-        drop(conn.detach());
-    }
-    result.map(Some)
-}
-
-/// Creates the partitions missing ahead of now (up to `plan.ahead` periods)
-/// in every partitioned table, as the single maintainer of this outbox
-/// (advisory lock); `None` when another maintainer is at work. The period
-/// is each table's own (its newest partition's).
-pub async fn maintain(pool: &PgPool, plan: &PartitionPlan) -> Result<Option<MaintainReport>> {
-    plan.validate()?;
-    as_leader(pool, async |conn: &mut PgConnection| {
-        let mut report = MaintainReport::default();
-        for table in TABLES {
-            if let Some((schema, true)) = locate(conn, table).await? {
-                create_ahead(conn, &schema, table, plan, &mut report).await?;
-            }
-        }
-        if report.created > 0 {
-            tracing::info!(
-                created = report.created,
-                moved_rows = report.moved_rows,
-                "partitions created ahead"
+            .await?;
+    match comment {
+        Some(c) if !c.starts_with(PLAN_MARK) => {
+            tracing::warn!(
+                %table,
+                "the table has a comment of its own: the partition plan is not recorded; \
+                 cleanup jobs keep the default number of partitions ahead"
             );
+            return Ok(());
         }
-        Ok(report)
-    })
-    .await
-}
-
-/// What must still be kept in a partition of `table` (rows that the
-/// retention `cutoff`, `$1`, does not cover), as `EXISTS` conditions on
-/// the partition `p`. The outbox's and the inbox's checks for unfinished
-/// rows walk their partial indexes; the checks for young rows read the
-/// partition once (it is past the window: no writer waits for it).
-fn needed(table: &str, p: &str) -> Option<String> {
-    Some(match table {
-        "outbox_event" => format!(
-            "EXISTS (SELECT 1 FROM {p}
-                     WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL)
-             OR EXISTS (SELECT 1 FROM {p} WHERE held_until IS NOT NULL AND published_at IS NULL)
-             OR EXISTS (SELECT 1 FROM {p} WHERE parked_at IS NOT NULL AND published_at IS NULL)
-             OR EXISTS (SELECT 1 FROM {p} WHERE published_at >= $1)"
-        ),
-        "processed_event" => format!("EXISTS (SELECT 1 FROM {p} WHERE processed_at >= $1)"),
-        "inbox_event" => format!(
-            "EXISTS (SELECT 1 FROM {p} WHERE NOT processed)
-             OR EXISTS (SELECT 1 FROM {p} WHERE processed_at >= $1)"
-        ),
-        _ => return None,
-    })
-}
-
-/// Drops the partitions of `table` (if partitioned) whose whole range ends
-/// at or before `cutoff` and that hold no row still needed (see the module
-/// docs); one transaction per partition, the partition locked against
-/// writes while it is checked, each lock wait bounded by `lock_timeout`.
-/// The caller holds the maintenance lock.
-pub(crate) async fn drop_expired(
-    conn: &mut PgConnection,
-    table: &str,
-    cutoff: sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc>,
-    lock_timeout: Duration,
-) -> Result<DropReport> {
-    let mut report = DropReport::default();
-    let Some((schema, true)) = locate(conn, table).await? else {
-        return Ok(report);
-    };
-    if needed(table, "").is_none() {
-        return Ok(report);
+        Some(_) if !replace => return Ok(()),
+        _ => {}
     }
-    // Left by a pass that stopped between the detach and the drop.
-    drop_retired(conn, &schema, table).await?;
-    let cutoff_ms = cutoff.timestamp_millis();
-    for part in partitions_of(conn, table).await? {
-        let Some(to_ms) = part.to_ms() else { continue };
-        if to_ms > cutoff_ms {
-            continue;
-        }
-        let p = qualified(&schema, &part.name);
-        let retired = with_suffix(&part.name, RETIRED);
-        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-        set_lock_timeout(&mut tx, lock_timeout).await?;
-        let outcome: std::result::Result<bool, sqlx::Error> = async {
-            sqlx::query(&format!("LOCK TABLE {p} IN EXCLUSIVE MODE"))
-                .execute(&mut *tx)
-                .await?;
-            let keep: bool =
-                sqlx::query_scalar(&format!("SELECT {}", needed(table, &p).unwrap_or_default()))
-                    .bind(cutoff)
-                    .fetch_one(&mut *tx)
-                    .await?;
-            if !keep {
-                // Detached here, dropped after the commit: removing the
-                // files of a large partition takes a while (measured 1.3 s
-                // for 10 M rows), which must not happen under the parent's
-                // lock, where it would hold every writer up.
-                sqlx::query(&format!(
-                    "ALTER TABLE {} DETACH PARTITION {p}",
-                    qualified(&schema, table)
-                ))
-                .execute(&mut *tx)
-                .await?;
-                sqlx::query(&format!("ALTER TABLE {p} RENAME TO {}", ident(&retired)))
-                    .execute(&mut *tx)
-                    .await?;
-            }
-            Ok(!keep)
-        }
-        .await;
-        match outcome {
-            Ok(true) => {
-                tx.commit().await?;
-                drop_table(conn, &schema, &retired).await?;
-                report.dropped += 1;
-                tracing::info!(table, partition = %part.name, "partition dropped by retention");
-            }
-            Ok(false) => {
-                tx.rollback().await?;
-                report.kept += 1;
-                tracing::warn!(
-                    table,
-                    partition = %part.name,
-                    "old partition kept: it holds rows still needed (unpublished, parked, \
-                     unprocessed, or younger than the retention by their own timestamp)"
-                );
-            }
-            Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03") => {
-                tx.rollback().await?;
-                report.kept += 1;
-                tracing::warn!(table, partition = %part.name, "partition busy: dropped at a later pass");
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Ok(report)
-}
-
-/// The suffix of a partition detached by retention, until it is dropped.
-const RETIRED: &str = "_retired";
-
-/// Drops the partitions of `table` that retention detached and did not
-/// drop (a pass stopped in between): tables named as this module names
-/// partitions, with the `_retired` suffix, that are no partition.
-async fn drop_retired(conn: &mut PgConnection, schema: &str, table: &str) -> Result<()> {
-    let retired: Vec<String> = sqlx::query_scalar(
-        "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-         WHERE n.nspname = $1 AND c.relkind = 'r' AND NOT c.relispartition
-           AND (c.relname::text LIKE replace($2, '_', '\\_') || '\\_p%\\_retired'
-                OR c.relname::text = $2 || '_legacy_retired')",
-    )
-    .bind(schema)
-    .bind(table)
-    .fetch_all(&mut *conn)
+    sqlx::query(&format!(
+        "COMMENT ON TABLE {table} IS '{}'",
+        plan_comment(plan)
+    ))
+    .execute(&mut *conn)
     .await?;
-    for name in retired {
-        drop_table(conn, schema, &name).await?;
-    }
     Ok(())
 }
 
-async fn drop_table(conn: &mut PgConnection, schema: &str, name: &str) -> Result<()> {
-    sqlx::query(&format!("DROP TABLE IF EXISTS {}", qualified(schema, name)))
-        .execute(&mut *conn)
-        .await?;
-    Ok(())
-}
-
-/// The legacy and default partitions of `table` (cleaned row by row), or
-/// `[table]` itself when it is not partitioned; schema-qualified.
-pub(crate) async fn row_cleaned(pool: &PgPool, table: &str) -> Result<Vec<String>> {
-    let mut conn = pool.acquire().await?;
-    match locate(&mut conn, table).await? {
-        Some((schema, true)) => Ok(partitions_of(&mut conn, table)
-            .await?
-            .into_iter()
-            .filter(|p| p.kind != PartitionKind::Range)
-            .map(|p| qualified(&schema, &p.name))
-            .collect()),
-        Some((schema, false)) => Ok(vec![qualified(&schema, table)]),
-        None => Err(Error::Config(format!(
-            "no `{table}` table in the connection's search_path: run `outbox migrate`"
-        ))),
+/// The plan [`enable`] recorded on `table` (the defaults for what it did
+/// not record); the period is the table's own (its newest partition's).
+async fn enabled_plan(conn: &mut PgConnection, table: &str) -> Result<PartitionPlan> {
+    let comment: Option<String> =
+        sqlx::query_scalar("SELECT obj_description(to_regclass($1), 'pg_class')")
+            .bind(table)
+            .fetch_one(&mut *conn)
+            .await?;
+    let mut plan = PartitionPlan::default();
+    if let Some((ahead, lock_timeout)) = comment.as_deref().and_then(parse_plan) {
+        plan.ahead = ahead;
+        plan.lock_timeout = lock_timeout;
     }
-}
-
-/// Runs `drop_expired` on every table and, as the maintainer when nobody
-/// else is, creates the partitions ahead (`plan.ahead`).
-pub(crate) async fn retention_pass(
-    pool: &PgPool,
-    cutoff: sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc>,
-    plan: &PartitionPlan,
-) -> Result<DropReport> {
-    let mut total = DropReport::default();
-    let outcome = as_leader(pool, async |conn: &mut PgConnection| {
-        let mut ahead = MaintainReport::default();
-        for table in TABLES {
-            if let Some((schema, true)) = locate(conn, table).await? {
-                // A partition not created now (its lock was busy) is created
-                // at the next pass; meanwhile its rows go to the default.
-                if let Err(error) = create_ahead(conn, &schema, table, plan, &mut ahead).await {
-                    tracing::warn!(table, %error, "partitions ahead not created: retried at the next pass");
-                }
-                let r = drop_expired(conn, table, cutoff, plan.lock_timeout).await?;
-                total.dropped += r.dropped;
-                total.kept += r.kept;
-            }
-        }
-        Ok(())
-    })
-    .await?;
-    if outcome.is_none() {
-        tracing::debug!("partition maintenance busy elsewhere: partitions left for the next pass");
+    if let Some(period) = ahead::period_of(&partitions_of(conn, table).await?) {
+        plan.period = Duration::from_millis(period as u64);
     }
-    Ok(total)
+    Ok(plan)
 }
 
 #[cfg(test)]
@@ -707,6 +465,24 @@ mod tests {
         assert_eq!(parse_bound("DEFAULT").0, PartitionKind::Default);
         assert_eq!(with_suffix(&"x".repeat(70), "_legacy").len(), 63);
         assert_eq!(with_suffix("ix_a", "_legacy"), "ix_a_legacy");
+    }
+
+    #[test]
+    fn the_plan_round_trips_through_its_comment() {
+        let plan = PartitionPlan {
+            ahead: 7,
+            lock_timeout: Duration::from_millis(350),
+            ..PartitionPlan::default()
+        };
+        assert_eq!(
+            parse_plan(&plan_comment(&plan)),
+            Some((7, Duration::from_millis(350)))
+        );
+        assert_eq!(parse_plan("orders of the shop"), None);
+        assert_eq!(
+            parse_plan("outbox partitions: ahead=x lock_timeout_ms=1"),
+            None
+        );
     }
 
     /// The relay's claim, on the partitioned layout with rows in the
@@ -782,7 +558,7 @@ mod tests {
     async fn the_claim_of_some_lanes_walks_the_slot_index_of_every_partition(pool: PgPool) {
         use crate::relay::claim::{claim_slots, per_slot};
         use crate::relay::lanes::slots_of;
-        use crate::scope::Lock;
+        use crate::scope::{Lock, OutboxScope};
         let insert = "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id,
                                                 event_type, payload, topic, partition_key)
                       VALUES ($1, 'a', 'k', 'e', '{}', 't', $2)";

@@ -1,7 +1,8 @@
 //! Claiming unpublished rows (`FOR UPDATE SKIP LOCKED`, id order, only of the
 //! lanes this relay owns, at most a row count and a byte budget) and closing
 //! a claimed batch: marking the delivered rows published and recording the
-//! failures, in the claim's own transaction.
+//! failures, in the claim's own transaction (the failures in a savepoint:
+//! a refused failure record costs the marks nothing).
 //!
 //! The byte budget: the claim's rows pass through two window functions over
 //! the locking scan's output (a running sum of each row's bytes, then a
@@ -15,7 +16,27 @@ use sqlx::{PgPool, Postgres, Transaction};
 
 use super::lanes::{self, Claimable};
 use crate::error::Result;
+use crate::refusal::{Statement, Trouble};
 use crate::scope::{Lock, OutboxScope};
+
+/// The claim, as a refusal names it (`FOR UPDATE` needs an `UPDATE`
+/// privilege on some column).
+pub(crate) const CLAIM: Statement = Statement {
+    name: "relay: claim rows",
+    needs: "SELECT, UPDATE (published_at, …) ON outbox_event",
+};
+
+/// Marking rows published.
+pub(crate) const MARK: Statement = Statement {
+    name: "relay: mark rows published",
+    needs: "UPDATE (published_at) ON outbox_event",
+};
+
+/// Recording delivery failures (and parking rows).
+pub(crate) const RECORD: Statement = Statement {
+    name: "relay: record failed deliveries",
+    needs: "UPDATE (attempts, last_error, last_attempt_at, parked_at, held_until) ON outbox_event",
+};
 
 /// One claimed outbox row, ready to publish.
 #[derive(Debug, Clone, sqlx::FromRow)]
@@ -250,6 +271,11 @@ const MARK_PUBLISHED: &str = "UPDATE outbox_event SET published_at = statement_t
      WHERE ctid = ANY($1::text[]::tid[]) AND event_id = ANY($2::uuid[])
        AND event_id BETWEEN $3 AND $4";
 
+/// Marks delivered rows published by event id (`$1`), outside the claim
+/// that delivered them: see [`record_published`].
+const MARK_DELIVERED: &str = "UPDATE outbox_event SET published_at = statement_timestamp()
+     WHERE event_id = ANY($1::uuid[]) AND published_at IS NULL";
+
 const RECORD_FAILURES: &str = "\
 UPDATE outbox_event o
 SET attempts = o.attempts + f.counted::int,
@@ -359,22 +385,52 @@ pub(crate) struct Failure {
     pub hold: Option<f64>,
 }
 
+/// How a batch's transaction ended, when its marks committed.
+#[derive(Debug, Default)]
+pub(crate) struct Finished {
+    /// The statements that went through.
+    pub ran: Vec<Statement>,
+    /// The database refused to record the failures or holds: rolled back
+    /// to before them, the marks committed; the rows they were about go back
+    /// to the claim's queue as they were.
+    pub refused: Option<Trouble>,
+}
+
+/// A batch whose marks did not commit: its delivered rows stay unpublished
+/// in the table.
+#[derive(Debug)]
+pub(crate) struct Unfinished {
+    pub trouble: Trouble,
+    /// The rows delivered: id, event id.
+    pub delivered: Vec<(i64, uuid::Uuid)>,
+}
+
 impl Batch {
     /// Marks `published` rows, records `failures`, holds the withheld rows
     /// in `holds` (id, seconds), commits. Other rows are only unlocked.
+    ///
+    /// A refusal of the failures or holds (a role that may not write
+    /// `held_until`, say) does not cost the marks: they are recorded in a
+    /// savepoint, rolled back alone, and the marks commit.
     pub async fn finish(
         mut self,
         published: &[i64],
         failures: &[Failure],
         holds: &[(i64, f64)],
-    ) -> Result<()> {
-        if !published.is_empty() {
-            let published: std::collections::HashSet<i64> = published.iter().copied().collect();
-            let marked: Vec<&Row> = self
-                .rows
-                .iter()
-                .filter(|r| published.contains(&r.id))
-                .collect();
+    ) -> std::result::Result<Finished, Unfinished> {
+        let published: std::collections::HashSet<i64> = published.iter().copied().collect();
+        let marked: Vec<&Row> = self
+            .rows
+            .iter()
+            .filter(|r| published.contains(&r.id))
+            .collect();
+        let delivered: Vec<(i64, uuid::Uuid)> = marked.iter().map(|r| (r.id, r.event_id)).collect();
+        let unfinished = |trouble: Trouble| Unfinished {
+            trouble,
+            delivered: delivered.clone(),
+        };
+        let mut finished = Finished::default();
+        if !marked.is_empty() {
             let tids: Vec<&str> = marked.iter().map(|r| r.tid.as_str()).collect();
             let event_ids: Vec<uuid::Uuid> = marked.iter().map(|r| r.event_id).collect();
             let (first, last) = (event_ids.iter().min(), event_ids.iter().max());
@@ -384,35 +440,96 @@ impl Batch {
                 .bind(first)
                 .bind(last)
                 .execute(&mut *self.tx)
-                .await?;
+                .await
+                .map_err(|e| unfinished(Trouble::from(e).during(MARK)))?;
+            finished.ran.push(MARK);
         }
-        if !failures.is_empty() {
-            let ids: Vec<i64> = failures.iter().map(|f| f.id).collect();
-            let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
-            let counted: Vec<bool> = failures.iter().map(|f| f.counted).collect();
-            let park: Vec<bool> = failures.iter().map(|f| f.park).collect();
-            let hold: Vec<Option<f64>> = failures.iter().map(|f| f.hold).collect();
-            sqlx::query(RECORD_FAILURES)
-                .bind(&ids)
-                .bind(&errors)
-                .bind(&counted)
-                .bind(&park)
-                .bind(&hold)
+        if !failures.is_empty() || !holds.is_empty() {
+            sqlx::query("SAVEPOINT outbox_relay_failures")
                 .execute(&mut *self.tx)
-                .await?;
+                .await
+                .map_err(|e| unfinished(e.into()))?;
+            match record(&mut self.tx, failures, holds, &mut finished.ran).await {
+                Ok(()) => {}
+                Err(trouble @ Trouble::Refused(_)) => {
+                    sqlx::query("ROLLBACK TO SAVEPOINT outbox_relay_failures")
+                        .execute(&mut *self.tx)
+                        .await
+                        .map_err(|e| unfinished(e.into()))?;
+                    finished.refused = Some(trouble);
+                }
+                Err(outage) => return Err(unfinished(outage)),
+            }
         }
-        if !holds.is_empty() {
-            let ids: Vec<i64> = holds.iter().map(|h| h.0).collect();
-            let secs: Vec<f64> = holds.iter().map(|h| h.1).collect();
-            sqlx::query(super::held::HOLD)
-                .bind(&ids)
-                .bind(&secs)
-                .execute(&mut *self.tx)
-                .await?;
-        }
-        self.tx.commit().await?;
-        Ok(())
+        self.tx.commit().await.map_err(|e| unfinished(e.into()))?;
+        Ok(finished)
     }
+}
+
+/// Records `failures` and `holds` on `tx`, adding the statements that went
+/// through to `ran`.
+async fn record(
+    tx: &mut Transaction<'static, Postgres>,
+    failures: &[Failure],
+    holds: &[(i64, f64)],
+    ran: &mut Vec<Statement>,
+) -> std::result::Result<(), Trouble> {
+    if !failures.is_empty() {
+        let ids: Vec<i64> = failures.iter().map(|f| f.id).collect();
+        let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
+        let counted: Vec<bool> = failures.iter().map(|f| f.counted).collect();
+        let park: Vec<bool> = failures.iter().map(|f| f.park).collect();
+        let hold: Vec<Option<f64>> = failures.iter().map(|f| f.hold).collect();
+        sqlx::query(RECORD_FAILURES)
+            .bind(&ids)
+            .bind(&errors)
+            .bind(&counted)
+            .bind(&park)
+            .bind(&hold)
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| Trouble::from(e).during(RECORD))?;
+        ran.push(RECORD);
+    }
+    if !holds.is_empty() {
+        let ids: Vec<i64> = holds.iter().map(|h| h.0).collect();
+        let secs: Vec<f64> = holds.iter().map(|h| h.1).collect();
+        sqlx::query(super::held::HOLD)
+            .bind(&ids)
+            .bind(&secs)
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| Trouble::from(e).during(super::held::HOLDING))?;
+        ran.push(super::held::HOLDING);
+    }
+    Ok(())
+}
+
+/// Marks rows delivered by batches whose marks did not commit (`event_ids`)
+/// published, in a transaction of its own under `statement_timeout` (0:
+/// none). The relay claims nothing until they are: it never sends a row
+/// it knows it delivered again (see the relay's `Loop::unrecorded`).
+pub(crate) async fn record_published(
+    pool: &PgPool,
+    event_ids: &[uuid::Uuid],
+    statement_timeout: std::time::Duration,
+) -> std::result::Result<(), Trouble> {
+    let result = async {
+        let mut tx = pool.begin().await?;
+        sqlx::query(&format!(
+            "SET LOCAL statement_timeout = {}",
+            statement_timeout.as_millis()
+        ))
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(MARK_DELIVERED)
+            .bind(event_ids)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await
+    }
+    .await;
+    result.map_err(|e| Trouble::from(e).during(MARK))
 }
 
 #[cfg(test)]

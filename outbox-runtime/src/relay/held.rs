@@ -36,6 +36,29 @@
 //! topics is not needed for order: a relay that took a lane over, or
 //! restarted, finds the holds in the table.
 
+use crate::refusal::{Statement, Trouble};
+
+/// How long [`release`] waits for a lock on the outbox, in milliseconds.
+const RELEASE_LOCK_WAIT_MS: u128 = 200;
+
+/// [`HOLD`], as a refusal names it.
+pub(crate) const HOLDING: Statement = Statement {
+    name: "relay: hold rows back",
+    needs: "UPDATE (held_until) ON outbox_event",
+};
+
+/// [`RELEASE`].
+pub(crate) const RELEASING: Statement = Statement {
+    name: "relay: release held rows",
+    needs: "UPDATE (held_until) ON outbox_event",
+};
+
+/// [`EXTEND`] and [`RELEASE_TOPIC`].
+pub(crate) const TOPIC_ROWS: Statement = Statement {
+    name: "relay: hold or release a missing topic's rows",
+    needs: "UPDATE (held_until) ON outbox_event",
+};
+
 /// Holds claimed rows (`$1` ids) for `$2` seconds each, in the claim's
 /// transaction.
 pub(crate) const HOLD: &str = "\
@@ -62,32 +85,50 @@ pub(crate) const RELEASE_INTERVAL: std::time::Duration = std::time::Duration::fr
 /// the relay's loop.
 ///
 /// It runs only on a connection the pool has free at once (none: nothing
-/// released this round). The relay may call it while a batch of its holds a
+/// released this round, `None`). The relay may call it while a batch of its holds a
 /// connection: waiting for one there could deadlock relays sharing a small
 /// pool (each holding a batch's connection, each waiting for another).
 pub(crate) async fn release(
     pool: &sqlx::PgPool,
     limit: i64,
     statement_timeout: std::time::Duration,
-) -> crate::error::Result<u64> {
+) -> Result<Option<u64>, Trouble> {
     use sqlx::Connection as _;
     let Some(mut conn) = pool.try_acquire() else {
-        return Ok(0);
+        return Ok(None);
     };
-    let mut tx = conn.begin().await?;
-    sqlx::query(&format!(
-        "SET LOCAL statement_timeout = {}",
-        statement_timeout.as_millis()
-    ))
-    .execute(&mut *tx)
-    .await?;
-    let released = sqlx::query(RELEASE)
-        .bind(limit)
+    let result = async {
+        let mut tx = conn.begin().await?;
+        // A short lock wait: this runs while the relay's batch in flight
+        // holds its claim's row locks. Behind a table lock requested
+        // meanwhile (a partition detached, a migration), which itself waits
+        // for that claim to end, this statement would wait until the
+        // request times out — and the relay with it, its claim open: a
+        // cycle PostgreSQL cannot see. Giving up lets the relay go on,
+        // finish its batch and free the way; it releases at its next turn.
+        let lock_wait = match statement_timeout.as_millis() {
+            0 => RELEASE_LOCK_WAIT_MS,
+            ms => ms.min(RELEASE_LOCK_WAIT_MS),
+        };
+        sqlx::query(&format!(
+            "SET LOCAL statement_timeout = {}",
+            statement_timeout.as_millis(),
+        ))
         .execute(&mut *tx)
-        .await?
-        .rows_affected();
-    tx.commit().await?;
-    Ok(released)
+        .await?;
+        sqlx::query(&format!("SET LOCAL lock_timeout = {lock_wait}"))
+            .execute(&mut *tx)
+            .await?;
+        let released = sqlx::query(RELEASE)
+            .bind(limit)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        tx.commit().await?;
+        Ok::<_, sqlx::Error>(Some(released))
+    }
+    .await;
+    result.map_err(|e| Trouble::from(e).during(RELEASING))
 }
 
 /// Holds every held row of topic `$1` until `$2` seconds from now, those
@@ -112,20 +153,24 @@ pub(crate) async fn topic_rows(
     pool: &sqlx::PgPool,
     action: &super::topics::Action,
     statement_timeout: std::time::Duration,
-) -> crate::error::Result<u64> {
+) -> Result<u64, Trouble> {
     use super::topics::Action;
-    let mut tx = pool.begin().await?;
-    sqlx::query(&format!(
-        "SET LOCAL statement_timeout = {}",
-        statement_timeout.as_millis()
-    ))
-    .execute(&mut *tx)
-    .await?;
-    let query = match action {
-        Action::Extend { topic, secs } => sqlx::query(EXTEND).bind(topic).bind(*secs),
-        Action::Release { topic } => sqlx::query(RELEASE_TOPIC).bind(topic),
-    };
-    let rows = query.execute(&mut *tx).await?.rows_affected();
-    tx.commit().await?;
-    Ok(rows)
+    let result = async {
+        let mut tx = pool.begin().await?;
+        sqlx::query(&format!(
+            "SET LOCAL statement_timeout = {}",
+            statement_timeout.as_millis()
+        ))
+        .execute(&mut *tx)
+        .await?;
+        let query = match action {
+            Action::Extend { topic, secs } => sqlx::query(EXTEND).bind(topic).bind(*secs),
+            Action::Release { topic } => sqlx::query(RELEASE_TOPIC).bind(topic),
+        };
+        let rows = query.execute(&mut *tx).await?.rows_affected();
+        tx.commit().await?;
+        Ok::<_, sqlx::Error>(rows)
+    }
+    .await;
+    result.map_err(|e| Trouble::from(e).during(TOPIC_ROWS))
 }

@@ -159,6 +159,9 @@ pub(crate) struct LaneManager {
     timeout: Duration,
     shared: Arc<Shared>,
     conn: Option<Session>,
+    /// Reports refusals (a role that may not connect, say): see
+    /// [`crate::refusal`].
+    health: crate::backoff::Health,
 }
 
 /// The connection holding this relay's locks, and what it holds.
@@ -229,6 +232,7 @@ impl LaneManager {
         count: u16,
         timeout: Duration,
         shared: Arc<Shared>,
+        problems: crate::backoff::Problems,
     ) -> Result<Self> {
         let mut manager = Self {
             pool: pool.clone(),
@@ -237,6 +241,12 @@ impl LaneManager {
             timeout,
             shared,
             conn: None,
+            health: crate::backoff::Health::new(
+                "database (lane manager)",
+                Duration::from_millis(100),
+                Duration::from_secs(5),
+            )
+            .reporting(problems),
         };
         match manager.round().await {
             Ok(()) => {}
@@ -254,6 +264,8 @@ impl LaneManager {
             loop {
                 let wait = if failures == 0 {
                     REBALANCE_INTERVAL
+                } else if self.health.refusing() {
+                    Duration::from_secs(5)
                 } else {
                     crate::backoff::delay(
                         Duration::from_millis(100),
@@ -271,12 +283,17 @@ impl LaneManager {
                             tracing::info!("lane manager reconnected");
                         }
                         failures = 0;
+                        self.health.up();
                     }
                     Err(error) => {
                         if failures == 0 {
                             self.lost(&error);
                         } else {
                             self.conn = None;
+                            let trouble = crate::refusal::Trouble::from(&error);
+                            if trouble.refusal().is_some() {
+                                self.health.down(trouble);
+                            }
                         }
                         failures = failures.saturating_add(1);
                     }
@@ -313,7 +330,12 @@ impl LaneManager {
     }
 
     fn lost(&mut self, error: &Error) {
-        tracing::warn!(%error, "lane manager lost its connection; claiming nothing until it is back");
+        let trouble = crate::refusal::Trouble::from(error);
+        if trouble.refusal().is_some() {
+            self.health.down(trouble);
+        } else {
+            tracing::warn!(%error, "lane manager lost its connection; claiming nothing until it is back");
+        }
         self.conn = None;
         self.shared.set(Vec::new(), 0);
     }

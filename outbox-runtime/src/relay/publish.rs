@@ -88,6 +88,9 @@ pub(crate) enum Outcome {
     /// Not sent: an earlier event of its key failed in this batch, or the
     /// producer queue refused it.
     Withheld,
+    /// Not sent again: delivered in an earlier batch whose marks did not
+    /// commit (the relay records it with this batch's marks).
+    Unrecorded,
 }
 
 /// The relay's producer (idempotent, `acks=all`), recreated after a fatal error.
@@ -450,28 +453,28 @@ pub(crate) fn headers_of(row: &Row, ce: &CloudEvents) -> OwnedHeaders {
             });
         }
     }
-    if row.headers.len() > 2 {
-        if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(&row.headers) {
-            for (key, value) in map {
-                // The identity headers above are the only ones: a stored
-                // entry of the same name (written by another tool or an
-                // older version), or a `ce_` one while CloudEvents headers
-                // are written, is not sent.
-                if IDENTITY.iter().any(|h| h.eq_ignore_ascii_case(&key))
-                    || (ce.mode != CloudEventsMode::Off
-                        && key.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("ce_")))
-                {
-                    continue;
-                }
-                let text = match value {
-                    serde_json::Value::String(s) => s,
-                    other => other.to_string(),
-                };
-                headers = headers.insert(Header {
-                    key: &key,
-                    value: Some(text.as_bytes()),
-                });
+    if row.headers.len() > 2
+        && let Ok(serde_json::Value::Object(map)) = serde_json::from_str(&row.headers)
+    {
+        for (key, value) in map {
+            // The identity headers above are the only ones: a stored
+            // entry of the same name (written by another tool or an
+            // older version), or a `ce_` one while CloudEvents headers
+            // are written, is not sent.
+            if IDENTITY.iter().any(|h| h.eq_ignore_ascii_case(&key))
+                || (ce.mode != CloudEventsMode::Off
+                    && key.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("ce_")))
+            {
+                continue;
             }
+            let text = match value {
+                serde_json::Value::String(s) => s,
+                other => other.to_string(),
+            };
+            headers = headers.insert(Header {
+                key: &key,
+                value: Some(text.as_bytes()),
+            });
         }
     }
     headers

@@ -183,6 +183,9 @@ impl ConsumerBuilder {
         if let Some(n) = s.processor_poll_interval_ms {
             self = self.processor_poll_interval(ms(n));
         }
+        if let Some(n) = s.stall_timeout_ms {
+            self = self.stall_timeout(ms(n));
+        }
         Ok(self)
     }
 }

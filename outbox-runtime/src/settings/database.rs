@@ -186,37 +186,28 @@ async fn resolve_allow(options: PgConnectOptions, timeout: Duration) -> PgConnec
     }
 }
 
-/// `postgres://user:***@host/db`: the URL with its password hidden.
+/// `postgres://user:***@host/db`: the URL with its password hidden (the
+/// user-info's, and a `password` query parameter). Anything that is not a
+/// URL with an authority (`scheme://…`) is hidden whole.
 pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
+    let Some(mut parsed) = url::Url::parse(url).ok().filter(url::Url::has_authority) else {
         return kafka::REDACTED.into();
     };
-    let end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
-    let authority = match authority.rsplit_once('@') {
-        Some((userinfo, host)) => match userinfo.split_once(':') {
-            Some((user, _)) => format!("{user}:{}@{host}", kafka::REDACTED),
-            None => format!("{userinfo}@{host}"),
-        },
-        None => authority.to_owned(),
-    };
-    // A password can also be a query parameter.
-    let tail = match tail.split_once('?') {
-        Some((path, query)) => {
-            let query: Vec<String> = query
-                .split('&')
-                .map(|pair| match pair.split_once('=') {
-                    Some((k, _)) if k.eq_ignore_ascii_case("password") => {
-                        format!("{k}={}", kafka::REDACTED)
-                    }
-                    _ => pair.to_owned(),
-                })
-                .collect();
-            format!("{path}?{}", query.join("&"))
-        }
-        None => tail.to_owned(),
-    };
-    format!("{scheme}://{authority}{tail}")
+    if parsed.password().is_some() && parsed.set_password(Some(kafka::REDACTED)).is_err() {
+        return kafka::REDACTED.into();
+    }
+    let password = |k: &str| k.eq_ignore_ascii_case("password");
+    if parsed.query_pairs().any(|(k, _)| password(&k)) {
+        let pairs: Vec<(String, String)> = parsed
+            .query_pairs()
+            .map(|(k, v)| match password(&k) {
+                true => (k.into_owned(), kafka::REDACTED.to_owned()),
+                false => (k.into_owned(), v.into_owned()),
+            })
+            .collect();
+        parsed.query_pairs_mut().clear().extend_pairs(pairs);
+    }
+    parsed.into()
 }
 
 #[cfg(test)]
@@ -235,6 +226,17 @@ mod tests {
             "postgres://h/d?user=u&password=***"
         );
         assert_eq!(redact_url("garbage s3cret"), "***");
+        // Not a URL with an authority: hidden whole.
+        assert_eq!(redact_url("u:s3cret@h/d"), "***");
+        assert_eq!(
+            redact_url("postgres://u:s%40cret@[::1]:5432/d"),
+            "postgres://u:***@[::1]:5432/d"
+        );
+        assert_eq!(
+            redact_url("postgres:///d?host=/run/pg&PASSWORD=s3cret"),
+            "postgres:///d?host=%2Frun%2Fpg&PASSWORD=***"
+        );
+        assert_eq!(redact_url("postgres://h/d"), "postgres://h/d");
         let d = DatabaseSettings {
             url: Some("postgres://u:s3cret@h/d".into()),
             ..DatabaseSettings::default()

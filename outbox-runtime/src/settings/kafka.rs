@@ -68,7 +68,7 @@ impl KafkaSettings {
     }
 
     /// The properties as `(key, value)` pairs, for
-    /// [`kafka::create_topics`] and [`ReplayOptions::kafka_settings`].
+    /// [`kafka::create_topics`] and [`ReplayOptions::kafka_settings`](crate::replay::ReplayOptions::kafka_settings).
     pub fn pairs(&self) -> Vec<(String, String)> {
         self.properties
             .iter()

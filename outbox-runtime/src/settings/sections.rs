@@ -126,6 +126,9 @@ pub struct ConsumerSettings {
     pub processor_batch_size: Option<usize>,
     /// Inbox mode: idle processor poll interval (default 500 ms).
     pub processor_poll_interval_ms: Option<u64>,
+    /// Receiving nothing this long with messages to read: stalled (default
+    /// 60 s).
+    pub stall_timeout_ms: Option<u64>,
 }
 
 impl ConsumerSettings {
@@ -151,6 +154,7 @@ impl ConsumerSettings {
             processor_poll_interval_ms: higher
                 .processor_poll_interval_ms
                 .or(self.processor_poll_interval_ms),
+            stall_timeout_ms: higher.stall_timeout_ms.or(self.stall_timeout_ms),
         }
     }
 }

@@ -398,10 +398,10 @@ impl State {
     /// gone then: a test holding a clone may see it reset by another
     /// process — a server restart in the middle of a test run).
     async fn conn(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
-        if let Some(conn) = &mut self.conn {
-            if conn.ping().await.is_err() {
-                self.conn = None;
-            }
+        if let Some(conn) = &mut self.conn
+            && conn.ping().await.is_err()
+        {
+            self.conn = None;
         }
         if self.conn.is_none() {
             self.conn = Some(self.options.connect().await?);

@@ -27,6 +27,8 @@
 //!
 //! Retry back-offs wait on the bus's [`TestClock`], which moves forward at
 //! once: a handler that fails until it is dead-lettered costs milliseconds.
+//! [`TestBus::send`] adds a message of another producer ([`RawMessage`]: a
+//! CloudEvent of another system, a malformed message) to the next delivery.
 //! [`Faults`] make the bus misbehave as a broker and a crashing consumer
 //! can (every event delivered twice, a batch delivered again after its
 //! transaction committed, keys interleaved); [`FailTimes`] makes a handler
@@ -35,11 +37,12 @@
 //! for the same typed tests run end to end. [`TestDb`] gives each test a
 //! migrated database in milliseconds, cloned from a template.
 //!
-//! Files: `report.rs` (the [`Delivery`] and its assertions), `faults.rs`,
-//! `topics.rs`, `db.rs`.
+//! Files: `report.rs` (the [`Delivery`] and its assertions), `raw.rs`,
+//! `faults.rs`, `topics.rs`, `db.rs`.
 
 mod db;
 mod faults;
+mod raw;
 mod report;
 mod topics;
 
@@ -52,6 +55,7 @@ use uuid::Uuid;
 
 pub use self::db::{TestDb, TestDbBuilder, TestDbError};
 pub use self::faults::{FailTimes, Faults};
+pub use self::raw::RawMessage;
 pub use self::report::{Delivered, Delivery, Outcome, Published, TypeCounts};
 pub use self::topics::{FIRST_OFFSET, TestTopics};
 pub use crate::inbox::TestClock;
@@ -118,6 +122,8 @@ pub struct TestBus {
     clock: TestClock,
     max_rounds: usize,
     cloud_events: crate::cloudevents::CloudEvents,
+    /// Messages of other producers for the next delivery ([`Self::send`]).
+    sent: Vec<RawMessage>,
 }
 
 impl std::fmt::Debug for TestBus {
@@ -168,6 +174,7 @@ impl TestBus {
             clock: TestClock::default(),
             max_rounds: DEFAULT_MAX_ROUNDS,
             cloud_events: Default::default(),
+            sent: Vec::new(),
         }
     }
 
@@ -229,6 +236,15 @@ impl TestBus {
         self
     }
 
+    /// Adds a message of another producer to the next
+    /// [`deliver`](Self::deliver): delivered first, in the order sent, to
+    /// the consumers subscribed to its topic (its outcome in
+    /// [`Delivery::delivered`]; it is not in [`Delivery::published`]).
+    pub fn send(&mut self, message: RawMessage) -> &mut Self {
+        self.sent.push(message);
+        self
+    }
+
     /// The clock the consumers' retries wait on.
     pub fn clock(&self) -> &TestClock {
         &self.clock
@@ -251,7 +267,7 @@ impl TestBus {
             .sum();
         let mut rounds = 0;
         loop {
-            let mut messages = Vec::new();
+            let mut messages = self.take_sent();
             for i in 0..self.outboxes.len() {
                 messages.extend(self.take(i, &mut delivery).await?);
             }
@@ -313,6 +329,25 @@ impl TestBus {
             .sum::<u64>()
             - failures;
         Ok(delivery)
+    }
+
+    /// The messages sent since the last delivery, with their offsets.
+    fn take_sent(&mut self) -> Vec<Message> {
+        std::mem::take(&mut self.sent)
+            .into_iter()
+            .map(|m| {
+                let offset = self.offsets.entry(m.topic.clone()).or_insert(0);
+                *offset += 1;
+                Message {
+                    topic: Arc::from(m.topic.as_str()),
+                    partition: 0,
+                    offset: *offset - 1,
+                    key: m.key,
+                    headers: m.headers,
+                    payload: m.payload,
+                }
+            })
+            .collect()
     }
 
     /// Takes the unpublished rows of outbox `i` in id order, marks them
@@ -401,18 +436,37 @@ fn event_id(m: &Message) -> Option<Uuid> {
     use crate::cloudevents::header as ce;
     match header(m, crate::kafka::header::EVENT_ID) {
         Some(id) => id.parse().ok(),
-        None => Some(crate::cloudevents::event_id(
+        None => Some(crate::cloudevents::message_event_id(
             header(m, ce::SOURCE)?,
             header(m, ce::ID)?,
+            header(m, ce::AGGREGATE_TYPE).is_some(),
         )),
     }
 }
 
+/// Whether the consumer reads the message's CloudEvents headers (no
+/// `event_id` header, a `ce_id`), as `record.rs` decides.
+fn cloud(m: &Message) -> bool {
+    header(m, crate::kafka::header::EVENT_ID).is_none()
+        && header(m, crate::cloudevents::header::ID).is_some()
+}
+
+/// The event's version as the consumer reads it (`event_version`, or
+/// `ce_eventversion`): 1 if absent or not a number.
+fn event_version(m: &Message) -> u32 {
+    let name = match cloud(m) {
+        true => crate::cloudevents::header::EVENT_VERSION,
+        false => crate::kafka::header::EVENT_VERSION,
+    };
+    header(m, name).and_then(|v| v.parse().ok()).unwrap_or(1)
+}
+
 fn event_type(m: &Message) -> String {
-    header(m, crate::kafka::header::EVENT_TYPE)
-        .or_else(|| header(m, crate::cloudevents::header::TYPE))
-        .unwrap_or_default()
-        .to_owned()
+    let name = match cloud(m) {
+        true => crate::cloudevents::header::TYPE,
+        false => crate::kafka::header::EVENT_TYPE,
+    };
+    header(m, name).unwrap_or_default().to_owned()
 }
 
 /// Delivers one batch to `consumer` and records each message's outcome, as
@@ -509,6 +563,7 @@ async fn deliver_chunk(
                 .map(|k| String::from_utf8_lossy(k).into_owned())
                 .unwrap_or_default(),
             event_type,
+            event_version: event_version(m),
             offset: m.offset,
             payload: m.payload.clone().unwrap_or_default(),
             outcome,

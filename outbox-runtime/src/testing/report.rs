@@ -64,9 +64,15 @@ impl Published {
     }
 
     /// The event as `E`, if it is one (topic and event type match, and the
-    /// payload decodes).
+    /// payload decodes: an older version through `E`'s upcasters).
     pub fn decode<E: DomainEvent>(&self) -> Option<E> {
-        decode(&self.topic, &self.event_type, self.payload.as_bytes())
+        let version = u32::try_from(self.event_version).unwrap_or(1);
+        decode(
+            &self.topic,
+            &self.event_type,
+            version,
+            self.payload.as_bytes(),
+        )
     }
 
     /// A stored header's value (`correlation_id`, `causation_id`, …).
@@ -80,10 +86,26 @@ impl Published {
     }
 }
 
-fn decode<E: DomainEvent>(topic: &str, event_type: &str, payload: &[u8]) -> Option<E> {
-    (topic == E::TOPIC && E::EVENT_TYPES.contains(&event_type))
-        .then(|| E::from_payload(event_type, payload).ok())
-        .flatten()
+/// The event as `E`, decoded as a consumer decodes it: by its version, an
+/// older one through `E`'s upcasters. A version `E` cannot read (newer, or
+/// older than its upcasters) is decoded as it is, if its payload fits: a
+/// dead letter of an unsupported version still shows.
+fn decode<E: DomainEvent>(
+    topic: &str,
+    event_type: &str,
+    version: u32,
+    payload: &[u8],
+) -> Option<E> {
+    if topic != E::TOPIC || !E::EVENT_TYPES.contains(&event_type) {
+        return None;
+    }
+    match E::from_versioned_payload(event_type, version, payload) {
+        Ok(event) => Some(event),
+        Err(outbox_core::Error::UnsupportedVersion { .. }) => {
+            E::from_payload(event_type, payload).ok()
+        }
+        Err(_) => None,
+    }
 }
 
 /// What became of one message delivered to one consumer.
@@ -141,6 +163,9 @@ pub struct Delivered {
     pub key: String,
     /// The event type.
     pub event_type: String,
+    /// The event's schema version (the `event_version` header, or
+    /// `ce_eventversion`; 1 if absent).
+    pub event_version: u32,
     /// Its offset in the bus's log of the topic.
     pub offset: i64,
     /// The payload.
@@ -150,9 +175,15 @@ pub struct Delivered {
 }
 
 impl Delivered {
-    /// The event as `E`, if it is one.
+    /// The event as `E`, if it is one, as the handler got it (an older
+    /// version through `E`'s upcasters).
     pub fn decode<E: DomainEvent>(&self) -> Option<E> {
-        decode(&self.topic, &self.event_type, &self.payload)
+        decode(
+            &self.topic,
+            &self.event_type,
+            self.event_version,
+            &self.payload,
+        )
     }
 }
 

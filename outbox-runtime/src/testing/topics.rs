@@ -277,10 +277,10 @@ impl Drop for TestTopics {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build();
-            if let Ok(runtime) = runtime {
-                if let Err(error) = runtime.block_on(delete(&brokers, &topics)) {
-                    tracing::warn!(%error, ?topics, "test topics not deleted");
-                }
+            if let Ok(runtime) = runtime
+                && let Err(error) = runtime.block_on(delete(&brokers, &topics))
+            {
+                tracing::warn!(%error, ?topics, "test topics not deleted");
             }
         });
         let _ = deleting.join();

@@ -9,6 +9,7 @@
 #![allow(dead_code)]
 
 pub mod pg;
+pub mod roles;
 pub mod sasl;
 pub mod tls;
 
