@@ -113,16 +113,28 @@ async fn consumer_groups_killed_and_restarted_keep_going(pool: PgPool) {
     // twice in a run; on a loaded machine the backlog alone takes a minute.
     let bound = Duration::from_secs(180);
     let mut recovered = None;
+    // What both groups had applied, every 10 s: a group that stands still
+    // shows apart from one that is slow.
+    let mut progress = Vec::new();
+    let mut next_mark = Duration::ZERO;
     while last_fault.elapsed() < bound {
         let want = ids.len() as i64;
-        if applied(&pool, "effect", &ids).await >= want
-            && applied(&pool, "effect_inbox", &ids).await >= want
-        {
+        let dedup = applied(&pool, "effect", &ids).await;
+        let inbox = applied(&pool, "effect_inbox", &ids).await;
+        if last_fault.elapsed() >= next_mark {
+            progress.push(format!(
+                "{}s {dedup}/{inbox}",
+                last_fault.elapsed().as_secs()
+            ));
+            next_mark += Duration::from_secs(10);
+        }
+        if dedup >= want && inbox >= want {
             recovered = Some(last_fault.elapsed());
             break;
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    let progress = format!("of {}: {}", ids.len(), progress.join(", "));
     tokio::time::sleep(Duration::from_secs(2)).await;
     let ledger = writers.stop().await;
     let evidence = collect(
@@ -188,6 +200,10 @@ async fn consumer_groups_killed_and_restarted_keep_going(pool: PgPool) {
             figures_inbox.order_violations
         ),
     );
+    figures.note(
+        "applied by the dedup/inbox groups after the last fault",
+        &progress,
+    );
     figures.note("rejoins after a stall (all members)", rejoins);
     figures.note("writer errors", ledger.errors);
     figures.note("relay", format!("{relay_counts:?}"));
@@ -195,7 +211,7 @@ async fn consumer_groups_killed_and_restarted_keep_going(pool: PgPool) {
     figures_inbox.report();
     assert!(
         recovered.is_some(),
-        "not everything committed before the last fault was applied by both groups within {bound:?}"
+        "not everything committed before the last fault was applied by both groups within {bound:?}: {progress}"
     );
     assert!(inbox_done, "the inbox group did not apply every event");
     figures.assert_invariants();

@@ -157,10 +157,13 @@ pub struct ConsumerConfig {
     /// Inbox mode: processor tasks in this process (0: store only).
     pub processors: usize,
     /// A consumer that receives nothing for this long while its group (or
-    /// its own partitions) has messages to read is stalled: `health()` says
-    /// `Degraded` with the reason, the `outbox_consumer_stalled` gauge is 1,
-    /// and a member that owns no partition rejoins the group. Keep it above
-    /// the group's `session.timeout.ms` (librdkafka's default: 45 s).
+    /// its own partitions) has messages to read is stalled, and so is one
+    /// whose group has a partition with messages to read and a committed
+    /// offset that has not moved for this long: `health()` says `Degraded`
+    /// with the reason, the `outbox_consumer_stalled` gauge is 1, and in
+    /// the second case the member rejoins the group. Keep it above the
+    /// group's `session.timeout.ms` (librdkafka's default: 45 s) and above
+    /// the longest time a handler may hold one message.
     pub stall_timeout: Duration,
     /// Prepended to the handlers' topics (default empty): a handler of
     /// `orders` events reads `{topic_prefix}orders`. The relay takes the

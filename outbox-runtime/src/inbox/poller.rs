@@ -16,8 +16,8 @@
 //! up.
 //!
 //! A consumer that receives nothing for `stall_timeout` while there are
-//! messages to read is reported stalled, and rejoins the group if it owns
-//! no partition ([`super::stall`]).
+//! messages to read is reported stalled, and rejoins the group when
+//! partitions with messages to read do not move ([`super::stall`]).
 //!
 //! Offsets are committed only here, and only what the database task
 //! reported as committed ([`Shared::completed`]): per partition the offset
@@ -475,8 +475,9 @@ impl Poller {
                     self.consumer = Self::create(&self.settings, &self.shared)?;
                 }
                 Exit::Rejoin => {
-                    // Owns nothing: nothing to commit. Closing the client
-                    // leaves the group; the new one joins as a new member.
+                    // Commits what it owns; closing the client leaves the
+                    // group; the new one joins as a new member.
+                    self.shared.commit(&self.consumer, CommitMode::Sync, true);
                     self.consumer = Self::create(&self.settings, &self.shared)?;
                 }
             }
@@ -588,13 +589,19 @@ impl Poller {
                 }
             }
 
-            let owned = lock(&self.shared.assignment).owned.len();
             let probe = Probe {
                 client: &s.client,
                 topics: &s.topics,
                 fetched: &self.shared.fetched_ends,
             };
-            if watchdog.check(consumer, &probe, owned) == Action::Rejoin {
+            let owned = || {
+                lock(&self.shared.assignment)
+                    .owned
+                    .keys()
+                    .map(|(t, p)| (t.to_string(), *p))
+                    .collect()
+            };
+            if watchdog.check(consumer, &probe, &owned) == Action::Rejoin {
                 return Exit::Rejoin;
             }
 

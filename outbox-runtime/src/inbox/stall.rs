@@ -4,20 +4,27 @@
 //! it owns no partition although its group has messages to read (a broker
 //! that kept a dead member's assignment, or a rebalance that ended without
 //! one); it owns partitions with messages past its position and receives
-//! none; or it has read everything on its own partitions while another of
-//! the group's partitions is assigned to no live member. After
-//! `stall_timeout` without a message, the watchdog measures the lag — first
-//! on its own partitions; with none left there (or no partition), the
-//! group's committed offsets against the partitions' log ends, stalled only
-//! if those offsets stood still since its previous probe (else other
-//! members consume and this one is spare or done) — and, with lag, reports
-//! the consumer stalled: `health()` is `Degraded` with the reason, the
-//! `outbox_consumer_stalled` gauge is 1. When it is the group that does not
-//! move, the member rejoins the group as a new member, at most once per
-//! `stall_timeout`: the rebalance makes the broker assign every partition
-//! to a live member again. Receiving a message, or finding no lag, clears
-//! the state.
+//! none; or another of the group's partitions is assigned to no live
+//! member while this one consumes its own. The watchdog measures:
+//!
+//! - after `stall_timeout` without a message, the lag on its own
+//!   partitions;
+//! - every probe interval, quiet or not, the group's committed offsets
+//!   against the partitions' log ends. A partition with messages to read
+//!   whose committed offset has not moved for `stall_timeout` is stuck
+//!   (a busy member does not count its own partitions: it is reading them).
+//!
+//! With lag it reports the consumer stalled: `health()` is `Degraded` with
+//! the reason (naming the stuck partitions), the `outbox_consumer_stalled`
+//! gauge is 1. When partitions are stuck, the member rejoins the group as
+//! a new member, at most once per `stall_timeout`: the rebalance makes the
+//! broker assign every partition to a live member again. A probe cannot
+//! tell a dead owner from one that holds a partition longer than
+//! `stall_timeout` (a handler retrying one message): then the rejoin costs
+//! a rebalance and nothing else. Receiving a message on a member with no
+//! stuck partition, or finding no lag, clears the state.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -51,6 +58,9 @@ pub(crate) enum Action {
     Rejoin,
 }
 
+/// A partition: (topic, partition).
+type Key = (String, i32);
+
 /// The watchdog's state (one per polling thread).
 pub(crate) struct Watchdog {
     timeout: Duration,
@@ -59,16 +69,23 @@ pub(crate) struct Watchdog {
     /// Since when nothing was received (or the lag was last found 0).
     quiet_since: Instant,
     last_probe: Option<Instant>,
+    last_group_probe: Option<Instant>,
     last_rejoin: Option<Instant>,
     stalled: bool,
-    /// The group's committed offsets at the last probe of a member that
-    /// owns nothing: a group whose offsets move is not stalled (its other
-    /// members consume; this one is spare).
-    group_offsets: Option<Vec<Committed>>,
+    /// The stall is the group's (stuck partitions), not this member's own.
+    of_group: bool,
+    /// Each partition's committed offset at the group's probes, and since
+    /// when it has had that value.
+    still: HashMap<Key, (i64, Instant)>,
 }
 
-/// A partition's committed offset: (topic, partition, offset).
-type Committed = (String, i32, i64);
+/// Stuck partitions found by a probe of the group.
+struct Stuck {
+    lag: i64,
+    partitions: Vec<Key>,
+    /// How many of them this member owns.
+    own: usize,
+}
 
 impl Watchdog {
     pub fn new(timeout: Duration, group: &str, stats: Arc<Stats>) -> Self {
@@ -78,16 +95,19 @@ impl Watchdog {
             stats,
             quiet_since: Instant::now(),
             last_probe: None,
+            last_group_probe: None,
             last_rejoin: None,
             stalled: false,
-            group_offsets: None,
+            of_group: false,
+            still: HashMap::new(),
         }
     }
 
-    /// A message was received: the consumer moves.
+    /// A message was received: the consumer moves (its group may still
+    /// have stuck partitions: the next probe of the group tells).
     pub fn received(&mut self) {
         self.quiet_since = Instant::now();
-        if self.stalled {
+        if self.stalled && !self.of_group {
             self.clear();
         }
     }
@@ -97,87 +117,138 @@ impl Watchdog {
         (self.timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(15))
     }
 
-    /// Looks at a consumer that has been quiet for `stall_timeout`: called
-    /// on every turn of the polling loop (cheap unless it is time to probe).
+    /// Looks at the consumer and its group: called on every turn of the
+    /// polling loop (cheap unless it is time to probe). `owned` lists the
+    /// partitions this member owns.
     pub fn check<C: ConsumerContext>(
         &mut self,
         consumer: &BaseConsumer<C>,
         probe: &Probe<'_>,
-        owned: usize,
+        owned: &dyn Fn() -> Vec<Key>,
     ) -> Action {
         let quiet = self.quiet_since.elapsed();
-        if quiet < self.timeout
-            || self
-                .last_probe
-                .is_some_and(|at| at.elapsed() < self.probe_interval())
+        if quiet < self.timeout {
+            // Busy (or not quiet for long): the group's other partitions,
+            // every other probe interval.
+            if self
+                .last_group_probe
+                .is_some_and(|at| at.elapsed() < 2 * self.probe_interval())
+            {
+                return Action::Nothing;
+            }
+            let own = owned();
+            return match self.group_stuck(probe, &own, false) {
+                Ok(Some(stuck)) => {
+                    let reason = format!(
+                        "stalled: the group's partition(s) {} have {} message(s) to read and \
+                         their committed offsets have not moved for {} s while this member \
+                         consumes its own {} (assigned to no live member?); rejoined the group \
+                         {} time(s)",
+                        names(&stuck.partitions),
+                        stuck.lag,
+                        self.timeout.as_secs(),
+                        own.len(),
+                        self.rejoins() + u64::from(self.may_rejoin()),
+                    );
+                    self.stall(reason, true)
+                }
+                Ok(None) => {
+                    if self.stalled {
+                        self.clear();
+                    }
+                    Action::Nothing
+                }
+                Err(error) => Self::unanswered(&error),
+            };
+        }
+        if self
+            .last_probe
+            .is_some_and(|at| at.elapsed() < self.probe_interval())
         {
             return Action::Nothing;
         }
         self.last_probe = Some(Instant::now());
+        let own = owned();
         // Its own partitions first; a member with nothing left on them (or
-        // none) looks at the whole group's.
-        let own = if owned == 0 {
+        // none) looks at the whole group's, its own included (its own
+        // measure may have been answered with ends too low).
+        let own_lag = if own.is_empty() {
             Ok(0)
         } else {
             own_lag(consumer, probe.fetched).map_err(crate::error::Error::from)
         };
-        let (lag, of_group) = match own {
-            Ok(0) => match self.group_stalled(probe) {
-                Ok(Some(lag)) => (lag, true),
-                Ok(None) => return Action::Nothing,
-                Err(error) => return Self::unanswered(&error),
+        match own_lag {
+            Ok(0) => match self.group_stuck(probe, &own, true) {
+                Ok(Some(stuck)) => {
+                    let reason = if own.is_empty() {
+                        format!(
+                            "stalled: owns no partition and received nothing for {} s while the \
+                             group has {} message(s) to read on partition(s) {} that have not \
+                             moved; rejoined the group {} time(s)",
+                            quiet.as_secs(),
+                            stuck.lag,
+                            names(&stuck.partitions),
+                            self.rejoins() + u64::from(self.may_rejoin()),
+                        )
+                    } else {
+                        format!(
+                            "stalled: received nothing for {} s; partition(s) {} ({} of them its \
+                             own) have {} message(s) to read and have not moved; rejoined the \
+                             group {} time(s)",
+                            quiet.as_secs(),
+                            names(&stuck.partitions),
+                            stuck.own,
+                            stuck.lag,
+                            self.rejoins() + u64::from(self.may_rejoin()),
+                        )
+                    };
+                    self.stall(reason, true)
+                }
+                Ok(None) => {
+                    // Idle: nothing to read, or others consume. Judged
+                    // again after another timeout.
+                    self.quiet_since = Instant::now();
+                    if self.stalled {
+                        self.clear();
+                    }
+                    Action::Nothing
+                }
+                Err(error) => Self::unanswered(&error),
             },
             Ok(lag) => {
-                self.group_offsets = None;
-                (lag, false)
+                let reason = format!(
+                    "stalled: received nothing for {} s on its {} partition(s), which have \
+                     {lag} message(s) past its position",
+                    quiet.as_secs(),
+                    own.len()
+                );
+                self.stall(reason, false)
             }
-            Err(error) => return Self::unanswered(&error),
-        };
-        if lag == 0 {
-            // Idle: nothing to read. Judged again after another timeout.
-            self.quiet_since = Instant::now();
-            self.group_offsets = None;
-            if self.stalled {
-                self.clear();
-            }
-            return Action::Nothing;
+            Err(error) => Self::unanswered(&error),
         }
-        // A group stalled on partitions this member does not consume: a
-        // rejoin makes the broker assign them again (it may keep a dead
-        // member's partitions assigned to it until the group rebalances).
-        let rejoin = of_group
-            && self
-                .last_rejoin
-                .is_none_or(|at| at.elapsed() >= self.timeout);
-        let rejoins = self
-            .stats
+    }
+
+    fn rejoins(&self) -> u64 {
+        self.stats
             .rejoins
             .load(std::sync::atomic::Ordering::Relaxed)
-            + u64::from(rejoin);
-        let reason = if owned == 0 {
-            format!(
-                "stalled: owns no partition and received nothing for {} s while the group has \
-                 {lag} message(s) to read; rejoined the group {rejoins} time(s)",
-                quiet.as_secs()
-            )
-        } else if of_group {
-            format!(
-                "stalled: read everything on its {owned} partition(s), and for {} s the group's \
-                 other partitions have not moved with {lag} message(s) to read; rejoined the \
-                 group {rejoins} time(s)",
-                quiet.as_secs()
-            )
-        } else {
-            format!(
-                "stalled: received nothing for {} s on its {owned} partition(s), which have \
-                 {lag} message(s) past its position",
-                quiet.as_secs()
-            )
-        };
+    }
+
+    /// Whether a rejoin is due (none in the last `stall_timeout`).
+    fn may_rejoin(&self) -> bool {
+        self.last_rejoin
+            .is_none_or(|at| at.elapsed() >= self.timeout)
+    }
+
+    /// Reports the stall; rejoins the group if `stuck` partitions call for
+    /// it and none happened in the last `stall_timeout`.
+    fn stall(&mut self, reason: String, stuck: bool) -> Action {
         if !self.stalled {
             tracing::error!(group = %self.group, %reason, "consumer stalled");
         }
+        let rejoin = stuck && self.may_rejoin();
         self.stalled = true;
+        self.of_group = stuck;
         self.stats
             .problems
             .lock()
@@ -196,23 +267,51 @@ impl Watchdog {
                 .rejoins
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             crate::metrics::consumer_rejoined(&self.group);
-            tracing::warn!(group = %self.group, "owning no partition while the group has lag: rejoining the group");
+            tracing::warn!(group = %self.group, "partitions with lag have not moved: rejoining the group");
             return Action::Rejoin;
         }
         Action::Nothing
     }
 
-    /// The group's lag, if its committed offsets stood still since the
-    /// previous probe (the first probe only records them: offsets that
-    /// move mean other members consume, and this one is spare or done).
-    fn group_stalled(&mut self, probe: &Probe<'_>) -> crate::error::Result<Option<i64>> {
-        let (lag, offsets) = group_lag(probe.client, &self.group, probe.topics)?;
-        if lag == 0 {
-            return Ok(Some(0));
+    /// Probes the group: its partitions with lag whose committed offsets
+    /// have not moved for `stall_timeout` (this member's own ones only if
+    /// `with_own`), or `None`.
+    fn group_stuck(
+        &mut self,
+        probe: &Probe<'_>,
+        own: &[Key],
+        with_own: bool,
+    ) -> crate::error::Result<Option<Stuck>> {
+        self.last_group_probe = Some(Instant::now());
+        let parts = super::groups::lag_of(
+            probe.client.clone(),
+            &self.group,
+            Some(probe.topics),
+            PROBE_TIMEOUT,
+        )?;
+        let now = Instant::now();
+        let mut stuck = Stuck {
+            lag: 0,
+            partitions: Vec::new(),
+            own: 0,
+        };
+        let mut seen = HashMap::with_capacity(parts.len());
+        for p in parts {
+            let key = (p.topic, p.partition);
+            let since = match self.still.get(&key) {
+                Some((offset, since)) if *offset == p.committed => *since,
+                _ => now,
+            };
+            let is_own = own.contains(&key);
+            if p.lag > 0 && now - since >= self.timeout && (with_own || !is_own) {
+                stuck.lag += p.lag;
+                stuck.own += usize::from(is_own);
+                stuck.partitions.push(key.clone());
+            }
+            seen.insert(key, (p.committed, since));
         }
-        let moved = self.group_offsets.as_ref() != Some(&offsets);
-        self.group_offsets = Some(offsets);
-        Ok(if moved { None } else { Some(lag) })
+        self.still = seen;
+        Ok((!stuck.partitions.is_empty()).then_some(stuck))
     }
 
     /// A probe the broker did not answer: its errors are reported by the
@@ -234,21 +333,17 @@ impl Watchdog {
     }
 }
 
-/// Messages of `topics` the group has not committed (see
-/// [`super::groups::lag_of`]: the larger of the broker's two answers for
-/// each partition's end), and the committed offsets.
-fn group_lag(
-    client: &rdkafka::ClientConfig,
-    group: &str,
-    topics: &[String],
-) -> crate::error::Result<(i64, Vec<Committed>)> {
-    let parts = super::groups::lag_of(client.clone(), group, Some(topics), PROBE_TIMEOUT)?;
-    let lag = parts.iter().map(|p| p.lag).sum();
-    let offsets = parts
-        .into_iter()
-        .map(|p| (p.topic, p.partition, p.committed))
+/// `topic/partition, …` (the first ten).
+fn names(partitions: &[Key]) -> String {
+    let mut out: Vec<String> = partitions
+        .iter()
+        .take(10)
+        .map(|(t, p)| format!("{t}/{p}"))
         .collect();
-    Ok((lag, offsets))
+    if partitions.len() > 10 {
+        out.push(format!("and {} more", partitions.len() - 10));
+    }
+    out.join(", ")
 }
 
 /// Messages past this member's position on the partitions it owns: each
