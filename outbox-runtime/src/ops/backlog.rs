@@ -80,7 +80,7 @@ SELECT count(*)::float8 FROM (SELECT 1 FROM outbox_event
                               LIMIT $1) AS s";
 
 /// Up to this many held or parked rows are counted when the statistics
-/// cannot be trusted (see [`checked`]).
+/// cannot be trusted (fewer than twice the rows a query just read).
 pub const BACKLOG_COUNTED_UP_TO: i64 = 1_000_000;
 
 /// A kind's total from its index's statistics (`stats`), unless they are
