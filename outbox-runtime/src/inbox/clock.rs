@@ -1,14 +1,12 @@
-//! The clock a dedup consumer waits on between a failing handler's retries:
-//! the real one, or (the `testing` feature) a [`TestClock`] that moves
-//! forward by each back-off at once, so a retry-then-dead-letter test takes
-//! milliseconds while the delays are still computed and recorded.
+//! The testing kit's clock (the `testing` feature): a [`TestClock`] moves
+//! forward by each retry's back-off at once, so a retry-then-dead-letter
+//! test takes milliseconds while the delays are still computed and
+//! recorded.
 
 #![cfg_attr(not(feature = "testing"), allow(dead_code))]
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
-
-use tokio_util::sync::CancellationToken;
+use std::time::Duration;
 
 /// A clock that never sleeps: waiting on it advances it by the wait, which
 /// it records. Clones share one clock.
@@ -21,9 +19,8 @@ use tokio_util::sync::CancellationToken;
 /// assert!(clock.waits().is_empty());
 /// # }
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct TestClock {
-    origin: Instant,
     state: Arc<Mutex<ClockState>>,
 }
 
@@ -31,15 +28,6 @@ pub struct TestClock {
 struct ClockState {
     elapsed: Duration,
     waits: Vec<Duration>,
-}
-
-impl Default for TestClock {
-    fn default() -> Self {
-        Self {
-            origin: Instant::now(),
-            state: Arc::default(),
-        }
-    }
 }
 
 impl TestClock {
@@ -62,40 +50,5 @@ impl TestClock {
         let mut state = self.state();
         state.elapsed += d;
         state.waits.push(d);
-    }
-
-    pub(crate) fn now(&self) -> Instant {
-        self.origin + self.elapsed()
-    }
-}
-
-/// The clock of a consumer's handler retries.
-#[derive(Debug, Clone, Default)]
-pub(crate) enum RetryClock {
-    /// Real time: a back-off sleeps.
-    #[default]
-    Real,
-    /// A [`TestClock`]: a back-off moves it forward at once.
-    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
-    Test(TestClock),
-}
-
-impl RetryClock {
-    pub fn now(&self) -> Instant {
-        match self {
-            Self::Real => Instant::now(),
-            Self::Test(clock) => clock.now(),
-        }
-    }
-
-    /// Waits `d` unless `shutdown` comes first; returns false on shutdown.
-    pub async fn pause(&self, d: Duration, shutdown: &CancellationToken) -> bool {
-        match self {
-            Self::Real => super::apply::pause(d, shutdown).await,
-            Self::Test(clock) => {
-                clock.advance(d);
-                !shutdown.is_cancelled()
-            }
-        }
     }
 }

@@ -6,11 +6,18 @@
 //!
 //! Fast path / slow path: when a handler fails, the batch's transaction
 //! rolls back and the batch is redone around the failing message: the
-//! messages before it in one transaction, the failing message alone (retried
-//! with exponential back-off, dead-lettered after `max_attempts`), then the
-//! rest in one transaction again. A failure costs only its own message's
-//! retries. While a message is retried its partition's later messages wait
-//! (they are behind it in the batch): dedup mode keeps per-partition order.
+//! messages before it in one transaction, then the rest, with the failing
+//! event and every later event of its key *set aside* in `inbox_event` (the
+//! failure recorded on it: attempts, error, next attempt after a back-off)
+//! instead of applied. The other keys of the partition go on; the inbox
+//! processor (`processor.rs`, one runs in dedup mode too) retries the failing
+//! event and applies its key's later events after it, in order, and
+//! dead-letters it after `max_attempts`. While a key has events set aside,
+//! every new event of that key is set aside behind them (a query per
+//! transaction on the small index of rows waiting for a retry), whichever
+//! member of the group receives it: per-key order holds, and a failing event
+//! holds back its key alone. With `max_attempts` 1 a failing event is
+//! dead-lettered at once, in place.
 //!
 //! Transactions run on the applier's guarded connection (`txn.rs`): a
 //! handler that aborts or ends the transaction without saying so is found
@@ -27,7 +34,7 @@ use uuid::Uuid;
 
 use super::apply::{self, Failure};
 use super::backoff;
-use super::clock::RetryClock;
+use super::db::pg_text;
 use super::dead_letter::{self, DeadLetterReason, NewDeadLetter};
 use super::dispatch::Registry;
 use super::poller::Shared;
@@ -61,12 +68,65 @@ pub(crate) const DEAD_LETTERS: Statement = Statement {
     needs: "INSERT ON dead_letter",
 };
 
+/// Set-aside events: keys (topic, partition key) of a batch that have
+/// events waiting in `inbox_event` behind a failing one.
+const HELD_KEYS: &str = "
+SELECT DISTINCT e.topic, e.partition_key
+FROM UNNEST($2::text[], $3::text[]) AS k(topic, key)
+JOIN inbox_event e ON e.consumer = $1 AND e.topic = k.topic AND e.partition_key = k.key
+WHERE NOT e.processed AND e.dead_lettered_at IS NULL AND e.next_attempt_at IS NOT NULL";
+
+/// Sets events aside in `inbox_event`, in batch order: the failing one with
+/// its failure (attempts 1, next attempt after `$13` seconds), the ones
+/// behind it due at once (`next_attempt_at` set: the index of rows waiting
+/// for a retry finds them, and they wait behind the failing one).
+const SET_ASIDE: &str = r#"
+INSERT INTO inbox_event
+    (event_id, payload, consumer, topic, "partition", "offset", partition_key,
+     event_type, event_version, headers, attempts, last_error, last_attempt_at,
+     next_attempt_at)
+SELECT e, p::jsonb, $1, t, pa, o, k, et, ev, h::jsonb, a, er,
+       CASE WHEN a > 0 THEN now() END, now() + make_interval(secs => d)
+FROM UNNEST($2::uuid[], $3::text[], $4::text[], $5::int4[], $6::int8[], $7::text[],
+            $8::text[], $9::int4[], $10::text[], $11::int4[], $12::text[], $13::float8[])
+     WITH ORDINALITY AS u(e, p, t, pa, o, k, et, ev, h, a, er, d, n)
+ORDER BY n
+ON CONFLICT (consumer, event_id) DO NOTHING"#;
+
+/// Setting events aside, as a refusal names it.
+const SET_ASIDE_STATEMENT: Statement = Statement {
+    name: "consumer: set events aside behind a failing event of their key",
+    needs: "SELECT, INSERT ON inbox_event",
+};
+
+/// Why an event of a batch is set aside in `inbox_event` rather than
+/// applied.
+#[derive(Clone, Debug)]
+enum Aside {
+    /// Its handler failed: the processor retries it after a back-off.
+    Failed {
+        handler: &'static str,
+        error: String,
+    },
+    /// An earlier event of its key is set aside.
+    Behind,
+}
+
+/// The (topic, partition key) of an event record.
+fn key_of(r: &Record) -> Option<(&str, &str)> {
+    match &r.body {
+        Body::Event(e) => Some((&r.topic, &e.incoming.partition_key)),
+        _ => None,
+    }
+}
+
 /// What one committed transaction did.
 #[derive(Default)]
 struct Report {
     processed: u64,
     duplicates: u64,
     ignored: u64,
+    set_aside: u64,
     rejected: Vec<(DeadLetterReason, String)>,
 }
 
@@ -81,22 +141,20 @@ pub(crate) struct Applier<'a> {
     pub latency: crate::metrics::ConsumerLatency,
     /// The connection handlers run on.
     pub conn: GuardedConn,
-    /// What a failing handler's retry waits on.
-    pub clock: RetryClock,
 }
 
 impl Applier<'_> {
-    /// Applies `batch`; returns when every message committed, or early on
-    /// shutdown during a back-off (the rest is not committed: it will be
-    /// read again).
+    /// Applies `batch`; returns when every message committed (applied, set
+    /// aside or dead-lettered), or early on shutdown during an outage (the
+    /// rest is not committed: it will be read again).
     pub async fn process(&mut self, mut batch: Vec<Record>, shutdown: &CancellationToken) {
         let n = batch.len();
         let (mut start, mut end) = (0, n);
-        // The message being retried: its index, attempts so far, and when
-        // it may run again.
-        let mut failing: Option<(usize, u32, Instant)> = None;
-        // A message out of attempts, dead-lettered once what precedes it
-        // has committed.
+        // Events this batch's failures set aside, with the later events of
+        // their keys.
+        let mut aside: Vec<Option<Aside>> = vec![None; n];
+        // A message out of attempts (`max_attempts` 1), dead-lettered once
+        // what precedes it has committed.
         let mut doomed: Option<(usize, &'static str, String, u32)> = None;
         // Check event by event (a handler broke a transaction of this range
         // without saying so).
@@ -111,22 +169,15 @@ impl Applier<'_> {
                         return;
                     }
                     self.shared.completed(&batch[i..=i]);
-                    failing = None;
                     start = i + 1;
                     end = n;
                     continue;
                 }
                 doomed = Some((i, handler, error, attempts));
             }
-            if let Some((i, _, at)) = failing
-                && i == start
-            {
-                let wait = at.saturating_duration_since(self.clock.now());
-                if !wait.is_zero() && !self.clock.pause(wait, shutdown).await {
-                    return;
-                }
-            }
-            let result = self.transaction(&mut batch[start..end], careful).await;
+            let result = self
+                .transaction(&mut batch[start..end], &aside[start..end], careful)
+                .await;
             if result.is_err() {
                 self.conn.settle().await;
             }
@@ -135,9 +186,6 @@ impl Applier<'_> {
                     self.db.up();
                     self.account(report);
                     self.shared.completed(&batch[start..end]);
-                    if failing.is_some_and(|(i, _, _)| i < end) {
-                        failing = None;
-                    }
                     start = end;
                     end = n;
                     careful = false;
@@ -169,36 +217,33 @@ impl Applier<'_> {
                     careful = false;
                     self.stats.handler_failures.fetch_add(1, Ordering::Relaxed);
                     let i = start + at;
-                    let attempts = match failing {
-                        Some((f, a, _)) if f == i => a + 1,
-                        _ => 1,
-                    };
-                    if attempts >= self.config.max_attempts {
-                        // Out of attempts: dead-letter it once the messages
-                        // before it have committed (right away if none).
-                        doomed = Some((i, handler, error, attempts));
-                        end = i;
-                        if at == 0 {
-                            end = n;
-                        }
+                    // The messages before it go first (in their own
+                    // transaction), then the rest.
+                    end = if at > 0 { i } else { n };
+                    if self.config.max_attempts <= 1 {
+                        // No retry: dead-letter it once the messages before
+                        // it have committed (right away if none).
+                        doomed = Some((i, handler, error, 1));
                         continue;
                     }
                     tracing::debug!(
                         offset = batch[i].offset,
                         partition = batch[i].partition,
                         handler,
-                        attempts,
                         %error,
-                        "handler failed: retrying"
+                        "handler failed: setting its key aside for the inbox processor to retry"
                     );
-                    let delay = backoff::delay(
-                        self.config.retry_backoff,
-                        self.config.retry_backoff_max,
-                        attempts,
-                    );
-                    failing = Some((i, attempts, self.clock.now() + delay));
-                    // The messages before it go first, then it alone.
-                    end = if at > 0 { i } else { i + 1 };
+                    aside[i] = Some(Aside::Failed { handler, error });
+                    let key = key_of(&batch[i]).map(|(t, k)| (t.to_owned(), k.to_owned()));
+                    for j in i + 1..n {
+                        if aside[j].is_none()
+                            && key_of(&batch[j]).is_some_and(|(t, k)| {
+                                key.as_ref().is_some_and(|key| key.0 == t && key.1 == k)
+                            })
+                        {
+                            aside[j] = Some(Aside::Behind);
+                        }
+                    }
                 }
             }
         }
@@ -210,6 +255,7 @@ impl Applier<'_> {
         s.processed.fetch_add(report.processed, Ordering::Relaxed);
         s.duplicates.fetch_add(report.duplicates, Ordering::Relaxed);
         s.ignored.fetch_add(report.ignored, Ordering::Relaxed);
+        s.stored.fetch_add(report.set_aside, Ordering::Relaxed);
         if !report.rejected.is_empty() {
             s.dead_lettered
                 .fetch_add(report.rejected.len() as u64, Ordering::Relaxed);
@@ -217,10 +263,13 @@ impl Applier<'_> {
         }
     }
 
-    /// One transaction over `records`.
+    /// One transaction over `records`: applies their events, but sets
+    /// aside those of `aside` and those of keys with events set aside
+    /// already.
     async fn transaction(
         &mut self,
         records: &mut [Record],
+        aside: &[Option<Aside>],
         careful: bool,
     ) -> Result<Report, Failure> {
         let started = Instant::now();
@@ -235,10 +284,38 @@ impl Applier<'_> {
             .begin()
             .await
             .map_err(|e| Failure::Outage(Trouble::from(e).during(TX_GUARD)))?;
+        let held = held_keys(&mut tx, &self.config.group, records, aside).await?;
+        let mut set_aside: Vec<bool> = records
+            .iter()
+            .zip(aside)
+            .map(|(r, a)| {
+                a.is_some()
+                    || key_of(r).is_some_and(|(t, k)| {
+                        !held.is_empty() && held.contains(&(t.to_owned(), pg_text(k).into_owned()))
+                    })
+            })
+            .collect();
+        // An event PostgreSQL cannot store cannot wait behind its key:
+        // dead-lettered (nothing lost; `outbox dead-letters retry` runs it).
+        for (r, aside) in records.iter_mut().zip(set_aside.iter_mut()) {
+            if let (true, Body::Event(e)) = (*aside, &r.body)
+                && let Some(why) = unstorable(e)
+            {
+                let rejected = e.rejected(
+                    DeadLetterReason::NotJson,
+                    format!("{why}: it cannot be set aside behind a failing event of its key"),
+                    None,
+                    0,
+                );
+                r.body = Body::Rejected(Box::new(rejected));
+                *aside = false;
+            }
+        }
         let ids: Vec<Uuid> = records
             .iter()
-            .filter_map(|r| match &r.body {
-                Body::Event(e) => Some(e.incoming.event_id),
+            .zip(&set_aside)
+            .filter_map(|(r, aside)| match &r.body {
+                Body::Event(e) if !aside => Some(e.incoming.event_id),
                 _ => None,
             })
             .collect();
@@ -258,6 +335,7 @@ impl Applier<'_> {
         let mut follow_ups = apply::FollowUps::default();
         for (i, r) in records.iter_mut().enumerate() {
             match &mut r.body {
+                Body::Event(_) if set_aside[i] => {}
                 Body::Event(e) => {
                     if !fresh.remove(&e.incoming.event_id) {
                         report.duplicates += 1;
@@ -277,6 +355,10 @@ impl Applier<'_> {
         }
         apply::seal(&mut tx).await?;
         follow_ups.write(&mut tx).await?;
+        let (written, offered) =
+            set_aside_rows(&mut tx, self.config, records, aside, &set_aside).await?;
+        report.set_aside = written;
+        report.duplicates += offered - written;
         let letters: Vec<NewDeadLetter<'_>> = records
             .iter()
             .filter_map(|r| match &r.body {
@@ -408,4 +490,136 @@ pub(crate) fn log_rejected(group: &str, rejected: &[(DeadLetterReason, String)])
         first_error = %rejected[0].1,
         "malformed messages dead-lettered (see `outbox dead-letters list`)"
     );
+}
+
+/// The columns of [`SET_ASIDE`].
+#[derive(Default)]
+struct SetAside {
+    ids: Vec<Uuid>,
+    payloads: Vec<String>,
+    topics: Vec<String>,
+    partitions: Vec<i32>,
+    offsets: Vec<i64>,
+    keys: Vec<String>,
+    types: Vec<String>,
+    versions: Vec<i32>,
+    headers: Vec<String>,
+    attempts: Vec<i32>,
+    errors: Vec<Option<String>>,
+    delays: Vec<f64>,
+}
+
+/// The keys of `records` (those not already set aside by this batch) with
+/// events set aside in `inbox_event`.
+async fn held_keys(
+    tx: &mut sqlx::PgConnection,
+    group: &str,
+    records: &[Record],
+    aside: &[Option<Aside>],
+) -> Result<HashSet<(String, String)>, Failure> {
+    let keys: HashSet<(String, String)> = records
+        .iter()
+        .zip(aside)
+        .filter(|(_, a)| a.is_none())
+        .filter_map(|(r, _)| key_of(r))
+        .map(|(t, k)| (pg_text(t).into_owned(), pg_text(k).into_owned()))
+        .collect();
+    if keys.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let (topics, keys): (Vec<String>, Vec<String>) = keys.into_iter().unzip();
+    let held: Vec<(String, String)> = sqlx::query_as(HELD_KEYS)
+        .bind(pg_text(group).as_ref())
+        .bind(&topics)
+        .bind(&keys)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(|e| Failure::Outage(Trouble::from(e).during(SET_ASIDE_STATEMENT)))?;
+    Ok(held.into_iter().collect())
+}
+
+/// Why PostgreSQL cannot store `e` in `inbox_event`, if it cannot: `jsonb`
+/// refuses the `\u0000` escape (and text that is not UTF-8).
+fn unstorable(e: &super::record::Event) -> Option<&'static str> {
+    const NUL: &str = "\\u0000";
+    match std::str::from_utf8(&e.payload) {
+        Err(_) => Some("its payload is not UTF-8"),
+        Ok(p) if p.contains(NUL) => Some("its payload holds \\u0000, which jsonb cannot store"),
+        Ok(_) if e.incoming.headers.to_json().contains(NUL) => {
+            Some("its headers hold \\u0000, which jsonb cannot store")
+        }
+        Ok(_) => None,
+    }
+}
+
+/// Writes the set-aside events of `records` to `inbox_event`; returns
+/// how many were written and how many offered (the rest were there
+/// already: a redelivery).
+async fn set_aside_rows(
+    tx: &mut sqlx::PgConnection,
+    config: &ConsumerConfig,
+    records: &[Record],
+    aside: &[Option<Aside>],
+    set_aside: &[bool],
+) -> Result<(u64, u64), Failure> {
+    let delay = backoff::delay(config.retry_backoff, config.retry_backoff_max, 1).as_secs_f64();
+    let mut rows = SetAside::default();
+    for ((r, a), _) in records
+        .iter()
+        .zip(aside)
+        .zip(set_aside)
+        .filter(|(_, set)| **set)
+    {
+        let Body::Event(e) = &r.body else { continue };
+        let i = &e.incoming;
+        rows.ids.push(i.event_id);
+        rows.payloads.push(
+            std::str::from_utf8(&e.payload)
+                .unwrap_or_default()
+                .to_owned(),
+        );
+        rows.topics.push(pg_text(&r.topic).into_owned());
+        rows.partitions.push(r.partition);
+        rows.offsets.push(r.offset);
+        rows.keys.push(pg_text(&i.partition_key).into_owned());
+        rows.types.push(pg_text(&i.event_type).into_owned());
+        rows.versions
+            .push(i32::try_from(i.event_version).unwrap_or(i32::MAX));
+        rows.headers.push(i.headers.to_json());
+        match a {
+            Some(Aside::Failed { handler, error }) => {
+                rows.attempts.push(1);
+                rows.errors
+                    .push(Some(pg_text(&format!("{handler}: {error}")).into_owned()));
+                rows.delays.push(delay);
+            }
+            _ => {
+                rows.attempts.push(0);
+                rows.errors.push(None);
+                rows.delays.push(0.0);
+            }
+        }
+    }
+    if rows.ids.is_empty() {
+        return Ok((0, 0));
+    }
+    let written = sqlx::query(SET_ASIDE)
+        .bind(pg_text(&config.group).as_ref())
+        .bind(&rows.ids)
+        .bind(&rows.payloads)
+        .bind(&rows.topics)
+        .bind(&rows.partitions)
+        .bind(&rows.offsets)
+        .bind(&rows.keys)
+        .bind(&rows.types)
+        .bind(&rows.versions)
+        .bind(&rows.headers)
+        .bind(&rows.attempts)
+        .bind(&rows.errors)
+        .bind(&rows.delays)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| Failure::Outage(Trouble::from(e).during(SET_ASIDE_STATEMENT)))?
+        .rows_affected();
+    Ok((written, rows.ids.len() as u64))
 }

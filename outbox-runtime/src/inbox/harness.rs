@@ -3,10 +3,11 @@
 //! the poller would hand them — parsed by `record.rs` (headers, identity,
 //! decoding, the size limit, routing) — are applied by the dedup mode's
 //! [`Applier`](super::dedup::Applier) (the `processed_event` bookkeeping,
-//! the handlers in the guarded transaction, retries, dead letters), or in
-//! inbox mode stored by the [`Store`](super::store::Store) and processed by
-//! a [`Processor`](super::processor::Processor) until nothing claimable is
-//! left. Only the broker and the offset commits are left out; retry
+//! the handlers in the guarded transaction, dead letters; a failing event
+//! and its key set aside), or in inbox mode stored by the
+//! [`Store`](super::store::Store); then, in both modes, what `inbox_event`
+//! holds is processed by a [`Processor`](super::processor::Processor)
+//! (retries, dead letters) until nothing claimable is left. Only the broker and the offset commits are left out; retry
 //! back-offs wait on a [`TestClock`].
 
 use std::borrow::Cow;
@@ -16,7 +17,7 @@ use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::clock::{RetryClock, TestClock};
+use super::clock::TestClock;
 use super::dispatch::{Registry, Route};
 use super::poller::Shared;
 use super::processor::{Processor, Round};
@@ -170,11 +171,12 @@ impl Driver {
                     db: self.health(),
                     latency: crate::metrics::ConsumerLatency::new(&self.config.group),
                     conn: GuardedConn::new(self.pool.clone(), self.config.handler_timeout),
-                    clock: RetryClock::Test(self.clock.clone()),
                 };
                 applier.process(batch, &shutdown).await;
                 applier.conn.release().await;
-                Ok(())
+                // What a failing handler set aside: retried by the
+                // processor, as the consumer's own does.
+                self.process_inbox().await
             }
             Mode::Inbox => {
                 let wake = Notify::new();

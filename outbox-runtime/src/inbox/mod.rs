@@ -600,7 +600,9 @@ pub struct ConsumerCounts {
     pub received: u64,
     /// Events whose handlers ran and committed.
     pub processed: u64,
-    /// Inbox mode: events stored in `inbox_event`.
+    /// Events stored in `inbox_event`: every event in inbox mode; in dedup
+    /// mode, the events set aside behind a failing event of their key (the
+    /// failing one included), which the inbox processor then applies.
     pub stored: u64,
     /// Events skipped because already applied (or already stored).
     pub duplicates: u64,
@@ -836,20 +838,25 @@ impl Consumer {
             }
             .run(background.clone()),
         );
-        if config.mode == Mode::Inbox {
-            for worker in 0..config.processors {
-                tasks.spawn(
-                    processor::Processor::new(
-                        pool.clone(),
-                        config.clone(),
-                        registry.clone(),
-                        stats.clone(),
-                        wake.clone(),
-                        worker,
-                    )
-                    .run(background.clone()),
-                );
-            }
+        // Inbox mode: the processors apply what the consumer stores. Dedup
+        // mode: they apply the events set aside behind a failing event of
+        // their key, and give their connection back when there is none.
+        let processors = match config.mode {
+            Mode::Inbox => config.processors,
+            Mode::Dedup => config.processors.max(1),
+        };
+        for worker in 0..processors {
+            tasks.spawn(
+                processor::Processor::new(
+                    pool.clone(),
+                    config.clone(),
+                    registry.clone(),
+                    stats.clone(),
+                    wake.clone(),
+                    worker,
+                )
+                .run(background.clone()),
+            );
         }
 
         let health = || {
@@ -869,7 +876,6 @@ impl Consumer {
                 db: health(),
                 latency: crate::metrics::ConsumerLatency::new(&config.group),
                 conn: txn::GuardedConn::new(pool.clone(), config.handler_timeout),
-                clock: clock::RetryClock::Real,
             }),
             Mode::Inbox => Sink::Store(store::Store {
                 pool: &pool,

@@ -253,6 +253,11 @@ impl Processor {
                 }
             };
             if !worked {
+                if self.config.mode == super::Mode::Dedup {
+                    // Set-aside events are rare: the connection goes back
+                    // to the pool the consumer shares with its applier.
+                    conn.release().await;
+                }
                 tokio::select! {
                     _ = self.wake.notified() => {}
                     _ = tokio::time::sleep(self.config.processor_poll_interval) => {}
