@@ -1,0 +1,271 @@
+//! Failing-keys benchmark: what failing events cost the rest of the stream
+//! in dedup mode. A topic preloaded with N ~200-byte messages over 1000 keys
+//! (one key in ten hot: the hot keys carry half the events) is read, in the
+//! same run, by fresh consumer groups whose handler fails 0 %, 0.1 %, 1 %
+//! and 5 % of the events (chosen among the hot keys' events) on every
+//! attempt until they are dead-lettered. For each: events/s until every
+//! event is applied or dead-lettered, as a ratio of the all-good stage, and
+//! the time until every event of the keys that never fail was applied.
+//!
+//! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--max-attempts N] [--backoff-ms N] [--json PATH]`
+//!
+//! Needs PostgreSQL (DATABASE_URL names the server; the benchmark creates
+//! its own database `outbox_bench_failing_keys`) and a broker (KAFKA_BROKERS).
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler};
+use outbox_runtime::Consumer;
+use rdkafka::ClientConfig;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+const TOPIC: &str = "bench-failing-keys";
+const PARTITIONS: i32 = 4;
+const KEYS: u64 = 1000;
+
+/// The benchmark's options (`cargo bench … -- --help`).
+#[derive(Parser)]
+struct Args {
+    /// Messages produced, read by each stage.
+    #[arg(long, default_value_t = 50_000)]
+    events: u64,
+    /// Attempts before a failing event is dead-lettered.
+    #[arg(long, default_value_t = 3)]
+    max_attempts: u32,
+    /// The first retry's back-off (doubling, at most ten times this).
+    #[arg(long, default_value_t = 100)]
+    backoff_ms: u64,
+    /// Also write the results to this JSON file.
+    #[arg(long)]
+    json: Option<String>,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct OrderPlaced {
+    order_id: String,
+    seq: u64,
+    note: String,
+}
+
+impl DomainEvent for OrderPlaced {
+    const TOPIC: &'static str = TOPIC;
+    const AGGREGATE_TYPE: &'static str = "Order";
+    const EVENT_TYPES: &'static [&'static str] = &["OrderPlaced"];
+    fn event_type(&self) -> &'static str {
+        "OrderPlaced"
+    }
+    fn event_version(&self) -> u32 {
+        1
+    }
+    fn aggregate_id(&self) -> String {
+        self.order_id.clone()
+    }
+}
+
+/// The key of event `seq`: even events go to the hot keys (one in ten),
+/// odd ones to all keys.
+fn key_of(seq: u64) -> u64 {
+    let mix = seq.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 20;
+    if seq.is_multiple_of(2) {
+        (mix % (KEYS / 10)) * 10
+    } else {
+        mix % KEYS
+    }
+}
+
+/// Whether event `seq` fails, for a stage failing `per_million` of all
+/// events (chosen among the hot keys' events).
+fn fails(seq: u64, per_million: u64) -> bool {
+    key_of(seq).is_multiple_of(10)
+        && (seq.wrapping_mul(0xD6E8_FEB8_6659_FD93) >> 11) % 500_000 < per_million
+}
+
+/// Applies events; fails the chosen ones; counts the events of keys that
+/// never fail.
+struct Stage {
+    per_million: u64,
+    failing_keys: Arc<std::collections::HashSet<u64>>,
+    clean_applied: Arc<AtomicU64>,
+}
+
+impl InboxHandler for Stage {
+    type Event = OrderPlaced;
+    const NAME: &'static str = "stage";
+
+    fn handle<'a, 'c>(
+        &'a self,
+        _ctx: &'a mut HandlerContext<'c>,
+        event: OrderPlaced,
+    ) -> HandlerFuture<'a>
+    where
+        'c: 'a,
+    {
+        Box::pin(async move {
+            if fails(event.seq, self.per_million) {
+                return Err(format!("order {} refused", event.seq).into());
+            }
+            if !self.failing_keys.contains(&key_of(event.seq)) {
+                self.clean_applied.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        })
+    }
+}
+
+async fn preload(brokers: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
+    let admin: rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext> =
+        ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .create()?;
+    let options =
+        rdkafka::admin::AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    let _ = admin.delete_topics(&[TOPIC], &options).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !outbox_runtime::kafka::create_topics(brokers, &[], &[TOPIC.to_owned()], PARTITIONS, 1)
+        .await?
+        .iter()
+        .all(|(_, new)| *new)
+    {
+        if Instant::now() > deadline {
+            return Err("could not recreate the benchmark topic".into());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .set("queue.buffering.max.messages", "1000000")
+        .create()?;
+    let mut pending = Vec::with_capacity(n as usize);
+    for seq in 0..n {
+        let key = format!("order-{}", key_of(seq));
+        let id = Uuid::now_v7().to_string();
+        let payload =
+            serde_json::json!({ "order_id": key, "seq": seq, "note": "x".repeat(140) }).to_string();
+        let headers = OwnedHeaders::new_with_capacity(3)
+            .insert(Header {
+                key: "event_id",
+                value: Some(id.as_bytes()),
+            })
+            .insert(Header {
+                key: "event_type",
+                value: Some("OrderPlaced".as_bytes()),
+            })
+            .insert(Header {
+                key: "event_version",
+                value: Some("1".as_bytes()),
+            });
+        let record = FutureRecord::to(TOPIC)
+            .key(key.as_bytes())
+            .payload(payload.as_bytes())
+            .headers(headers);
+        pending.push(common::queue(&producer, record).await);
+    }
+    common::delivered(pending).await?;
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let a = Args::parse();
+    let brokers = common::brokers();
+    let db = common::BenchDb::create("outbox_bench_failing_keys", 8).await?;
+    let pool = db.pool.clone();
+    println!(
+        "failing-keys benchmark: {} events on {PARTITIONS} partitions, {KEYS} keys (one in ten hot), \
+         dedup mode, max_attempts {}, back-off {} ms",
+        a.events, a.max_attempts, a.backoff_ms
+    );
+    preload(&brokers, a.events).await?;
+    let mut stages = Vec::new();
+    let mut base_rate = None;
+    for per_million in [0_u64, 1_000, 10_000, 50_000] {
+        let failing: Vec<u64> = (0..a.events).filter(|s| fails(*s, per_million)).collect();
+        let failing_keys: Arc<std::collections::HashSet<u64>> =
+            Arc::new(failing.iter().map(|s| key_of(*s)).collect());
+        let clean = (0..a.events)
+            .filter(|s| !failing_keys.contains(&key_of(*s)))
+            .count() as u64;
+        let keys_failing = failing_keys.len();
+        let clean_applied = Arc::new(AtomicU64::new(0));
+        let backoff = Duration::from_millis(a.backoff_ms);
+        let start = Instant::now();
+        let handle = Consumer::builder(pool.clone())
+            .group(format!("bench-failing-{per_million}"))
+            .brokers(&brokers)
+            .max_attempts(a.max_attempts)
+            .retry_backoff(backoff, backoff * 10)
+            .handler(Stage {
+                per_million,
+                failing_keys,
+                clean_applied: clean_applied.clone(),
+            })
+            .spawn()?;
+        let mut clean_done = None;
+        loop {
+            let c = handle.counts();
+            if clean_done.is_none() && clean_applied.load(Ordering::Relaxed) >= clean {
+                clean_done = Some(start.elapsed());
+            }
+            if c.processed + c.dead_lettered >= a.events {
+                break;
+            }
+            if start.elapsed() > Duration::from_secs(900) {
+                return Err(format!("stage {per_million} ppm did not finish: {c:?}").into());
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let took = start.elapsed();
+        let counts = handle.counts();
+        handle.shutdown().await?;
+        let rate = a.events as f64 / took.as_secs_f64();
+        let base = *base_rate.get_or_insert(rate);
+        let clean_s = clean_done.unwrap_or(took).as_secs_f64();
+        println!(
+            "{:>5.1} % failing ({:>5} events, {:>3} keys): {rate:>8.0} events/s = {:.2} x all-good; \
+             other keys' events all applied after {clean_s:.2} s; dead-lettered {}, set aside {}",
+            per_million as f64 / 10_000.0,
+            failing.len(),
+            keys_failing,
+            rate / base,
+            counts.dead_lettered,
+            counts.stored,
+        );
+        stages.push(serde_json::json!({
+            "failing_percent": per_million as f64 / 10_000.0,
+            "failing_events": failing.len(),
+            "events_per_s": rate.round(),
+            "over_all_good": ((rate / base) * 1000.0).round() / 1000.0,
+            "other_keys_applied_s": (clean_s * 1000.0).round() / 1000.0,
+            "dead_lettered": counts.dead_lettered,
+            "set_aside": counts.stored,
+        }));
+    }
+    let json = serde_json::json!({
+        "benchmark": "failing_keys",
+        "events": a.events,
+        "partitions": PARTITIONS,
+        "keys": KEYS,
+        "max_attempts": a.max_attempts,
+        "backoff_ms": a.backoff_ms,
+        "stages": stages,
+    });
+    println!("{json}");
+    if let Some(path) = a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
+    }
+    db.drop_database().await?;
+    Ok(())
+}
