@@ -23,8 +23,6 @@ use std::time::{Duration, Instant};
 use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler};
 use outbox_runtime::{Consumer, ConsumerHandle, Mode};
 use rdkafka::ClientConfig;
-use rdkafka::admin::{AdminClient, AdminOptions};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Header, Headers as _, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -105,27 +103,6 @@ impl InboxHandler for Count {
             self.0.fetch_add(1, Ordering::Relaxed);
             Ok(())
         })
-    }
-}
-
-async fn reset_topic(brokers: &str) -> Result<(), Box<dyn std::error::Error>> {
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()?;
-    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-    let _ = admin.delete_topics(&[TOPIC], &options).await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let created =
-            outbox_runtime::kafka::create_topics(brokers, &[], &[TOPIC.to_owned()], PARTITIONS, 1)
-                .await?;
-        if created.iter().all(|(_, new)| *new) {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            return Err("could not recreate the benchmark topic".into());
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
@@ -265,7 +242,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "consumer benchmark: {} events of ~200 bytes on {PARTITIONS} partitions, batch {}, inbox writers {}",
         a.events, a.batch, a.writers
     );
-    reset_topic(&brokers).await?;
+    common::recreate_topic(&brokers, TOPIC, PARTITIONS).await?;
     let produce_rate = preload(&brokers, a.events).await?;
     println!("preload (idempotent producer)       {produce_rate:>10.0} msg/s");
 

@@ -124,24 +124,7 @@ impl InboxHandler for Stage {
 }
 
 async fn preload(brokers: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
-    let admin: rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext> =
-        ClientConfig::new()
-            .set("bootstrap.servers", brokers)
-            .create()?;
-    let options =
-        rdkafka::admin::AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-    let _ = admin.delete_topics(&[TOPIC], &options).await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !outbox_runtime::kafka::create_topics(brokers, &[], &[TOPIC.to_owned()], PARTITIONS, 1)
-        .await?
-        .iter()
-        .all(|(_, new)| *new)
-    {
-        if Instant::now() > deadline {
-            return Err("could not recreate the benchmark topic".into());
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    common::recreate_topic(brokers, TOPIC, PARTITIONS).await?;
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("enable.idempotence", "true")

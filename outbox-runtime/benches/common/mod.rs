@@ -140,3 +140,30 @@ pub async fn delivered(
     }
     Ok(())
 }
+
+/// Deletes `topic` and creates it again, empty, with `partitions`.
+pub async fn recreate_topic(
+    brokers: &str,
+    topic: &str,
+    partitions: i32,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use rdkafka::admin::{AdminClient, AdminOptions};
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()?;
+    let options = AdminOptions::new().operation_timeout(Some(std::time::Duration::from_secs(10)));
+    let _ = admin.delete_topics(&[topic], &options).await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let created =
+            outbox_runtime::kafka::create_topics(brokers, &[], &[topic.to_owned()], partitions, 1)
+                .await?;
+        if created.iter().all(|(_, new)| *new) {
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(format!("could not recreate the benchmark topic {topic}").into());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}

@@ -148,7 +148,7 @@ impl Watchdog {
                         stuck.lag,
                         self.timeout.as_secs(),
                         own.len(),
-                        self.rejoins() + u64::from(self.may_rejoin()),
+                        self.rejoins_with_this(),
                     );
                     self.stall(reason, true)
                 }
@@ -188,7 +188,7 @@ impl Watchdog {
                             quiet.as_secs(),
                             stuck.lag,
                             names(&stuck.partitions),
-                            self.rejoins() + u64::from(self.may_rejoin()),
+                            self.rejoins_with_this(),
                         )
                     } else {
                         format!(
@@ -199,7 +199,7 @@ impl Watchdog {
                             names(&stuck.partitions),
                             stuck.own,
                             stuck.lag,
-                            self.rejoins() + u64::from(self.may_rejoin()),
+                            self.rejoins_with_this(),
                         )
                     };
                     self.stall(reason, true)
@@ -228,10 +228,12 @@ impl Watchdog {
         }
     }
 
-    fn rejoins(&self) -> u64 {
+    /// Rejoins so far, counting the one a stall found now would make.
+    fn rejoins_with_this(&self) -> u64 {
         self.stats
             .rejoins
             .load(std::sync::atomic::Ordering::Relaxed)
+            + u64::from(self.may_rejoin())
     }
 
     /// Whether a rejoin is due (none in the last `stall_timeout`).
