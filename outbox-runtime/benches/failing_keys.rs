@@ -7,7 +7,7 @@
 //! event is applied or dead-lettered, as a ratio of the all-good stage, and
 //! the time until every event of the keys that never fail was applied.
 //!
-//! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--max-attempts N] [--backoff-ms N] [--json PATH]`
+//! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--stages 0,0.1,1,5] [--max-attempts N] [--backoff-ms N] [--json PATH]`
 //!
 //! Needs PostgreSQL (DATABASE_URL names the server; the benchmark creates
 //! its own database `outbox_bench_failing_keys`) and a broker (KAFKA_BROKERS).
@@ -43,6 +43,10 @@ struct Args {
     /// The first retry's back-off (doubling, at most ten times this).
     #[arg(long, default_value_t = 100)]
     backoff_ms: u64,
+    /// The stages: percentages of failing events (the first is the
+    /// reference the others are compared with).
+    #[arg(long, value_delimiter = ',', default_values_t = [0.0, 0.1, 1.0, 5.0])]
+    stages: Vec<f64>,
     /// Also write the results to this JSON file.
     #[arg(long)]
     json: Option<String>,
@@ -174,7 +178,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     preload(&brokers, a.events).await?;
     let mut stages = Vec::new();
     let mut base_rate = None;
-    for per_million in [0_u64, 1_000, 10_000, 50_000] {
+    for per_million in a.stages.iter().map(|p| (p * 10_000.0).round() as u64) {
         let failing: Vec<u64> = (0..a.events).filter(|s| fails(*s, per_million)).collect();
         let failing_keys: Arc<std::collections::HashSet<u64>> =
             Arc::new(failing.iter().map(|s| key_of(*s)).collect());

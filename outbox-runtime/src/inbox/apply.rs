@@ -97,6 +97,12 @@ pub(crate) struct FollowUps {
 }
 
 impl FollowUps {
+    /// Adds `other`'s events after these.
+    pub fn append(&mut self, other: Self) {
+        self.messages.extend(other.messages);
+        self.owners.extend(other.owners);
+    }
+
     fn push(&mut self, handler: &'static str, messages: Vec<OutboxMessage>) {
         self.owners
             .extend(std::iter::repeat_n((self.at, handler), messages.len()));

@@ -4,12 +4,14 @@
 //! for those only, in order, malformed messages are dead-lettered — and only
 //! after `COMMIT` are the batch's offsets handed to the polling thread.
 //!
-//! Fast path / slow path: when a handler fails, the batch's transaction
-//! rolls back and the batch is redone around the failing message: the
-//! messages before it in one transaction, then the rest, with the failing
-//! event and every later event of its key *set aside* in `inbox_event` (the
-//! failure recorded on it: attempts, error, next attempt after a back-off)
-//! instead of applied. The other keys of the partition go on; the inbox
+//! A failing handler: the batch's handlers run in segments, each after a
+//! savepoint. When a handler fails, its segment is taken back, the failing
+//! event and every later event of its key are *set aside* in `inbox_event`
+//! (the failure recorded on it: attempts, error, next attempt after a
+//! back-off) instead of applied, the events before it run again, then the
+//! rest, all in the batch's one transaction (past 48 segments, or with
+//! `max_attempts` 1, the events before it commit on their own and the rest
+//! follows in another). The other keys of the partition go on; the inbox
 //! processor (`processor.rs`, one runs in dedup mode too) retries the failing
 //! event and applies its key's later events after it, in order, and
 //! dead-letters it after `max_attempts`. While a key has events set aside,
@@ -69,12 +71,18 @@ pub(crate) const DEAD_LETTERS: Statement = Statement {
 };
 
 /// Set-aside events: keys (topic, partition key) of a batch that have
-/// events waiting in `inbox_event` behind a failing one.
+/// events waiting in `inbox_event` behind a failing one. One probe of the
+/// small index of waiting rows per key (the `LATERAL … LIMIT 1` keeps it so
+/// whatever the statistics say: a join planned on stale ones walked every
+/// waiting row once per key, 335 ms per transaction at 5,000 waiting rows).
 const HELD_KEYS: &str = "
-SELECT DISTINCT e.topic, e.partition_key
+SELECT k.topic, k.key
 FROM UNNEST($2::text[], $3::text[]) AS k(topic, key)
-JOIN inbox_event e ON e.consumer = $1 AND e.topic = k.topic AND e.partition_key = k.key
-WHERE NOT e.processed AND e.dead_lettered_at IS NULL AND e.next_attempt_at IS NOT NULL";
+CROSS JOIN LATERAL (
+    SELECT 1 FROM inbox_event e
+    WHERE e.consumer = $1 AND e.topic = k.topic AND e.partition_key = k.key
+      AND NOT e.processed AND e.dead_lettered_at IS NULL AND e.next_attempt_at IS NOT NULL
+    LIMIT 1) h";
 
 /// Sets events aside in `inbox_event`, in batch order: the failing one with
 /// its failure (attempts 1, next attempt after `$13` seconds), the ones
@@ -92,6 +100,27 @@ FROM UNNEST($2::uuid[], $3::text[], $4::text[], $5::int4[], $6::int8[], $7::text
      WITH ORDINALITY AS u(e, p, t, pa, o, k, et, ev, h, a, er, d, n)
 ORDER BY n
 ON CONFLICT (consumer, event_id) DO NOTHING"#;
+
+const SAVEPOINT: &str = "SAVEPOINT outbox_segment";
+
+/// Most segments (savepoints) of one transaction: a transaction keeps few
+/// subtransactions (past 64, every snapshot of every session reads
+/// `pg_subtrans`).
+const MAX_SEGMENTS: usize = 48;
+
+/// A failed statement of the consumer's own between handlers: the symptom
+/// of a handler that broke the transaction, or an outage or refusal.
+fn bookkeeping(error: sqlx::Error, statement: Statement) -> Failure {
+    if let Some(broken) = super::txn::symptom_of(&error) {
+        return Failure::Suspect(broken.blame());
+    }
+    match super::txn::classify(error) {
+        super::txn::Broken::Outage(error) => {
+            Failure::Outage(Trouble::from(error).during(statement))
+        }
+        broken => Failure::Suspect(broken.blame()),
+    }
+}
 
 /// Setting events aside, as a refusal names it.
 const SET_ASIDE_STATEMENT: Statement = Statement {
@@ -141,6 +170,9 @@ pub(crate) struct Applier<'a> {
     pub latency: crate::metrics::ConsumerLatency,
     /// The connection handlers run on.
     pub conn: GuardedConn,
+    /// Wakes the inbox processor when events were set aside (it then
+    /// waits for the first one's retry).
+    pub wake: Option<&'a tokio::sync::Notify>,
 }
 
 impl Applier<'_> {
@@ -176,7 +208,7 @@ impl Applier<'_> {
                 doomed = Some((i, handler, error, attempts));
             }
             let result = self
-                .transaction(&mut batch[start..end], &aside[start..end], careful)
+                .transaction(&mut batch[start..end], &mut aside[start..end], careful)
                 .await;
             if result.is_err() {
                 self.conn.settle().await;
@@ -256,6 +288,11 @@ impl Applier<'_> {
         s.duplicates.fetch_add(report.duplicates, Ordering::Relaxed);
         s.ignored.fetch_add(report.ignored, Ordering::Relaxed);
         s.stored.fetch_add(report.set_aside, Ordering::Relaxed);
+        if report.set_aside > 0
+            && let Some(wake) = self.wake
+        {
+            wake.notify_one();
+        }
         if !report.rejected.is_empty() {
             s.dead_lettered
                 .fetch_add(report.rejected.len() as u64, Ordering::Relaxed);
@@ -269,7 +306,7 @@ impl Applier<'_> {
     async fn transaction(
         &mut self,
         records: &mut [Record],
-        aside: &[Option<Aside>],
+        aside: &mut [Option<Aside>],
         careful: bool,
     ) -> Result<Report, Failure> {
         let started = Instant::now();
@@ -279,6 +316,7 @@ impl Applier<'_> {
             timeout: self.config.handler_timeout,
             careful,
         };
+        let (config, stats) = (self.config, self.stats);
         let mut tx = self
             .conn
             .begin()
@@ -287,7 +325,7 @@ impl Applier<'_> {
         let held = held_keys(&mut tx, &self.config.group, records, aside).await?;
         let mut set_aside: Vec<bool> = records
             .iter()
-            .zip(aside)
+            .zip(aside.iter())
             .map(|(r, a)| {
                 a.is_some()
                     || key_of(r).is_some_and(|(t, k)| {
@@ -311,52 +349,25 @@ impl Applier<'_> {
                 *aside = false;
             }
         }
-        let ids: Vec<Uuid> = records
-            .iter()
-            .zip(&set_aside)
-            .filter_map(|(r, aside)| match &r.body {
-                Body::Event(e) if !aside => Some(e.incoming.event_id),
-                _ => None,
-            })
-            .collect();
-        let mut fresh: HashSet<Uuid> = if ids.is_empty() {
-            HashSet::new()
-        } else {
-            sqlx::query_scalar(INSERT_PROCESSED)
-                .bind(&self.config.group)
-                .bind(&ids)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(|e| Failure::Outage(Trouble::from(e).during(PROCESSED)))?
-                .into_iter()
-                .collect()
-        };
-        let mut report = Report::default();
-        let mut follow_ups = apply::FollowUps::default();
-        for (i, r) in records.iter_mut().enumerate() {
-            match &mut r.body {
-                Body::Event(_) if set_aside[i] => {}
-                Body::Event(e) => {
-                    if !fresh.remove(&e.incoming.event_id) {
-                        report.duplicates += 1;
-                        continue;
-                    }
-                    let t = Instant::now();
-                    follow_ups.at = i;
-                    apply::run_handlers(&mut tx, handling, e, &mut follow_ups)
-                        .await
-                        .map_err(|f| f.at(i))?;
-                    handler_time += t.elapsed();
-                    report.processed += 1;
-                }
-                Body::Ignored => report.ignored += 1,
-                Body::Rejected(_) => {}
-            }
-        }
+        // Segments, each after a savepoint: a failing handler takes its
+        // segment back, its event and the later ones of its key are set
+        // aside, the events before it run again, then the rest — in this
+        // transaction (see `run_segments`).
+        let (mut report, follow_ups, time) = run_segments(
+            &mut tx,
+            config,
+            stats,
+            records,
+            aside,
+            &mut set_aside,
+            handling,
+        )
+        .await?;
+        handler_time += time;
         apply::seal(&mut tx).await?;
         follow_ups.write(&mut tx).await?;
         let (written, offered) =
-            set_aside_rows(&mut tx, self.config, records, aside, &set_aside).await?;
+            set_aside_rows(&mut tx, self.config, records, &*aside, &set_aside).await?;
         report.set_aside = written;
         report.duplicates += offered - written;
         let letters: Vec<NewDeadLetter<'_>> = records
@@ -622,4 +633,148 @@ async fn set_aside_rows(
         .map_err(|e| Failure::Outage(Trouble::from(e).during(SET_ASIDE_STATEMENT)))?
         .rows_affected();
     Ok((written, rows.ids.len() as u64))
+}
+
+/// Runs the handlers of `records` (not `set_aside`) in `tx`, a segment
+/// at a time after a savepoint. A handler's failure takes its segment
+/// back: its event is set aside (`aside`, `set_aside`) with the later
+/// events of its key, the events before it run again in a segment of
+/// their own, then the rest; each event's handlers run at most twice
+/// and the batch keeps its one transaction. With `max_attempts` 1, or
+/// after `MAX_SEGMENTS` segments, the failure is returned instead (the
+/// caller commits the events before it on their own, as it does after
+/// an outage).
+async fn run_segments(
+    tx: &mut sqlx::PgConnection,
+    config: &ConsumerConfig,
+    stats: &Stats,
+    records: &mut [Record],
+    aside: &mut [Option<Aside>],
+    set_aside: &mut [bool],
+    handling: apply::Handling<'_>,
+) -> Result<(Report, apply::FollowUps, std::time::Duration), Failure> {
+    let n = records.len();
+    let mut report = Report::default();
+    let mut follow_ups = apply::FollowUps::default();
+    let mut handler_time = std::time::Duration::ZERO;
+    let (mut start, mut stop) = (0, n);
+    let mut segments = 0;
+    // Whether handlers ran since the session was last put back.
+    let mut restore = false;
+    while start < n {
+        segments += 1;
+        if restore {
+            match super::txn::probe(&mut *tx).await {
+                Ok(()) => {}
+                Err(super::txn::Broken::Outage(e)) => return Err(Failure::Outage(e.into())),
+                Err(broken) => return Err(Failure::Suspect(broken.blame())),
+            }
+        }
+        sqlx::query(SAVEPOINT)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| bookkeeping(e, PROCESSED))?;
+        let ids: Vec<Uuid> = records[start..stop]
+            .iter()
+            .zip(&set_aside[start..stop])
+            .filter_map(|(r, aside)| match &r.body {
+                Body::Event(e) if !aside => Some(e.incoming.event_id),
+                _ => None,
+            })
+            .collect();
+        let mut fresh: HashSet<Uuid> = if ids.is_empty() {
+            HashSet::new()
+        } else {
+            sqlx::query_scalar(INSERT_PROCESSED)
+                .bind(&config.group)
+                .bind(&ids)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(|e| bookkeeping(e, PROCESSED))?
+                .into_iter()
+                .collect()
+        };
+        let mut part = Report::default();
+        let mut part_follow_ups = apply::FollowUps::default();
+        let mut part_time = std::time::Duration::ZERO;
+        let mut failed = None;
+        for i in start..stop {
+            match &mut records[i].body {
+                Body::Event(_) if set_aside[i] => {}
+                Body::Event(e) => {
+                    if !fresh.remove(&e.incoming.event_id) {
+                        part.duplicates += 1;
+                        continue;
+                    }
+                    let t = Instant::now();
+                    part_follow_ups.at = i;
+                    match apply::run_handlers(&mut *tx, handling, e, &mut part_follow_ups).await {
+                        Ok(()) => {}
+                        Err(Failure::Handler { handler, error, .. })
+                            if config.max_attempts > 1 && segments < MAX_SEGMENTS =>
+                        {
+                            failed = Some((i, handler, error));
+                            break;
+                        }
+                        Err(f) => return Err(f.at(i)),
+                    }
+                    part_time += t.elapsed();
+                    part.processed += 1;
+                }
+                Body::Ignored => part.ignored += 1,
+                Body::Rejected(_) => {}
+            }
+        }
+        let Some((i, handler, error)) = failed else {
+            restore = part.processed > 0;
+            report.processed += part.processed;
+            report.duplicates += part.duplicates;
+            report.ignored += part.ignored;
+            follow_ups.append(part_follow_ups);
+            handler_time += part_time;
+            start = stop;
+            stop = n;
+            continue;
+        };
+        if let Err(failure) = sqlx::query("ROLLBACK TO SAVEPOINT outbox_segment")
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| bookkeeping(e, PROCESSED))
+        {
+            // The savepoint is gone (a careful run found the handler
+            // ended the transaction): the caller settles it.
+            return Err(match failure {
+                Failure::Suspect(_) if handling.careful => Failure::Handler {
+                    at: i,
+                    handler,
+                    error,
+                },
+                other => other,
+            });
+        }
+        restore = false;
+        stats.handler_failures.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(
+            offset = records[i].offset,
+            partition = records[i].partition,
+            handler,
+            %error,
+            "handler failed: setting its key aside for the inbox processor to retry"
+        );
+        aside[i] = Some(Aside::Failed { handler, error });
+        set_aside[i] = true;
+        let key = key_of(&records[i]).map(|(t, k)| (t.to_owned(), k.to_owned()));
+        for j in i + 1..n {
+            if !set_aside[j]
+                && key_of(&records[j])
+                    .is_some_and(|(t, k)| key.as_ref().is_some_and(|key| key.0 == t && key.1 == k))
+            {
+                aside[j] = Some(Aside::Behind);
+                set_aside[j] = true;
+            }
+        }
+        // The events before it again, then the rest.
+        stop = if i > start { i } else { n };
+    }
+    Ok((report, follow_ups, handler_time))
 }

@@ -171,6 +171,7 @@ impl Driver {
                     db: self.health(),
                     latency: crate::metrics::ConsumerLatency::new(&self.config.group),
                     conn: GuardedConn::new(self.pool.clone(), self.config.handler_timeout),
+                    wake: None,
                 };
                 applier.process(batch, &shutdown).await;
                 applier.conn.release().await;

@@ -876,6 +876,7 @@ impl Consumer {
                 db: health(),
                 latency: crate::metrics::ConsumerLatency::new(&config.group),
                 conn: txn::GuardedConn::new(pool.clone(), config.handler_timeout),
+                wake: Some(&wake),
             }),
             Mode::Inbox => Sink::Store(store::Store {
                 pool: &pool,

@@ -13,13 +13,17 @@
 //! continue. Several processors of one consumer split the partitions between
 //! them by hash.
 //!
-//! Fast path: the claimed rows' handlers all run in the claiming
-//! transaction, which records them in `processed_event` and marks them
-//! processed. Slow path: if a handler fails, the transaction rolls back, the
-//! failure is recorded on that row alone (attempts, last error, next attempt
-//! after an exponential back-off; after `max_attempts` it is dead-lettered),
-//! and the next claim takes the rows again — without the failed row and the
-//! later rows of its key.
+//! The claimed rows' handlers run in the claiming transaction, which
+//! records them in `processed_event` and marks them processed. They run in
+//! segments, each after a savepoint; a row that failed before (a retry)
+//! runs in a segment of its own. If a handler fails, its segment is taken
+//! back to the savepoint, the failure is recorded on that row in the same
+//! transaction (attempts, last error, next attempt after an exponential
+//! back-off; after `max_attempts` it is dead-lettered), the row and the
+//! later rows of its key are left for a later round, and the rows before it
+//! run again, then the rest: each event's handlers run at most twice, and
+//! the batch still commits once. A row retried now is claimed without the
+//! rows behind it (they would most likely be left again).
 //!
 //! The claiming transactions run on the processor's guarded connection
 //! (`txn.rs`): if a handler aborted or ended the transaction without saying
@@ -42,7 +46,7 @@ use super::db::pg_text;
 use super::dead_letter::{self, DeadLetterReason, NewDeadLetter};
 use super::dispatch::{Registry, Route};
 use super::record::{Event, Rejected};
-use super::txn::GuardedConn;
+use super::txn::{self, Broken, GuardedConn};
 use super::{ConsumerConfig, Stats};
 use crate::backoff::Health;
 use crate::refusal::{Statement, Trouble};
@@ -64,23 +68,40 @@ fn during(statement: Statement) -> impl Fn(sqlx::Error) -> Trouble {
     move |error| Trouble::from(error).during(statement)
 }
 
-/// A row that may be claimed now: not waiting for a retry, and no earlier
-/// row of its key waiting for one.
+/// The keys waiting for a retry: each key's first row that failed before
+/// (its next attempt in the future, or due now: then it is claimed alone,
+/// without the rows behind it, which would most likely be left behind it
+/// again and take the round's room from other keys). Few (one per failing
+/// key), found on the small index of rows waiting for a retry, and made one
+/// `jsonb` object (`topic/key` → `seq`; a topic name has no `/`), so that
+/// checking a row against them is one lookup whatever the planner's
+/// statistics say: an anti-join per row on `inbox_event`, planned on stale
+/// statistics after the inbox grew, once took 12 s per claim at 6,000
+/// pending rows, and a join with the waiting keys as rows 140 ms at 9,000.
+const WAITING: &str = r#"
+WITH waiting AS MATERIALIZED (
+    SELECT COALESCE(jsonb_object_agg(k, s), '{}') AS keys FROM (
+        SELECT b.topic || '/' || b.partition_key AS k, min(b.seq) AS s FROM inbox_event b
+        WHERE b.consumer = $1 AND NOT b.processed AND b.dead_lettered_at IS NULL
+          AND b.next_attempt_at IS NOT NULL AND (b.next_attempt_at > now() OR b.attempts > 0)
+        GROUP BY 1) x)"#;
+
+/// The claimable rows are those of `inbox_event e` (with the [`WAITING`]
+/// keys)…
+const WITH_WAITING: &str = "inbox_event e CROSS JOIN waiting w";
+
+/// …that are not waiting for a retry, and have no earlier row of their key
+/// waiting for one or retried now.
 const CLAIMABLE: &str = r#"
       (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())
-  AND NOT EXISTS (
-      SELECT 1 FROM inbox_event b
-      WHERE b.consumer = e.consumer AND b.topic = e.topic AND b.partition_key = e.partition_key
-        AND NOT b.processed AND b.dead_lettered_at IS NULL
-        AND b.next_attempt_at IS NOT NULL AND b.next_attempt_at > now()
-        AND b.seq < e.seq)"#;
+  AND COALESCE((w.keys ->> (e.topic || '/' || e.partition_key))::int8 >= e.seq, true)"#;
 
 /// The partitions of the oldest claimable rows (of this processor's share).
 fn candidates_sql() -> String {
     format!(
-        r#"
+        r#"{WAITING}
 SELECT DISTINCT topic || '/' || "partition" FROM (
-    SELECT e.topic, e."partition" FROM inbox_event e
+    SELECT e.topic, e."partition" FROM {WITH_WAITING}
     WHERE NOT e.processed AND e.dead_lettered_at IS NULL AND e.consumer = $1
       AND mod(mod(hashtext(e.topic)::bigint + e."partition", $3) + $3, $3) = $4
       AND {CLAIMABLE}
@@ -104,7 +125,7 @@ const WAIT_FOR_PARTITION: &str =
 /// this processor's meanwhile, so their order is kept.
 fn claim_sql() -> String {
     format!(
-        r#"
+        r#"{WAITING}
 SELECT c.event_id, c.topic, c.partition, c.offset, c.partition_key, c.event_type,
        c.event_version, c.payload, c.headers, c.attempts
 FROM (
@@ -118,18 +139,24 @@ FROM (
                e.attempts,
                octet_length(e.payload::text) + octet_length(e.headers::text)
                  + octet_length(COALESCE(e.partition_key, '')) AS bytes
-        FROM inbox_event e
+        FROM {WITH_WAITING}
         WHERE NOT e.processed AND e.dead_lettered_at IS NULL AND e.consumer = $1
           AND e.topic || '/' || e."partition" = ANY($2)
           AND {CLAIMABLE}
         ORDER BY e.seq
         LIMIT $3
-        FOR UPDATE SKIP LOCKED) l
+        FOR UPDATE OF e SKIP LOCKED) l
 ) c
 WHERE c.before < $4
 ORDER BY c.seq"#
     )
 }
+
+/// Seconds until the next retry of the consumer's rows is due.
+const NEXT_RETRY: &str = "
+SELECT EXTRACT(EPOCH FROM min(next_attempt_at) - now())::float8
+FROM inbox_event
+WHERE consumer = $1 AND NOT processed AND dead_lettered_at IS NULL AND next_attempt_at > now()";
 
 const INSERT_PROCESSED: &str = "\
 INSERT INTO processed_event (consumer, event_id)
@@ -258,14 +285,30 @@ impl Processor {
                     // to the pool the consumer shares with its applier.
                     conn.release().await;
                 }
+                // Until the next poll, or the next retry if it is due sooner.
+                let poll = self.config.processor_poll_interval;
+                let wait = self.next_retry().await.map_or(poll, |due| due.min(poll));
                 tokio::select! {
                     _ = self.wake.notified() => {}
-                    _ = tokio::time::sleep(self.config.processor_poll_interval) => {}
+                    _ = tokio::time::sleep(wait) => {}
                     _ = shutdown.cancelled() => {}
                 }
             }
         }
         conn.release().await;
+    }
+
+    /// How long until this consumer's next row waiting for a retry is due,
+    /// if one is (`None` also when the database does not answer: the
+    /// next round finds out).
+    async fn next_retry(&self) -> Option<std::time::Duration> {
+        let secs: Option<f64> = sqlx::query_scalar(NEXT_RETRY)
+            .bind(&self.config.group)
+            .fetch_one(&self.pool)
+            .await
+            .ok()
+            .flatten();
+        secs.map(|s| std::time::Duration::from_secs_f64(s.clamp(0.0, 86_400.0)))
     }
 
     /// One transaction: lock partitions, claim their next rows, process
@@ -312,74 +355,410 @@ impl Processor {
         }
         let started = std::time::Instant::now();
         let mut items: Vec<Item> = rows.iter().map(|r| self.item(r)).collect();
-        match self.fast(&mut tx, &rows, &mut items, careful).await {
-            Ok(batch) => {
-                tx.commit().await?;
-                self.latency.batch.record(started.elapsed());
-                if batch.processed > 0 {
-                    self.latency
-                        .handler
-                        .record(batch.handler_time.as_secs_f64() / batch.processed as f64);
-                }
-                if !batch.rejected.is_empty() {
-                    super::dedup::log_rejected(group, &batch.rejected);
-                }
-                batch.apply(&self.stats);
-                Ok(Round::Settled(rows.len()))
-            }
-            Err(Failure::Outage(error)) => Err(error),
+        let work = match self.segments(&mut tx, &rows, &mut items, careful).await {
+            Ok(work) => work,
+            Err(Failure::Outage(error)) => return Err(error),
             // Every event was checked and still: an outage of unknown cause.
-            Err(Failure::Suspect(error)) if careful => Err(error.into()),
+            Err(Failure::Suspect(error)) if careful => return Err(error.into()),
             Err(Failure::Suspect(error)) => {
                 tracing::info!(%error, "a handler broke the transaction: checking event by event");
-                Ok(Round::Suspect)
+                return Ok(Round::Suspect);
             }
+            // Found where the transaction cannot be taken back to a
+            // savepoint (a careful run found a handler that ended it, or
+            // the follow-up events of a handler are refused): the whole
+            // transaction rolls back and the failure is settled alone.
             Err(Failure::Handler { at, handler, error }) => {
                 drop(tx);
                 conn.settle().await;
                 self.stats.handler_failures.fetch_add(1, Ordering::Relaxed);
-                let row = &rows[at];
-                let attempts = row.attempts.saturating_add(1);
-                if u32::try_from(attempts).unwrap_or(u32::MAX) >= self.config.max_attempts {
-                    let Item::Event(event) = &items[at] else {
-                        return Ok(Round::Settled(1));
-                    };
-                    let rejected = event.rejected(
-                        DeadLetterReason::HandlerFailed,
-                        error.clone(),
-                        Some(handler),
-                        attempts,
-                    );
-                    self.dead_letter(row, &rejected, 1).await?;
-                    tracing::warn!(
-                        group = %group,
-                        event_id = %row.event_id,
-                        event_type = %row.event_type,
-                        handler,
-                        attempts,
-                        %error,
-                        "handler kept failing: event dead-lettered (re-drive with `outbox dead-letters retry`)"
-                    );
-                } else {
-                    let delay = backoff::delay(
-                        self.config.retry_backoff,
-                        self.config.retry_backoff_max,
-                        u32::try_from(attempts).unwrap_or(u32::MAX),
-                    );
-                    self.record_failure(row, &error, delay.as_secs_f64())
-                        .await?;
-                    tracing::debug!(event_id = %row.event_id, handler, attempts, %error, "handler failed: retrying later");
-                }
-                Ok(Round::Settled(1))
+                self.settle_alone(&rows[at], &items[at], handler, &error)
+                    .await?;
+                return Ok(Round::Settled(1));
             }
             Err(Failure::Rejected { at, rejected }) => {
                 drop(tx);
                 conn.settle().await;
                 self.dead_letter(&rows[at], &rejected, 0).await?;
                 super::dedup::log_rejected(group, &[(rejected.reason, rejected.error.clone())]);
-                Ok(Round::Settled(1))
+                return Ok(Round::Settled(1));
+            }
+        };
+        tx.commit().await?;
+        self.latency.batch.record(started.elapsed());
+        let batch = work.batch;
+        if batch.processed > 0 {
+            self.latency
+                .handler
+                .record(batch.handler_time.as_secs_f64() / batch.processed as f64);
+        }
+        if !batch.rejected.is_empty() {
+            super::dedup::log_rejected(group, &batch.rejected);
+        }
+        let settled = work.settled + work.failed.len();
+        for failed in &work.failed {
+            self.stats.handler_failures.fetch_add(1, Ordering::Relaxed);
+            if failed.dead {
+                self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+            }
+            self.report_failure(&rows[failed.at], failed);
+        }
+        batch.apply(&self.stats);
+        Ok(Round::Settled(settled))
+    }
+
+    /// Runs the claimed rows' handlers in the claiming transaction, one
+    /// segment (a savepoint) at a time. A row that failed before (a retry)
+    /// runs in a segment of its own: if it fails again, only its segment is
+    /// taken back. When a handler fails, its segment is taken back to the
+    /// savepoint; the failure is recorded on its row in the same
+    /// transaction (or the row dead-lettered), the row and the later rows of
+    /// its key are left for later, and the rows before it run again, then
+    /// the rest. Each event's handlers run at most twice, and a failing
+    /// event costs neither the batch nor a transaction of its own.
+    ///
+    /// After `MAX_SEGMENTS` segments the round ends where it is: a
+    /// transaction keeps few subtransactions (past 64, every snapshot of
+    /// every session reads `pg_subtrans`). The rows not reached are claimed
+    /// again next round.
+    async fn segments(
+        &self,
+        tx: &mut PgConnection,
+        rows: &[Row],
+        items: &mut [Item],
+        careful: bool,
+    ) -> Result<Work, Failure> {
+        let n = rows.len();
+        let mut work = Work::default();
+        // Rows this round does not settle: failed ones, those behind them.
+        let mut left = vec![false; n];
+        let mut follow_ups = apply::FollowUps::default();
+        let (mut start, mut end) = (0, n);
+        // Whether handlers ran since the session was last put back.
+        let mut restore = false;
+        let mut segments = 0;
+        while start < end && segments < MAX_SEGMENTS {
+            segments += 1;
+            let result = self
+                .segment(tx, rows, items, &left, start..end, careful, restore)
+                .await;
+            match result {
+                Ok(segment) => {
+                    restore = segment.batch.processed > 0;
+                    start = segment.end;
+                    work.add(segment, &mut follow_ups);
+                    if start == end {
+                        end = n;
+                    }
+                }
+                Err(Failure::Handler { at, handler, error }) => {
+                    undo(tx).await.map_err(|f| match f {
+                        // The savepoint is gone (the handler ended the
+                        // transaction): settle it alone.
+                        Failure::Suspect(_) if careful => Failure::Handler {
+                            at,
+                            handler,
+                            error: error.clone(),
+                        },
+                        other => other,
+                    })?;
+                    restore = false;
+                    let failed = self
+                        .settle_failure(tx, &rows[at], &items[at], handler, error)
+                        .await?;
+                    work.failed.push(Failed { at, ..failed });
+                    left[at] = true;
+                    let key = (&rows[at].topic, &rows[at].partition_key);
+                    for (j, row) in rows.iter().enumerate().skip(at + 1) {
+                        if (&row.topic, &row.partition_key) == key {
+                            left[j] = true;
+                        }
+                    }
+                    // The rows before it (in their own segment), then the rest.
+                    end = if at > start { at } else { n };
+                }
+                Err(Failure::Rejected { at, rejected }) => {
+                    undo(tx).await?;
+                    restore = false;
+                    items[at] = Item::Rejected(rejected);
+                }
+                Err(other) => return Err(other),
             }
         }
+        // Rows from `start` on were not reached this round.
+        let reached = start;
+        apply::seal(tx).await?;
+        follow_ups.write(tx).await?;
+        sqlx::query(MARK_PROCESSED)
+            .bind(&work.ids)
+            .bind(1_i32)
+            .bind(&self.config.group)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| Failure::Outage(during(SETTLE)(e)))?;
+        work.settled = work.ids.len();
+        // Malformed rows reached (those left for later are not).
+        let letters: Vec<(&Row, &Rejected)> = items[..reached]
+            .iter()
+            .zip(rows)
+            .zip(&left)
+            .filter_map(|((item, row), left)| match item {
+                Item::Rejected(rejected) if !left => Some((row, &**rejected)),
+                _ => None,
+            })
+            .collect();
+        if !letters.is_empty() {
+            let new: Vec<NewDeadLetter<'_>> = letters
+                .iter()
+                .map(|(row, rejected)| NewDeadLetter {
+                    topic: &row.topic,
+                    partition: row.partition,
+                    offset: row.offset,
+                    rejected,
+                })
+                .collect();
+            dead_letter::insert(tx, &self.config.group, &new)
+                .await
+                .map_err(|e| Failure::Outage(super::dedup::refused_dead_letters(e)))?;
+            for (row, rejected) in &letters {
+                sqlx::query(MARK_DEAD)
+                    .bind(row.event_id)
+                    .bind(pg_text(&rejected.error).as_ref())
+                    .bind(0_i32)
+                    .bind(&self.config.group)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| Failure::Outage(during(SETTLE)(e)))?;
+            }
+            work.settled += letters.len();
+            work.batch.rejected = letters
+                .iter()
+                .map(|(_, r)| (r.reason, r.error.clone()))
+                .collect();
+        }
+        Ok(work)
+    }
+
+    /// Runs the handlers of `range`'s rows (not `left`) after a savepoint.
+    #[allow(clippy::too_many_arguments)]
+    async fn segment(
+        &self,
+        tx: &mut PgConnection,
+        rows: &[Row],
+        items: &mut [Item],
+        left: &[bool],
+        range: std::ops::Range<usize>,
+        careful: bool,
+        restore: bool,
+    ) -> Result<Segment, Failure> {
+        let group = &self.config.group;
+        if restore {
+            // A handler of the last segment may have changed the session:
+            // the bookkeeping runs as the consumer (see `txn.rs`).
+            match txn::probe(&mut *tx).await {
+                Ok(()) => {}
+                Err(Broken::Outage(error)) => return Err(Failure::Outage(error.into())),
+                Err(broken) => return Err(Failure::Suspect(broken.blame())),
+            }
+        }
+        sqlx::query(SAVEPOINT)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| bookkeeping(e, SETTLE))?;
+        let handling = apply::Handling {
+            registry: &self.registry,
+            timeout: self.config.handler_timeout,
+            careful,
+        };
+        // A retry runs alone; the segment ends before the next one.
+        let retry = |i: usize| !left[i] && rows[i].attempts > 0;
+        let end = if retry(range.start) {
+            range.start + 1
+        } else {
+            (range.start + 1..range.end)
+                .find(|&i| retry(i))
+                .unwrap_or(range.end)
+        };
+        let range = range.start..end;
+        let ids: Vec<Uuid> = range
+            .clone()
+            .filter(|&i| !left[i] && matches!(items[i], Item::Event(_)))
+            .map(|i| rows[i].event_id)
+            .collect();
+        let fresh: HashSet<Uuid> = if ids.is_empty() {
+            HashSet::new()
+        } else {
+            sqlx::query_scalar(INSERT_PROCESSED)
+                .bind(group)
+                .bind(&ids)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(|e| bookkeeping(e, super::dedup::PROCESSED))?
+                .into_iter()
+                .collect()
+        };
+        let mut segment = Segment {
+            end,
+            ..Segment::default()
+        };
+        for i in range {
+            if left[i] {
+                continue;
+            }
+            let row = &rows[i];
+            match &mut items[i] {
+                Item::Event(event) => {
+                    if fresh.contains(&row.event_id) {
+                        let t = std::time::Instant::now();
+                        segment.follow_ups.at = i;
+                        apply::run_handlers(tx, handling, event, &mut segment.follow_ups)
+                            .await
+                            .map_err(|f| f.at(i))?;
+                        segment.batch.handler_time += t.elapsed();
+                        segment.batch.processed += 1;
+                    } else {
+                        segment.batch.duplicates += 1;
+                    }
+                    segment.ids.push(row.event_id);
+                }
+                Item::Ignored => {
+                    segment.batch.ignored += 1;
+                    segment.ids.push(row.event_id);
+                }
+                Item::Rejected(_) => {}
+            }
+        }
+        Ok(segment)
+    }
+
+    /// Records, in the round's transaction, a handler's failure on `row`:
+    /// a failed attempt (its key waits for the back-off), or its dead
+    /// letter once out of attempts.
+    async fn settle_failure(
+        &self,
+        tx: &mut PgConnection,
+        row: &Row,
+        item: &Item,
+        handler: &'static str,
+        error: String,
+    ) -> Result<Failed, Failure> {
+        let attempts = row.attempts.saturating_add(1);
+        let dead = u32::try_from(attempts).unwrap_or(u32::MAX) >= self.config.max_attempts;
+        let group = &self.config.group;
+        if dead {
+            if let Item::Event(event) = item {
+                let rejected = event.rejected(
+                    DeadLetterReason::HandlerFailed,
+                    error.clone(),
+                    Some(handler),
+                    attempts,
+                );
+                let letter = NewDeadLetter {
+                    topic: &row.topic,
+                    partition: row.partition,
+                    offset: row.offset,
+                    rejected: &rejected,
+                };
+                dead_letter::insert(tx, group, &[letter])
+                    .await
+                    .map_err(|e| Failure::Outage(super::dedup::refused_dead_letters(e)))?;
+            }
+            sqlx::query(MARK_DEAD)
+                .bind(row.event_id)
+                .bind(pg_text(&error).as_ref())
+                .bind(1_i32)
+                .bind(group)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| Failure::Outage(during(SETTLE)(e)))?;
+        } else {
+            sqlx::query(RECORD_FAILURE)
+                .bind(row.event_id)
+                .bind(pg_text(&error).as_ref())
+                .bind(self.retry_delay(attempts))
+                .bind(group)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| Failure::Outage(during(SETTLE)(e)))?;
+        }
+        Ok(Failed {
+            at: 0,
+            handler,
+            error,
+            attempts,
+            dead,
+        })
+    }
+
+    /// The back-off before attempt `attempts + 1`, in seconds.
+    fn retry_delay(&self, attempts: i32) -> f64 {
+        backoff::delay(
+            self.config.retry_backoff,
+            self.config.retry_backoff_max,
+            u32::try_from(attempts).unwrap_or(u32::MAX),
+        )
+        .as_secs_f64()
+    }
+
+    /// Logs a settled failure.
+    fn report_failure(&self, row: &Row, failed: &Failed) {
+        let Failed {
+            handler,
+            error,
+            attempts,
+            ..
+        } = failed;
+        if failed.dead {
+            tracing::warn!(
+                group = %self.config.group,
+                event_id = %row.event_id,
+                event_type = %row.event_type,
+                handler,
+                attempts,
+                %error,
+                "handler kept failing: event dead-lettered (re-drive with `outbox dead-letters retry`)"
+            );
+        } else {
+            tracing::debug!(event_id = %row.event_id, handler, attempts, %error, "handler failed: retrying later");
+        }
+    }
+
+    /// Settles a handler's failure in a transaction of its own, the round's
+    /// having rolled back.
+    async fn settle_alone(
+        &self,
+        row: &Row,
+        item: &Item,
+        handler: &'static str,
+        error: &str,
+    ) -> Result<(), Trouble> {
+        let attempts = row.attempts.saturating_add(1);
+        if u32::try_from(attempts).unwrap_or(u32::MAX) >= self.config.max_attempts {
+            let Item::Event(event) = item else {
+                return Ok(());
+            };
+            let rejected = event.rejected(
+                DeadLetterReason::HandlerFailed,
+                error.to_owned(),
+                Some(handler),
+                attempts,
+            );
+            self.dead_letter(row, &rejected, 1).await?;
+            self.report_failure(
+                row,
+                &Failed {
+                    at: 0,
+                    handler,
+                    error: error.to_owned(),
+                    attempts,
+                    dead: true,
+                },
+            );
+        } else {
+            self.record_failure(row, error, self.retry_delay(attempts))
+                .await?;
+        }
+        Ok(())
     }
 
     fn item(&self, row: &Row) -> Item {
@@ -416,105 +795,6 @@ impl Processor {
                 0,
             ))),
         }
-    }
-
-    /// Runs every claimed row in the claiming transaction.
-    async fn fast(
-        &self,
-        tx: &mut PgConnection,
-        rows: &[Row],
-        items: &mut [Item],
-        careful: bool,
-    ) -> Result<Batch, Failure> {
-        let group = &self.config.group;
-        let handling = apply::Handling {
-            registry: &self.registry,
-            timeout: self.config.handler_timeout,
-            careful,
-        };
-        let ids: Vec<Uuid> = items
-            .iter()
-            .zip(rows)
-            .filter(|(i, _)| matches!(i, Item::Event(_)))
-            .map(|(_, r)| r.event_id)
-            .collect();
-        let fresh: HashSet<Uuid> = if ids.is_empty() {
-            HashSet::new()
-        } else {
-            sqlx::query_scalar(INSERT_PROCESSED)
-                .bind(group)
-                .bind(&ids)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(|e| Failure::Outage(during(super::dedup::PROCESSED)(e)))?
-                .into_iter()
-                .collect()
-        };
-        let mut batch = Batch::default();
-        let mut settled = Vec::with_capacity(rows.len());
-        let mut letters = Vec::new();
-        let mut follow_ups = apply::FollowUps::default();
-        for (i, (item, row)) in items.iter_mut().zip(rows).enumerate() {
-            match item {
-                Item::Event(event) => {
-                    if fresh.contains(&row.event_id) {
-                        let t = std::time::Instant::now();
-                        follow_ups.at = i;
-                        apply::run_handlers(tx, handling, event, &mut follow_ups)
-                            .await
-                            .map_err(|f| f.at(i))?;
-                        batch.handler_time += t.elapsed();
-                        batch.processed += 1;
-                    } else {
-                        batch.duplicates += 1;
-                    }
-                    settled.push(row.event_id);
-                }
-                Item::Ignored => {
-                    batch.ignored += 1;
-                    settled.push(row.event_id);
-                }
-                Item::Rejected(rejected) => letters.push((row, &**rejected)),
-            }
-        }
-        apply::seal(tx).await?;
-        follow_ups.write(tx).await?;
-        sqlx::query(MARK_PROCESSED)
-            .bind(&settled)
-            .bind(1_i32)
-            .bind(group)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| Failure::Outage(during(SETTLE)(e)))?;
-        if !letters.is_empty() {
-            let new: Vec<NewDeadLetter<'_>> = letters
-                .iter()
-                .map(|(row, rejected)| NewDeadLetter {
-                    topic: &row.topic,
-                    partition: row.partition,
-                    offset: row.offset,
-                    rejected,
-                })
-                .collect();
-            dead_letter::insert(tx, group, &new)
-                .await
-                .map_err(|e| Failure::Outage(super::dedup::refused_dead_letters(e)))?;
-            for (row, rejected) in &letters {
-                sqlx::query(MARK_DEAD)
-                    .bind(row.event_id)
-                    .bind(pg_text(&rejected.error).as_ref())
-                    .bind(0_i32)
-                    .bind(group)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(|e| Failure::Outage(during(SETTLE)(e)))?;
-            }
-            batch.rejected = letters
-                .iter()
-                .map(|(_, r)| (r.reason, r.error.clone()))
-                .collect();
-        }
-        Ok(batch)
     }
 
     /// Records a failed attempt on one row (its key waits `delay_secs`).
@@ -587,6 +867,77 @@ impl Processor {
             .execute(&mut **tx)
             .await
             .map(|_| ())
+    }
+}
+
+/// Most segments (savepoints) of one round (see [`Processor::segments`]).
+const MAX_SEGMENTS: usize = 48;
+
+const SAVEPOINT: &str = "SAVEPOINT outbox_segment";
+
+/// Takes the round's transaction back to the start of the segment.
+async fn undo(tx: &mut PgConnection) -> Result<(), Failure> {
+    sqlx::query("ROLLBACK TO SAVEPOINT outbox_segment")
+        .execute(tx)
+        .await
+        .map(|_| ())
+        .map_err(|e| bookkeeping(e, SETTLE))
+}
+
+/// A failed statement of the consumer's own between handlers: the symptom
+/// of a handler that broke the transaction (aborted or ended it), or an
+/// outage or refusal of `statement`.
+fn bookkeeping(error: sqlx::Error, statement: Statement) -> Failure {
+    if let Some(broken) = txn::symptom_of(&error) {
+        return Failure::Suspect(broken.blame());
+    }
+    match txn::classify(error) {
+        Broken::Outage(error) => Failure::Outage(Trouble::from(error).during(statement)),
+        broken => Failure::Suspect(broken.blame()),
+    }
+}
+
+/// A handler's failure, settled in the round's transaction.
+struct Failed {
+    /// The row's index in the round.
+    at: usize,
+    handler: &'static str,
+    error: String,
+    attempts: i32,
+    /// Out of attempts: dead-lettered.
+    dead: bool,
+}
+
+/// What one segment's handlers did (not committed yet).
+#[derive(Default)]
+struct Segment {
+    /// Where it ended (exclusive): a retry runs alone.
+    end: usize,
+    batch: Batch,
+    /// Rows to mark processed.
+    ids: Vec<Uuid>,
+    follow_ups: apply::FollowUps,
+}
+
+/// What a round's segments did.
+#[derive(Default)]
+struct Work {
+    batch: Batch,
+    ids: Vec<Uuid>,
+    failed: Vec<Failed>,
+    /// Rows settled: processed (or duplicates, ignored) and dead-lettered.
+    settled: usize,
+}
+
+impl Work {
+    fn add(&mut self, segment: Segment, follow_ups: &mut apply::FollowUps) {
+        let b = segment.batch;
+        self.batch.processed += b.processed;
+        self.batch.handler_time += b.handler_time;
+        self.batch.duplicates += b.duplicates;
+        self.batch.ignored += b.ignored;
+        self.ids.extend(segment.ids);
+        follow_ups.append(segment.follow_ups);
     }
 }
 

@@ -78,7 +78,9 @@ impl Broken {
     }
 }
 
-fn classify(error: sqlx::Error) -> Broken {
+/// What a failed statement says of the transaction: aborted, ended, or
+/// neither (an outage).
+pub(crate) fn classify(error: sqlx::Error) -> Broken {
     match &error {
         sqlx::Error::Database(db) if db.code().as_deref() == Some("25P02") => Broken::Aborted,
         // 25P01: no transaction in progress; 3B001: savepoint missing.
