@@ -5,7 +5,9 @@
 //! and 5 % of the events (chosen among the hot keys' events) on every
 //! attempt until they are dead-lettered. For each: events/s until every
 //! event is applied or dead-lettered, as a ratio of the all-good stage, and
-//! the time until every event of the keys that never fail was applied.
+//! the time until every event of the keys that never fail was applied, and
+//! the back-off floor: the busiest failing key's failing events times the
+//! back-offs each waits before its dead letter (no run can finish sooner).
 //!
 //! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--stages 0,0.1,1,5] [--max-attempts N] [--backoff-ms N] [--json PATH]`
 //!
@@ -186,6 +188,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .filter(|s| !failing_keys.contains(&key_of(*s)))
             .count() as u64;
         let keys_failing = failing_keys.len();
+        // No run can be faster than its busiest failing key: each of its
+        // failing events waits every back-off before its dead letter, and
+        // its key waits with it.
+        let waits: f64 = (1..a.max_attempts)
+            .map(|attempt| {
+                (a.backoff_ms as f64 * 2f64.powi(attempt as i32 - 1))
+                    .min(a.backoff_ms as f64 * 10.0)
+            })
+            .sum::<f64>()
+            / 1000.0;
+        let mut per_key = std::collections::HashMap::new();
+        for seq in &failing {
+            *per_key.entry(key_of(*seq)).or_insert(0_u32) += 1;
+        }
+        let floor_s = per_key.values().copied().max().unwrap_or(0) as f64 * waits;
         let clean_applied = Arc::new(AtomicU64::new(0));
         let backoff = Duration::from_millis(a.backoff_ms);
         let start = Instant::now();
@@ -222,13 +239,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let clean_s = clean_done.unwrap_or(took).as_secs_f64();
         println!(
             "{:>5.1} % failing ({:>5} events, {:>3} keys): {rate:>8.0} events/s = {:.2} x all-good; \
-             other keys' events all applied after {clean_s:.2} s; dead-lettered {}, set aside {}",
+             other keys' events all applied after {clean_s:.2} s; dead-lettered {}, set aside {}; \
+             took {:.2} s, back-off floor {floor_s:.2} s",
             per_million as f64 / 10_000.0,
             failing.len(),
             keys_failing,
             rate / base,
             counts.dead_lettered,
             counts.stored,
+            took.as_secs_f64(),
         );
         stages.push(serde_json::json!({
             "failing_percent": per_million as f64 / 10_000.0,
@@ -238,6 +257,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "other_keys_applied_s": (clean_s * 1000.0).round() / 1000.0,
             "dead_lettered": counts.dead_lettered,
             "set_aside": counts.stored,
+            "took_s": (took.as_secs_f64() * 1000.0).round() / 1000.0,
+            "backoff_floor_s": (floor_s * 1000.0).round() / 1000.0,
         }));
     }
     let json = serde_json::json!({

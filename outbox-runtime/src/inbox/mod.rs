@@ -664,7 +664,55 @@ impl ConsumerStats {
 type Stats = ConsumerStats;
 
 /// A consumer group member that applies events with its handlers. See the
-/// module docs.
+/// module docs. Handlers are usually written with `#[inbox_handler]` (see
+/// the `outbox` crate); by hand, an [`InboxHandler`]:
+///
+/// ```no_run
+/// use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler};
+/// use outbox_runtime::{Consumer, Mode};
+/// # #[derive(serde::Serialize, serde::Deserialize)]
+/// # struct OrderPlaced { order_id: String }
+/// # impl DomainEvent for OrderPlaced {
+/// #     const TOPIC: &'static str = "orders";
+/// #     const AGGREGATE_TYPE: &'static str = "Order";
+/// #     const EVENT_TYPES: &'static [&'static str] = &["OrderPlaced"];
+/// #     fn event_type(&self) -> &'static str { "OrderPlaced" }
+/// #     fn event_version(&self) -> u32 { 1 }
+/// #     fn aggregate_id(&self) -> String { self.order_id.clone() }
+/// # }
+///
+/// struct Charge;
+///
+/// impl InboxHandler for Charge {
+///     type Event = OrderPlaced;
+///     const NAME: &'static str = "billing.charge";
+///
+///     fn handle<'a, 'c>(&'a self, ctx: &'a mut HandlerContext<'c>, event: OrderPlaced) -> HandlerFuture<'a>
+///     where
+///         'c: 'a,
+///     {
+///         Box::pin(async move {
+///             sqlx::query("INSERT INTO charges (order_id) VALUES ($1)")
+///                 .bind(&event.order_id)
+///                 .execute(&mut **ctx) // the consumer's transaction
+///                 .await?;
+///             Ok(())
+///         })
+///     }
+/// }
+///
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let consumer = Consumer::builder(pool)
+///     .group("billing")
+///     .brokers("kafka:9092")
+///     .mode(Mode::Dedup)
+///     .handler(Charge)
+///     .spawn()?;
+/// println!("{:?}", consumer.counts());
+/// consumer.shutdown().await?; // commits what it applied, leaves the group
+/// # Ok(())
+/// # }
+/// ```
 pub struct Consumer {
     pool: PgPool,
     config: Arc<ConsumerConfig>,

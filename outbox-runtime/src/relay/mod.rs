@@ -69,6 +69,19 @@ pub use self::config::{DEFAULT_MAX_BATCH_BYTES, RelayBuilder, RelayConfig};
 pub use self::stats::{RelayCounts, RelayHealth, RelayStats};
 
 /// Publishes the outbox to Kafka. See the module docs.
+///
+/// ```no_run
+/// use outbox_runtime::{Relay, RelayHealth};
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let relay = Relay::builder(pool).brokers("kafka:9092").spawn()?;
+/// // For the readiness probe and the metrics:
+/// if !matches!(relay.health(), RelayHealth::Running) {
+///     eprintln!("relay: {:?}", relay.health());
+/// }
+/// relay.shutdown().await?; // finishes the batch in flight
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug)]
 pub struct Relay {
     pool: PgPool,
