@@ -111,6 +111,17 @@ tansu_installed() {
     command -v tansu >/dev/null 2>&1 && tansu --version 2>/dev/null | grep -q "$TANSU_VERSION"
 }
 
+# mdBook builds the guide (docs/); the test command builds it.
+MDBOOK_VERSION=0.5.4
+
+mdbook_up() {
+    if command -v mdbook >/dev/null 2>&1 && mdbook --version 2>/dev/null | grep -q "v$MDBOOK_VERSION"; then
+        return 0
+    fi
+    log "installing mdbook $MDBOOK_VERSION (builds the guide) with cargo; this takes a few minutes once"
+    cargo install mdbook --version "$MDBOOK_VERSION" --locked --no-default-features --features search --quiet
+}
+
 broker_up() {
     if port_open "$KAFKA_HOST" "$KAFKA_PORT"; then
         return 0
@@ -147,6 +158,7 @@ start)
     browser_up
     postgres_up
     broker_up
+    mdbook_up
     log "ready: postgres://postgres@$PG_HOST:$PG_PORT, kafka $KAFKA_HOST:$KAFKA_PORT"
     ;;
 stop) broker_stop ;;

@@ -20,3 +20,5 @@ cargo test -p outbox-cli --test reliability -- groups::consumer_groups_killed_an
 echo "== the reliability scenarios' production-profile subset"
 OUTBOX_TEST_PROFILE=production cargo test -p outbox-cli --test reliability -- \
     relay_sigkilled_repeatedly consumer_killed_between long_transaction
+echo "== the guide builds (mdBook; its Rust snippets were compiled by the doc tests above)"
+mdbook build docs -d "$(mktemp -d)"
