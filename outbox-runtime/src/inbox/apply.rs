@@ -171,6 +171,37 @@ impl FollowUps {
     }
 }
 
+/// Starts a segment of a transaction over events: a failing handler takes
+/// the transaction back here, and the rest goes on.
+pub(crate) const SAVEPOINT: &str = "SAVEPOINT outbox_segment";
+
+/// Most segments (savepoints) of one transaction: a transaction keeps few
+/// subtransactions (past 64, every snapshot of every session reads
+/// `pg_subtrans`).
+pub(crate) const MAX_SEGMENTS: usize = 48;
+
+/// Takes the transaction back to the start of the segment.
+pub(crate) async fn undo(conn: &mut PgConnection, statement: Statement) -> Result<(), Failure> {
+    sqlx::query("ROLLBACK TO SAVEPOINT outbox_segment")
+        .execute(conn)
+        .await
+        .map(|_| ())
+        .map_err(|e| bookkeeping(e, statement))
+}
+
+/// A failed statement of the consumer's own between handlers: the symptom
+/// of a handler that broke the transaction (aborted or ended it), or an
+/// outage or refusal of `statement`.
+pub(crate) fn bookkeeping(error: sqlx::Error, statement: Statement) -> Failure {
+    if let Some(broken) = txn::symptom_of(&error) {
+        return Failure::Suspect(broken.blame());
+    }
+    match txn::classify(error) {
+        Broken::Outage(error) => Failure::Outage(Trouble::from(error).during(statement)),
+        broken => Failure::Suspect(broken.blame()),
+    }
+}
+
 /// How a transaction runs its handlers.
 #[derive(Clone, Copy)]
 pub(crate) struct Handling<'r> {

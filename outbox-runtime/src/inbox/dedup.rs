@@ -101,27 +101,6 @@ FROM UNNEST($2::uuid[], $3::text[], $4::text[], $5::int4[], $6::int8[], $7::text
 ORDER BY n
 ON CONFLICT (consumer, event_id) DO NOTHING"#;
 
-const SAVEPOINT: &str = "SAVEPOINT outbox_segment";
-
-/// Most segments (savepoints) of one transaction: a transaction keeps few
-/// subtransactions (past 64, every snapshot of every session reads
-/// `pg_subtrans`).
-const MAX_SEGMENTS: usize = 48;
-
-/// A failed statement of the consumer's own between handlers: the symptom
-/// of a handler that broke the transaction, or an outage or refusal.
-fn bookkeeping(error: sqlx::Error, statement: Statement) -> Failure {
-    if let Some(broken) = super::txn::symptom_of(&error) {
-        return Failure::Suspect(broken.blame());
-    }
-    match super::txn::classify(error) {
-        super::txn::Broken::Outage(error) => {
-            Failure::Outage(Trouble::from(error).during(statement))
-        }
-        broken => Failure::Suspect(broken.blame()),
-    }
-}
-
 /// Setting events aside, as a refusal names it.
 const SET_ASIDE_STATEMENT: Statement = Statement {
     name: "consumer: set events aside behind a failing event of their key",
@@ -641,7 +620,7 @@ async fn set_aside_rows(
 /// events of its key, the events before it run again in a segment of
 /// their own, then the rest; each event's handlers run at most twice
 /// and the batch keeps its one transaction. With `max_attempts` 1, or
-/// after `MAX_SEGMENTS` segments, the failure is returned instead (the
+/// after `apply::MAX_SEGMENTS` segments, the failure is returned instead (the
 /// caller commits the events before it on their own, as it does after
 /// an outage).
 async fn run_segments(
@@ -670,10 +649,10 @@ async fn run_segments(
                 Err(broken) => return Err(Failure::Suspect(broken.blame())),
             }
         }
-        sqlx::query(SAVEPOINT)
+        sqlx::query(apply::SAVEPOINT)
             .execute(&mut *tx)
             .await
-            .map_err(|e| bookkeeping(e, PROCESSED))?;
+            .map_err(|e| apply::bookkeeping(e, PROCESSED))?;
         let ids: Vec<Uuid> = records[start..stop]
             .iter()
             .zip(&set_aside[start..stop])
@@ -690,7 +669,7 @@ async fn run_segments(
                 .bind(&ids)
                 .fetch_all(&mut *tx)
                 .await
-                .map_err(|e| bookkeeping(e, PROCESSED))?
+                .map_err(|e| apply::bookkeeping(e, PROCESSED))?
                 .into_iter()
                 .collect()
         };
@@ -711,7 +690,7 @@ async fn run_segments(
                     match apply::run_handlers(&mut *tx, handling, e, &mut part_follow_ups).await {
                         Ok(()) => {}
                         Err(Failure::Handler { handler, error, .. })
-                            if config.max_attempts > 1 && segments < MAX_SEGMENTS =>
+                            if config.max_attempts > 1 && segments < apply::MAX_SEGMENTS =>
                         {
                             failed = Some((i, handler, error));
                             break;
@@ -736,11 +715,7 @@ async fn run_segments(
             stop = n;
             continue;
         };
-        if let Err(failure) = sqlx::query("ROLLBACK TO SAVEPOINT outbox_segment")
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| bookkeeping(e, PROCESSED))
-        {
+        if let Err(failure) = apply::undo(&mut *tx, PROCESSED).await {
             // The savepoint is gone (a careful run found the handler
             // ended the transaction): the caller settles it.
             return Err(match failure {

@@ -417,7 +417,7 @@ impl Processor {
     /// the rest. Each event's handlers run at most twice, and a failing
     /// event costs neither the batch nor a transaction of its own.
     ///
-    /// After `MAX_SEGMENTS` segments the round ends where it is: a
+    /// After `apply::MAX_SEGMENTS` segments the round ends where it is: a
     /// transaction keeps few subtransactions (past 64, every snapshot of
     /// every session reads `pg_subtrans`). The rows not reached are claimed
     /// again next round.
@@ -437,7 +437,7 @@ impl Processor {
         // Whether handlers ran since the session was last put back.
         let mut restore = false;
         let mut segments = 0;
-        while start < end && segments < MAX_SEGMENTS {
+        while start < end && segments < apply::MAX_SEGMENTS {
             segments += 1;
             let result = self
                 .segment(tx, rows, items, &left, start..end, careful, restore)
@@ -452,7 +452,7 @@ impl Processor {
                     }
                 }
                 Err(Failure::Handler { at, handler, error }) => {
-                    undo(tx).await.map_err(|f| match f {
+                    apply::undo(tx, SETTLE).await.map_err(|f| match f {
                         // The savepoint is gone (the handler ended the
                         // transaction): settle it alone.
                         Failure::Suspect(_) if careful => Failure::Handler {
@@ -478,7 +478,7 @@ impl Processor {
                     end = if at > start { at } else { n };
                 }
                 Err(Failure::Rejected { at, rejected }) => {
-                    undo(tx).await?;
+                    apply::undo(tx, SETTLE).await?;
                     restore = false;
                     items[at] = Item::Rejected(rejected);
                 }
@@ -561,10 +561,10 @@ impl Processor {
                 Err(broken) => return Err(Failure::Suspect(broken.blame())),
             }
         }
-        sqlx::query(SAVEPOINT)
+        sqlx::query(apply::SAVEPOINT)
             .execute(&mut *tx)
             .await
-            .map_err(|e| bookkeeping(e, SETTLE))?;
+            .map_err(|e| apply::bookkeeping(e, SETTLE))?;
         let handling = apply::Handling {
             registry: &self.registry,
             timeout: self.config.handler_timeout,
@@ -593,7 +593,7 @@ impl Processor {
                 .bind(&ids)
                 .fetch_all(&mut *tx)
                 .await
-                .map_err(|e| bookkeeping(e, super::dedup::PROCESSED))?
+                .map_err(|e| apply::bookkeeping(e, super::dedup::PROCESSED))?
                 .into_iter()
                 .collect()
         };
@@ -867,33 +867,6 @@ impl Processor {
             .execute(&mut **tx)
             .await
             .map(|_| ())
-    }
-}
-
-/// Most segments (savepoints) of one round (see [`Processor::segments`]).
-const MAX_SEGMENTS: usize = 48;
-
-const SAVEPOINT: &str = "SAVEPOINT outbox_segment";
-
-/// Takes the round's transaction back to the start of the segment.
-async fn undo(tx: &mut PgConnection) -> Result<(), Failure> {
-    sqlx::query("ROLLBACK TO SAVEPOINT outbox_segment")
-        .execute(tx)
-        .await
-        .map(|_| ())
-        .map_err(|e| bookkeeping(e, SETTLE))
-}
-
-/// A failed statement of the consumer's own between handlers: the symptom
-/// of a handler that broke the transaction (aborted or ended it), or an
-/// outage or refusal of `statement`.
-fn bookkeeping(error: sqlx::Error, statement: Statement) -> Failure {
-    if let Some(broken) = txn::symptom_of(&error) {
-        return Failure::Suspect(broken.blame());
-    }
-    match txn::classify(error) {
-        Broken::Outage(error) => Failure::Outage(Trouble::from(error).during(statement)),
-        broken => Failure::Suspect(broken.blame()),
     }
 }
 
