@@ -43,6 +43,7 @@
 //! | `outbox_consumer_up` | gauge | `group` | 1 while the consumer runs, 0 once it stopped or failed |
 //! | `outbox_consumer_stalled` | gauge | `group` | 1 while the consumer receives nothing although there are messages to read (for longer than its stall timeout), else 0 |
 //! | `outbox_consumer_rejoins_total` | counter | `group` | times the consumer rejoined its group after owning no partition, or none with messages left, while the group's offsets stood still with messages to read |
+//! | `outbox_consumer_gaps_rechecked_total` | counter | `group` | times a message arrived past its partition's expected offset and the consumer read the partition again from there (a broker that showed an offset before its record, or a transaction marker or compacted record: see `ConsumerConfig::recheck_offset_gaps`) |
 //! | `outbox_consumer_refused` | gauge | `group` | 1 while the database refuses one of the consumer's own statements that retrying cannot cure (see `ConsumerHealth::Refused`), else 0 |
 //! | `outbox_dead_letters` | gauge | `group` | the group's dead letters awaiting an operator (status `dead`), sampled every 5 s |
 //! | `outbox_replayed_total` | counter | | events sent again by `replay` |
@@ -350,6 +351,12 @@ pub(crate) fn consumer_stalled(group: &str, stalled: bool) {
 /// copy task).
 pub(crate) fn consumer_rejoined(group: &str) {
     counter!("outbox_consumer_rejoins_total", "group" => group.to_owned()).increment(1);
+}
+
+/// Counts a gap of `group`'s consumer read again (rare: not through the
+/// counters' copy task).
+pub(crate) fn consumer_gap_rechecked(group: &str) {
+    counter!("outbox_consumer_gaps_rechecked_total", "group" => group.to_owned()).increment(1);
 }
 
 /// The per-batch latency histograms of one consumer.

@@ -244,10 +244,12 @@ async fn diagnose(pool: &PgPool, brokers: &str, ids: &[Uuid], table: &str, group
             .collect();
     let wanted: std::collections::HashSet<Uuid> = ids.iter().copied().collect();
     let mut missing: BTreeMap<i32, (i64, i64, usize)> = BTreeMap::new();
+    let mut lost: Vec<Uuid> = Vec::new();
     for r in super::common::read_all(brokers, ProductionEvent::TOPIC, Duration::from_secs(30)).await
     {
         let Some(id) = r.try_event_id() else { continue };
         if wanted.contains(&id) && !applied.contains(&id) {
+            lost.push(id);
             let e = missing
                 .entry(r.partition)
                 .or_insert((r.offset, r.offset, 0));
@@ -259,12 +261,12 @@ async fn diagnose(pool: &PgPool, brokers: &str, ids: &[Uuid], table: &str, group
     if missing.is_empty() {
         return "nothing missing".into();
     }
-    let (brokers, group) = (brokers.to_owned(), group.to_owned());
+    let (brokers, group_name) = (brokers.to_owned(), group.to_owned());
     let committed = tokio::task::spawn_blocking(move || {
         use rdkafka::consumer::{BaseConsumer, Consumer as _};
         let consumer: BaseConsumer = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", &brokers)
-            .set("group.id", &group)
+            .set("group.id", &group_name)
             .create()
             .expect("offsets reader");
         let mut tpl = rdkafka::TopicPartitionList::new();
@@ -284,8 +286,31 @@ async fn diagnose(pool: &PgPool, brokers: &str, ids: &[Uuid], table: &str, group
     })
     .await
     .expect("offsets");
+    // Where the first missing events stand in the group's tables: a dedup
+    // row without an effect, a row set aside (or stored) and never
+    // processed, a dead letter.
+    lost.truncate(5);
+    let rows: Vec<String> = sqlx::query_scalar(
+        "SELECT u.id::text || ': processed_event ' || COALESCE(p.processed_at::text, 'none')
+                || '; inbox_event ' || COALESCE(
+                    'processed ' || i.processed || ' attempts ' || i.attempts
+                    || ' next ' || COALESCE(i.next_attempt_at::text, '-')
+                    || ' dead ' || COALESCE(i.dead_lettered_at::text, '-')
+                    || ' error ' || COALESCE(i.last_error, '-'), 'none')
+                || '; dead_letter ' || (SELECT count(*) FROM dead_letter d
+                                        WHERE d.consumer = $2 AND d.event_id = u.id)
+         FROM UNNEST($1::uuid[]) AS u(id)
+         LEFT JOIN processed_event p ON p.consumer = $2 AND p.event_id = u.id
+         LEFT JOIN inbox_event i ON i.consumer = $2 AND i.event_id = u.id",
+    )
+    .bind(&lost)
+    .bind(group)
+    .fetch_all(pool)
+    .await
+    .unwrap_or_else(|e| vec![e.to_string()]);
     format!(
-        "missing (first offset, last offset, count) per partition {missing:?}; committed {committed}"
+        "missing (first offset, last offset, count) per partition {missing:?}; committed \
+         {committed}; first missing: {rows:?}"
     )
 }
 

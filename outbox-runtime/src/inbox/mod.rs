@@ -165,6 +165,16 @@ pub struct ConsumerConfig {
     /// group's `session.timeout.ms` (librdkafka's default: 45 s) and above
     /// the longest time a handler may hold one message.
     pub stall_timeout: Duration,
+    /// Reads a partition again from the expected offset, once, when a
+    /// message arrives past it (default on). A broker may show a record's
+    /// offset before the record can be fetched (tansu 0.6 advances the high
+    /// watermark before it stores the batch: with two producers on one
+    /// partition, a fetch between the two can return the later record
+    /// alone, and a consumer that takes it skips the earlier one for good).
+    /// Kafka leaves gaps of its own (transaction markers, compaction): each
+    /// costs one more fetch, and a gap found again is taken as it is. Turn
+    /// it off for heavily compacted topics.
+    pub recheck_offset_gaps: bool,
     /// Prepended to the handlers' topics (default empty): a handler of
     /// `orders` events reads `{topic_prefix}orders`. The relay takes the
     /// same prefix ([`RelayConfig::topic_prefix`](crate::RelayConfig::topic_prefix));
@@ -197,6 +207,7 @@ impl std::fmt::Debug for ConsumerConfig {
             processor_poll_interval,
             processors,
             stall_timeout,
+            recheck_offset_gaps,
             topic_prefix,
             commit_offsets,
         } = self;
@@ -221,6 +232,7 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("processor_poll_interval", processor_poll_interval)
             .field("processors", processors)
             .field("stall_timeout", stall_timeout)
+            .field("recheck_offset_gaps", recheck_offset_gaps)
             .field("topic_prefix", topic_prefix)
             .field("commit_offsets", commit_offsets)
             .finish()
@@ -250,6 +262,7 @@ impl ConsumerConfig {
             processor_poll_interval: Duration::from_millis(500),
             processors: 1,
             stall_timeout: Duration::from_secs(60),
+            recheck_offset_gaps: true,
             topic_prefix: String::new(),
             commit_offsets: true,
         }
@@ -494,6 +507,13 @@ impl ConsumerBuilder {
         self.config.stall_timeout = d;
         self
     }
+    /// Whether a message past the expected offset of its partition makes
+    /// the consumer read the partition again from that offset, once
+    /// (default true). See [`ConsumerConfig::recheck_offset_gaps`].
+    pub fn recheck_offset_gaps(mut self, on: bool) -> Self {
+        self.config.recheck_offset_gaps = on;
+        self
+    }
     /// The configuration so far.
     pub(crate) fn current(&self) -> &ConsumerConfig {
         &self.config
@@ -552,6 +572,7 @@ pub struct ConsumerStats {
     batches: AtomicU64,
     redriven: AtomicU64,
     rejoins: AtomicU64,
+    gaps_rechecked: AtomicU64,
     /// What its tasks are stuck retrying on (dependency → last error).
     problems: crate::backoff::Problems,
     /// How the consumer ended: `Some(None)` stopped, `Some(Some(e))` failed.
@@ -619,6 +640,10 @@ pub struct ConsumerCounts {
     /// Times it rejoined its group after owning no partition while the
     /// group had messages to read (see [`ConsumerConfig::stall_timeout`]).
     pub rejoins: u64,
+    /// Times a message arrived past its partition's expected offset and
+    /// the partition was read again from there (see
+    /// [`ConsumerConfig::recheck_offset_gaps`]).
+    pub gaps_rechecked: u64,
 }
 
 impl ConsumerStats {
@@ -657,6 +682,7 @@ impl ConsumerStats {
             batches: l(&self.batches),
             redriven: l(&self.redriven),
             rejoins: l(&self.rejoins),
+            gaps_rechecked: l(&self.gaps_rechecked),
         }
     }
 }
@@ -845,6 +871,7 @@ impl Consumer {
                 check,
                 group: config.group.clone(),
                 stall_timeout: config.stall_timeout,
+                recheck_offset_gaps: config.recheck_offset_gaps,
             },
             shared.clone(),
         )?;

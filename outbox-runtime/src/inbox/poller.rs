@@ -57,6 +57,9 @@ const PAUSE_AFTER: Duration = Duration::from_secs(30);
 /// How long a revocation waits for the batch being applied.
 const REVOKE_WAIT: Duration = Duration::from_secs(10);
 
+/// How long reading a partition again from an offset may take to set up.
+const SEEK_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// What the polling thread needs to know.
 pub(crate) struct PollerSettings {
     pub client: ClientConfig,
@@ -71,6 +74,9 @@ pub(crate) struct PollerSettings {
     pub group: String,
     /// Quiet for this long with messages to read: stalled (see `stall`).
     pub stall_timeout: Duration,
+    /// Read a partition again from the expected offset when a message
+    /// arrives past it (once per gap).
+    pub recheck_offset_gaps: bool,
 }
 
 type Partition = (Arc<str>, i32);
@@ -377,6 +383,91 @@ impl ConsumerContext for Context {
     }
 }
 
+/// What [`Gaps::check`] says of a message.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    /// Take it.
+    Take,
+    /// Received already in this assignment (read again after a gap's
+    /// re-read): the first copy is held.
+    Held,
+    /// It is past its partition's expected offset, seen for the first
+    /// time: read the partition again from that offset (the message is
+    /// not taken).
+    ReadAgain(i64),
+}
+
+/// Per partition, the offset after the last message taken in the current
+/// assignment, and the gap already read again. A broker may show an
+/// offset before its record can be fetched (see
+/// [`ConsumerConfig::recheck_offset_gaps`](super::ConsumerConfig::recheck_offset_gaps)):
+/// the first message past the expected offset makes the partition be read
+/// again from there, once; the same gap found again is the log's own (a
+/// transaction marker, a compacted record) and is taken.
+struct Gaps {
+    recheck: bool,
+    expected: HashMap<Partition, i64>,
+    rechecked: HashMap<Partition, i64>,
+}
+
+impl Gaps {
+    fn new(recheck: bool) -> Self {
+        Self {
+            recheck,
+            expected: HashMap::new(),
+            rechecked: HashMap::new(),
+        }
+    }
+
+    /// A new assignment: every partition starts where the group's offset
+    /// says.
+    fn clear(&mut self) {
+        self.expected.clear();
+        self.rechecked.clear();
+    }
+
+    fn check(&mut self, topic: &Arc<str>, partition: i32, offset: i64) -> Verdict {
+        let at = (topic.clone(), partition);
+        match self.expected.get(&at).copied() {
+            Some(next) if offset < next => Verdict::Held,
+            Some(next)
+                if offset > next && self.recheck && self.rechecked.get(&at) != Some(&next) =>
+            {
+                self.rechecked.insert(at, next);
+                Verdict::ReadAgain(next)
+            }
+            Some(next) => {
+                if offset > next {
+                    tracing::debug!(
+                        topic = %topic,
+                        partition,
+                        expected = next,
+                        received = offset,
+                        "offsets not contiguous (read again, or not checked)"
+                    );
+                }
+                self.take(topic, partition, offset);
+                Verdict::Take
+            }
+            None => {
+                tracing::debug!(
+                    topic = %topic,
+                    partition,
+                    offset,
+                    "first message of the partition since the assignment"
+                );
+                self.take(topic, partition, offset);
+                Verdict::Take
+            }
+        }
+    }
+
+    /// Takes `offset` whatever it follows.
+    fn take(&mut self, topic: &Arc<str>, partition: i32, offset: i64) {
+        self.expected.insert((topic.clone(), partition), offset + 1);
+    }
+}
+
 /// Broker errors, logged when they change (not on every poll).
 #[derive(Default)]
 struct BrokerState {
@@ -508,6 +599,7 @@ impl Poller {
         let mut full_since: Option<Instant> = None;
         let mut seen_generation = self.shared.generation();
         let mut broker = BrokerState::default();
+        let mut gaps = Gaps::new(s.recheck_offset_gaps);
         loop {
             if self.shared.stop.load(Ordering::Acquire) || tx.is_closed() {
                 return Exit::Stop;
@@ -576,6 +668,7 @@ impl Poller {
             let generation = self.shared.generation();
             if generation != seen_generation {
                 seen_generation = generation;
+                gaps.clear();
                 self.shared.drop_revoked(&mut batch);
                 if let Some(r) = ready.as_mut() {
                     self.shared.drop_revoked(r);
@@ -626,6 +719,40 @@ impl Poller {
                     }
                     .with_byte_headers(raw_headers::of(&m));
                     let (topic, generation) = self.shared.locate(raw.topic, raw.partition);
+                    match gaps.check(&topic, raw.partition, raw.offset) {
+                        Verdict::Take => {}
+                        Verdict::Held => continue,
+                        Verdict::ReadAgain(next) => {
+                            match consumer.seek(
+                                &topic,
+                                raw.partition,
+                                Offset::Offset(next),
+                                SEEK_TIMEOUT,
+                            ) {
+                                Ok(()) => {
+                                    tracing::debug!(
+                                        topic = %topic,
+                                        partition = raw.partition,
+                                        expected = next,
+                                        received = raw.offset,
+                                        "offsets not contiguous: reading the partition again from the expected offset"
+                                    );
+                                    stats.gaps_rechecked.fetch_add(1, Ordering::Relaxed);
+                                    crate::metrics::consumer_gap_rechecked(&s.group);
+                                    continue;
+                                }
+                                Err(error) => {
+                                    tracing::debug!(
+                                        %error,
+                                        topic = %topic,
+                                        partition = raw.partition,
+                                        "offsets not contiguous, and the partition could not be read again"
+                                    );
+                                    gaps.take(&topic, raw.partition, raw.offset);
+                                }
+                            }
+                        }
+                    }
                     batch_bytes += raw.size();
                     let body = record::parse(&raw, registry, s.max_bytes, s.check);
                     batch.push(Record {
@@ -645,5 +772,45 @@ impl Poller {
                 Some(Err(error)) => broker.error(&error),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gap_is_read_again_once_and_what_was_taken_is_not_taken_twice() {
+        let t: Arc<str> = Arc::from("orders");
+        let mut gaps = Gaps::new(true);
+        assert_eq!(gaps.check(&t, 0, 10), Verdict::Take, "the first message");
+        assert_eq!(gaps.check(&t, 0, 11), Verdict::Take);
+        // 12 is shown late by the broker: 13 arrives first.
+        assert_eq!(gaps.check(&t, 0, 13), Verdict::ReadAgain(12));
+        // Read again from 12: it is there now.
+        assert_eq!(gaps.check(&t, 0, 12), Verdict::Take);
+        assert_eq!(gaps.check(&t, 0, 13), Verdict::Take);
+        // A message before the expected offset was taken already.
+        assert_eq!(gaps.check(&t, 0, 12), Verdict::Held);
+        // The log's own gap (a transaction marker at 14): found again after
+        // the re-read, taken.
+        assert_eq!(gaps.check(&t, 0, 15), Verdict::ReadAgain(14));
+        assert_eq!(gaps.check(&t, 0, 15), Verdict::Take);
+        assert_eq!(gaps.check(&t, 0, 16), Verdict::Take);
+        // Another partition keeps its own count.
+        assert_eq!(gaps.check(&t, 1, 100), Verdict::Take);
+        assert_eq!(gaps.check(&t, 1, 102), Verdict::ReadAgain(101));
+        // A new assignment starts wherever the group's offset says.
+        gaps.clear();
+        assert_eq!(gaps.check(&t, 0, 3), Verdict::Take);
+    }
+
+    #[test]
+    fn without_the_recheck_a_gap_is_taken_as_it_is() {
+        let t: Arc<str> = Arc::from("orders");
+        let mut gaps = Gaps::new(false);
+        assert_eq!(gaps.check(&t, 0, 10), Verdict::Take);
+        assert_eq!(gaps.check(&t, 0, 12), Verdict::Take);
+        assert_eq!(gaps.check(&t, 0, 11), Verdict::Held);
     }
 }

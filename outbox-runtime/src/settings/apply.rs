@@ -186,6 +186,9 @@ impl ConsumerBuilder {
         if let Some(n) = s.stall_timeout_ms {
             self = self.stall_timeout(ms(n));
         }
+        if let Some(on) = s.recheck_offset_gaps {
+            self = self.recheck_offset_gaps(on);
+        }
         Ok(self)
     }
 }
