@@ -449,8 +449,11 @@ async fn a_failing_event_holds_back_only_its_key(pool: PgPool, mode: Mode) {
         "k0 was not applied once fixed: {:?}",
         handle.counts()
     );
-    let counts = handle.counts();
+    // The counts once every task has ended (a round's counts follow its
+    // commit).
+    let stats = handle.stats();
     handle.shutdown().await.unwrap();
+    let counts = stats.snapshot();
     // Per-key order: each key's effects in the order of its events.
     let rows: Vec<(String, i64)> = sqlx::query_as("SELECT key, seq FROM effect ORDER BY id")
         .fetch_all(&pool)

@@ -139,10 +139,11 @@ impl Setup {
         figures.note(
             "maintenance",
             format!(
-                "{} passes, {} partitions created, {} dropped, {} kept for a later pass; \
+                "{} passes, {} partitions created ({} left busy), {} dropped, {} kept for a later pass; \
                  rows deleted: {} outbox, {} dedup, {} inbox; failures: {:?}",
                 m.passes,
                 m.created,
+                m.busy,
                 m.dropped,
                 m.kept,
                 m.outbox_rows_deleted,
@@ -330,6 +331,8 @@ pub struct Maintenance {
     pub passes: u64,
     pub failures: Vec<String>,
     pub created: u64,
+    /// Partitions not created at a pass: their table stayed locked.
+    pub busy: u64,
     pub dropped: u64,
     pub kept: u64,
     pub outbox_rows_deleted: u64,
@@ -353,7 +356,11 @@ pub fn maintainer(
         while !stop.is_cancelled() {
             seen.passes += 1;
             match partition::maintain(&pool, &plan).await {
-                Ok(report) => seen.created += report.map_or(0, |r| r.created),
+                Ok(Some(report)) => {
+                    seen.created += report.created;
+                    seen.busy += report.busy;
+                }
+                Ok(None) => {}
                 Err(e) => seen.failures.push(format!("maintain: {e}")),
             }
             match outbox_runtime::cleanup::cleanup(&pool, &retention).await {

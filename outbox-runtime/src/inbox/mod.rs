@@ -768,6 +768,11 @@ impl ConsumerHandle {
     pub fn counts(&self) -> ConsumerCounts {
         self.stats.snapshot()
     }
+    /// The consumer's counters, to read after [`shutdown`](Self::shutdown)
+    /// too (the final counts: each batch's follow its commit).
+    pub fn stats(&self) -> Arc<ConsumerStats> {
+        self.stats.clone()
+    }
     /// A token that stops the consumer when cancelled.
     pub fn cancellation_token(&self) -> CancellationToken {
         self.token.clone()
