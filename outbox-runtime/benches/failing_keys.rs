@@ -169,6 +169,12 @@ async fn preload(brokers: &str, n: u64) -> Result<(), Box<dyn std::error::Error>
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = Args::parse();
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let brokers = common::brokers();
     let db = common::BenchDb::create("outbox_bench_failing_keys", 8).await?;
     let pool = db.pool.clone();

@@ -185,7 +185,7 @@ impl Maintenance {
 pub fn readme_grants() -> String {
     let readme = include_str!("../../../docs/src/production.md");
     let section = readme
-        .split("### Roles and privileges")
+        .split("\n## Roles and privileges")
         .nth(1)
         .expect("the README has a roles section");
     let block = section
