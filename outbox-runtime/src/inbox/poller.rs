@@ -397,17 +397,22 @@ enum Verdict {
     ReadAgain(i64),
 }
 
-/// Per partition, the offset after the last message taken in the current
-/// assignment, and the gap already read again. A broker may show an
-/// offset before its record can be fetched (see
+/// Per partition, the offset after the last message taken in its current
+/// assignment (the generation that assigned it), and the gap already read
+/// again. A broker may show an offset before its record can be fetched (see
 /// [`ConsumerConfig::recheck_offset_gaps`](super::ConsumerConfig::recheck_offset_gaps)):
 /// the first message past the expected offset makes the partition be read
 /// again from there, once; the same gap found again is the log's own (a
-/// transaction marker, a compacted record) and is taken.
+/// transaction marker, a compacted record) and is taken. A message of a
+/// new assignment starts the count afresh: the partition is read from the
+/// group's offset again (the rebalance callback runs inside the poll that
+/// returns that message).
 struct Gaps {
     recheck: bool,
-    expected: HashMap<Partition, i64>,
-    rechecked: HashMap<Partition, i64>,
+    /// (generation, next offset).
+    expected: HashMap<Partition, (u64, i64)>,
+    /// (generation, the expected offset read again).
+    rechecked: HashMap<Partition, (u64, i64)>,
 }
 
 impl Gaps {
@@ -419,21 +424,20 @@ impl Gaps {
         }
     }
 
-    /// A new assignment: every partition starts where the group's offset
-    /// says.
-    fn clear(&mut self) {
-        self.expected.clear();
-        self.rechecked.clear();
-    }
-
-    fn check(&mut self, topic: &Arc<str>, partition: i32, offset: i64) -> Verdict {
+    fn check(&mut self, topic: &Arc<str>, partition: i32, offset: i64, generation: u64) -> Verdict {
         let at = (topic.clone(), partition);
-        match self.expected.get(&at).copied() {
+        let next = match self.expected.get(&at) {
+            Some(&(g, next)) if g == generation => Some(next),
+            _ => None,
+        };
+        match next {
             Some(next) if offset < next => Verdict::Held,
             Some(next)
-                if offset > next && self.recheck && self.rechecked.get(&at) != Some(&next) =>
+                if offset > next
+                    && self.recheck
+                    && self.rechecked.get(&at) != Some(&(generation, next)) =>
             {
-                self.rechecked.insert(at, next);
+                self.rechecked.insert(at, (generation, next));
                 Verdict::ReadAgain(next)
             }
             Some(next) => {
@@ -446,7 +450,7 @@ impl Gaps {
                         "offsets not contiguous (read again, or not checked)"
                     );
                 }
-                self.take(topic, partition, offset);
+                self.take(topic, partition, offset, generation);
                 Verdict::Take
             }
             None => {
@@ -454,17 +458,19 @@ impl Gaps {
                     topic = %topic,
                     partition,
                     offset,
-                    "first message of the partition since the assignment"
+                    generation,
+                    "first message of the partition in this assignment"
                 );
-                self.take(topic, partition, offset);
+                self.take(topic, partition, offset, generation);
                 Verdict::Take
             }
         }
     }
 
     /// Takes `offset` whatever it follows.
-    fn take(&mut self, topic: &Arc<str>, partition: i32, offset: i64) {
-        self.expected.insert((topic.clone(), partition), offset + 1);
+    fn take(&mut self, topic: &Arc<str>, partition: i32, offset: i64, generation: u64) {
+        self.expected
+            .insert((topic.clone(), partition), (generation, offset + 1));
     }
 }
 
@@ -668,7 +674,6 @@ impl Poller {
             let generation = self.shared.generation();
             if generation != seen_generation {
                 seen_generation = generation;
-                gaps.clear();
                 self.shared.drop_revoked(&mut batch);
                 if let Some(r) = ready.as_mut() {
                     self.shared.drop_revoked(r);
@@ -719,7 +724,7 @@ impl Poller {
                     }
                     .with_byte_headers(raw_headers::of(&m));
                     let (topic, generation) = self.shared.locate(raw.topic, raw.partition);
-                    match gaps.check(&topic, raw.partition, raw.offset) {
+                    match gaps.check(&topic, raw.partition, raw.offset, generation) {
                         Verdict::Take => {}
                         Verdict::Held => continue,
                         Verdict::ReadAgain(next) => {
@@ -748,7 +753,7 @@ impl Poller {
                                         partition = raw.partition,
                                         "offsets not contiguous, and the partition could not be read again"
                                     );
-                                    gaps.take(&topic, raw.partition, raw.offset);
+                                    gaps.take(&topic, raw.partition, raw.offset, generation);
                                 }
                             }
                         }
@@ -783,34 +788,44 @@ mod tests {
     fn a_gap_is_read_again_once_and_what_was_taken_is_not_taken_twice() {
         let t: Arc<str> = Arc::from("orders");
         let mut gaps = Gaps::new(true);
-        assert_eq!(gaps.check(&t, 0, 10), Verdict::Take, "the first message");
-        assert_eq!(gaps.check(&t, 0, 11), Verdict::Take);
+        assert_eq!(gaps.check(&t, 0, 10, 1), Verdict::Take, "the first message");
+        assert_eq!(gaps.check(&t, 0, 11, 1), Verdict::Take);
         // 12 is shown late by the broker: 13 arrives first.
-        assert_eq!(gaps.check(&t, 0, 13), Verdict::ReadAgain(12));
+        assert_eq!(gaps.check(&t, 0, 13, 1), Verdict::ReadAgain(12));
         // Read again from 12: it is there now.
-        assert_eq!(gaps.check(&t, 0, 12), Verdict::Take);
-        assert_eq!(gaps.check(&t, 0, 13), Verdict::Take);
+        assert_eq!(gaps.check(&t, 0, 12, 1), Verdict::Take);
+        assert_eq!(gaps.check(&t, 0, 13, 1), Verdict::Take);
         // A message before the expected offset was taken already.
-        assert_eq!(gaps.check(&t, 0, 12), Verdict::Held);
+        assert_eq!(gaps.check(&t, 0, 12, 1), Verdict::Held);
         // The log's own gap (a transaction marker at 14): found again after
         // the re-read, taken.
-        assert_eq!(gaps.check(&t, 0, 15), Verdict::ReadAgain(14));
-        assert_eq!(gaps.check(&t, 0, 15), Verdict::Take);
-        assert_eq!(gaps.check(&t, 0, 16), Verdict::Take);
+        assert_eq!(gaps.check(&t, 0, 15, 1), Verdict::ReadAgain(14));
+        assert_eq!(gaps.check(&t, 0, 15, 1), Verdict::Take);
+        assert_eq!(gaps.check(&t, 0, 16, 1), Verdict::Take);
         // Another partition keeps its own count.
-        assert_eq!(gaps.check(&t, 1, 100), Verdict::Take);
-        assert_eq!(gaps.check(&t, 1, 102), Verdict::ReadAgain(101));
-        // A new assignment starts wherever the group's offset says.
-        gaps.clear();
-        assert_eq!(gaps.check(&t, 0, 3), Verdict::Take);
+        assert_eq!(gaps.check(&t, 1, 100, 1), Verdict::Take);
+        assert_eq!(gaps.check(&t, 1, 102, 1), Verdict::ReadAgain(101));
+    }
+
+    #[test]
+    fn a_new_assignment_reads_from_the_groups_offset_whatever_was_taken_before() {
+        let t: Arc<str> = Arc::from("orders");
+        let mut gaps = Gaps::new(true);
+        assert_eq!(gaps.check(&t, 0, 700, 1), Verdict::Take);
+        // Revoked and assigned again (generation 2) at the committed offset
+        // 680: the messages before 700 are new to this assignment.
+        assert_eq!(gaps.check(&t, 0, 680, 2), Verdict::Take);
+        assert_eq!(gaps.check(&t, 0, 681, 2), Verdict::Take);
+        // A gap read again in the old assignment is checked anew.
+        assert_eq!(gaps.check(&t, 0, 683, 2), Verdict::ReadAgain(682));
     }
 
     #[test]
     fn without_the_recheck_a_gap_is_taken_as_it_is() {
         let t: Arc<str> = Arc::from("orders");
         let mut gaps = Gaps::new(false);
-        assert_eq!(gaps.check(&t, 0, 10), Verdict::Take);
-        assert_eq!(gaps.check(&t, 0, 12), Verdict::Take);
-        assert_eq!(gaps.check(&t, 0, 11), Verdict::Held);
+        assert_eq!(gaps.check(&t, 0, 10, 1), Verdict::Take);
+        assert_eq!(gaps.check(&t, 0, 12, 1), Verdict::Take);
+        assert_eq!(gaps.check(&t, 0, 11, 1), Verdict::Held);
     }
 }
