@@ -127,7 +127,7 @@ fn claim_sql() -> String {
     format!(
         r#"{WAITING}
 SELECT c.event_id, c.topic, c.partition, c.offset, c.partition_key, c.event_type,
-       c.event_version, c.payload, c.headers, c.attempts
+       c.event_version, c.payload, c.headers, c.attempts, c.unkeyed
 FROM (
     SELECT l.*, sum(l.bytes) OVER (ORDER BY l.seq ROWS UNBOUNDED PRECEDING) - l.bytes AS before
     FROM (
@@ -136,7 +136,7 @@ FROM (
                COALESCE(e.partition_key, '') AS partition_key,
                COALESCE(e.event_type, '') AS event_type,
                e.event_version, e.payload::text AS payload, e.headers::text AS headers,
-               e.attempts,
+               e.attempts, e.next_attempt_at IS NULL AS unkeyed,
                octet_length(e.payload::text) + octet_length(e.headers::text)
                  + octet_length(COALESCE(e.partition_key, '')) AS bytes
         FROM {WITH_WAITING}
@@ -206,7 +206,7 @@ share AS (
     WHERE k.next_attempt_at <= now() AND k.topic || '/' || k."partition" = ANY($2)
 )
 SELECT c.event_id, c.topic, c.partition, c.offset, c.partition_key, c.event_type,
-       c.event_version, c.payload, c.headers, c.attempts
+       c.event_version, c.payload, c.headers, c.attempts, false AS unkeyed
 FROM (
     SELECT l.*, sum(l.bytes) OVER (ORDER BY l.seq ROWS UNBOUNDED PRECEDING) - l.bytes AS before
     FROM (
@@ -247,8 +247,12 @@ ORDER BY c.seq"#
 
 /// How often a dedup-mode processor also claims the way inbox mode does,
 /// for rows without `next_attempt_at` (stored by an inbox-mode instance of
-/// the group, before or during a switch of modes): never written by a
-/// dedup-mode consumer, so a sweep now and then is enough.
+/// the group, before or during a switch of modes), which the per-key claim
+/// does not see. A dedup-mode consumer never writes such rows: a processor
+/// sweeps at its start and then every interval, round after round until
+/// one claims none of them. Between sweeps a later row of their key could
+/// be applied before them: a group runs in one mode (to switch, stop every
+/// instance, then start them in the other mode).
 const SWEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Seconds until the next retry of the consumer's rows is due.
@@ -293,6 +297,9 @@ struct Row {
     payload: String,
     headers: String,
     attempts: i32,
+    /// Stored without `next_attempt_at` (by an inbox-mode instance): the
+    /// per-key claim of dedup mode does not see it.
+    unkeyed: bool,
 }
 
 /// What to do with a claimed row.
@@ -316,8 +323,7 @@ pub(crate) struct Processor {
     claim_sql: String,
     /// Dedup mode: the claim per key (see [`KEYS`]).
     keyed: Option<(String, String)>,
-    /// Dedup mode: when the last round claimed the way inbox mode does
-    /// (see [`SWEEP_INTERVAL`]).
+    /// Dedup mode: when the last sweep ended (see [`SWEEP_INTERVAL`]).
     swept: std::sync::Mutex<Option<std::time::Instant>>,
     latency: crate::metrics::ConsumerLatency,
 }
@@ -406,17 +412,27 @@ impl Processor {
         conn.release().await;
     }
 
-    /// This round's candidate and claim statements: per key in dedup mode,
-    /// but every [`SWEEP_INTERVAL`] the way inbox mode claims.
-    fn claim_statements(&self) -> (&str, &str) {
+    /// This round's candidate and claim statements, and whether it sweeps:
+    /// per key in dedup mode, but the way inbox mode claims at the start
+    /// and every [`SWEEP_INTERVAL`], until a round claims no row the
+    /// per-key claim misses ([`Self::swept`]).
+    fn claim_statements(&self) -> (&str, &str, bool) {
         if let Some((candidates, claim)) = &self.keyed {
-            let mut swept = self.swept.lock().unwrap_or_else(|p| p.into_inner());
+            let swept = self.swept.lock().unwrap_or_else(|p| p.into_inner());
             if swept.is_some_and(|at| at.elapsed() < SWEEP_INTERVAL) {
-                return (candidates, claim);
+                return (candidates, claim, false);
             }
-            *swept = Some(std::time::Instant::now());
+            return (&self.candidates_sql, &self.claim_sql, true);
         }
-        (&self.candidates_sql, &self.claim_sql)
+        (&self.candidates_sql, &self.claim_sql, false)
+    }
+
+    /// A sweeping round claimed `rows`: the sweep ends when none of them
+    /// is one the per-key claim misses.
+    fn swept(&self, sweeping: bool, rows: &[Row]) {
+        if sweeping && !rows.iter().any(|r| r.unkeyed) {
+            *self.swept.lock().unwrap_or_else(|p| p.into_inner()) = Some(std::time::Instant::now());
+        }
     }
 
     /// How long until this consumer's next row waiting for a retry is due,
@@ -442,7 +458,7 @@ impl Processor {
     ) -> Result<Round, Trouble> {
         let group = &self.config.group;
         let limit = i64::try_from(self.config.processor_batch_size).unwrap_or(i64::MAX);
-        let (candidates_sql, claim_sql) = self.claim_statements();
+        let (candidates_sql, claim_sql, sweeping) = self.claim_statements();
         let claim_started = std::time::Instant::now();
         let mut tx = conn.begin().await.map_err(during(super::dedup::TX_GUARD))?;
         // Planned at each execution (an unnamed statement): a plan cached
@@ -458,6 +474,7 @@ impl Processor {
             .await
             .map_err(during(CLAIM))?;
         if candidates.is_empty() {
+            self.swept(sweeping, &[]);
             return Ok(Round::Settled(0));
         }
         let locked: Vec<String> = sqlx::query_scalar(LOCK_PARTITIONS)
@@ -478,6 +495,7 @@ impl Processor {
             .fetch_all(&mut *tx)
             .await
             .map_err(during(CLAIM))?;
+        self.swept(sweeping, &rows);
         if rows.is_empty() {
             return Ok(Round::Settled(0));
         }
