@@ -83,19 +83,31 @@ fn per_partition(seen: &HashSet<(i32, i64)>) -> BTreeMap<i32, usize> {
     counts
 }
 
+/// A broker of the test's own, and its address.
+fn private_broker() -> (PrivateBroker, String) {
+    let port = free_port();
+    (
+        PrivateBroker::start(port, port),
+        format!("127.0.0.1:{port}"),
+    )
+}
+
+/// The table [`RecordEffect`] writes.
+async fn effect_table(pool: &PgPool) {
+    sqlx::query("CREATE TABLE effect (event_id uuid NOT NULL)")
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
 /// The broker is frozen (SIGSTOP) for 6 s — twice the session timeout —
 /// while messages flow: both groups' members are expelled and must rejoin
 /// and consume everything.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn both_groups_consume_everything_after_the_broker_was_frozen(pool: PgPool) {
     init_tracing();
-    sqlx::query("CREATE TABLE effect (event_id uuid NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let port = free_port();
-    let broker = PrivateBroker::start(port, port);
-    let brokers = format!("127.0.0.1:{port}");
+    effect_table(&pool).await;
+    let (broker, brokers) = private_broker();
     let topic = PausedEvent::TOPIC;
     create_warm_topic(&brokers, topic).await;
     let ours_group = format!("ours-{}", Uuid::new_v4().simple());
@@ -188,9 +200,7 @@ keyed_event!(MidBatchEvent, "group-recovery-mid-batch");
 /// Should the broker be fixed, this test fails: the workaround can then go.
 #[tokio::test]
 async fn the_test_broker_skips_the_rest_of_a_batch_a_fetch_starts_inside() {
-    let port = free_port();
-    let _broker = PrivateBroker::start(port, port);
-    let brokers = format!("127.0.0.1:{port}");
+    let (_broker, brokers) = private_broker();
     let topic = MidBatchEvent::TOPIC;
     create_topic(&brokers, topic).await;
     // 100 records in one batch, then 100 more one per batch.
@@ -254,13 +264,8 @@ keyed_event!(RacedEvent, "group-recovery-raced");
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_record_the_test_broker_shows_late_is_not_skipped(pool: PgPool) {
     init_tracing();
-    sqlx::query("CREATE TABLE effect (event_id uuid NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let port = free_port();
-    let _broker = PrivateBroker::start(port, port);
-    let brokers = format!("127.0.0.1:{port}");
+    effect_table(&pool).await;
+    let (_broker, brokers) = private_broker();
     let topic = RacedEvent::TOPIC;
     create_warm_topic(&brokers, topic).await;
     let seen = Arc::new(Mutex::new(HashSet::new()));
@@ -525,9 +530,7 @@ async fn killed_and_restarted(pool: PgPool, per_group: usize, session_ms: u32) {
     .await
     .unwrap();
     // A broker of the test's own: the tests of this file run at once.
-    let port = free_port();
-    let _broker = PrivateBroker::start(port, port);
-    let brokers = format!("127.0.0.1:{port}");
+    let (_broker, brokers) = private_broker();
     let topic = KilledEvent::TOPIC;
     create_topic(&brokers, topic).await;
     let url = database_url(&pool);
@@ -632,13 +635,8 @@ keyed_event!(StuckEvent, "group-recovery-stuck");
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_consumer_receiving_nothing_while_messages_wait_is_degraded(pool: PgPool) {
     init_tracing();
-    sqlx::query("CREATE TABLE effect (event_id uuid NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let port = free_port();
-    let _broker = PrivateBroker::start(port, port);
-    let brokers = format!("127.0.0.1:{port}");
+    effect_table(&pool).await;
+    let (_broker, brokers) = private_broker();
     let topic = StuckEvent::TOPIC;
     create_topic(&brokers, topic).await;
     // One batch of 100 on partition 0; the group's offset inside it.
