@@ -85,7 +85,7 @@ pub(crate) struct Batch {
     pub cut: bool,
 }
 
-const CLAIM_COLUMNS: &str = "\
+pub(super) const CLAIM_COLUMNS: &str = "\
 SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version, created_at, topic,
        partition_key, payload::text AS payload, headers::text AS headers, attempts,
        ctid::text AS tid,
@@ -112,7 +112,7 @@ WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL
 ///
 /// The statement starts with [`CLAIM_MARK`]: `pg_stat_activity` shows only
 /// its first kilobyte.
-fn bounded(locking: &str, budget: &str) -> String {
+pub(super) fn bounded(locking: &str, budget: &str) -> String {
     format!(
         "{CLAIM_MARK} SELECT {RETURNED} FROM (
   SELECT b.*, count(*) FILTER (WHERE b.bytes_before >= {budget}::int8)

@@ -1,0 +1,309 @@
+//! The windows against writers that commit out of id order: transactions
+//! that draw their transaction id before they wait for a key's lock, long
+//! ones open across many windows, rolled-back ones; two readers on two
+//! lanes, one of them resuming from its recorded progress as a relay that
+//! stopped would.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::{Connection, PgPool};
+use uuid::Uuid;
+
+use super::*;
+
+const KEYS: usize = 12;
+
+/// One row read: its key, id and event id.
+type Read = (String, i64, Uuid);
+
+/// Writes `txs` transactions per writer; returns the event ids committed.
+async fn writer(pool: PgPool, w: usize, txs: usize) -> Vec<Uuid> {
+    let mut committed = Vec::new();
+    let mut conn = pool.acquire().await.unwrap();
+    for t in 0..txs {
+        // A cheap deterministic spread of shapes.
+        let pick = (w * 7919 + t * 104_729) % 1000;
+        let key = format!("k{}", pick % KEYS);
+        let mut tx = conn.begin().await.unwrap();
+        if pick % 3 == 0 {
+            // Draws its transaction id first, then waits for the key.
+            sqlx::query("INSERT INTO progress_scratch VALUES (1)")
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis((pick % 20) as u64)).await;
+        }
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+            .bind(&key)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let mut ids = Vec::new();
+        for i in 0..(1 + pick % 3) {
+            let id = Uuid::new_v4();
+            sqlx::query(
+                "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                           payload, topic, partition_key)
+                 VALUES ($1, 'A', $2, 'E', jsonb_build_object('w', $3::int, 't', $4::int, 'i', $5::int), 't', $2)",
+            )
+            .bind(id)
+            .bind(&key)
+            .bind(w as i32)
+            .bind(t as i32)
+            .bind(i as i32)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+            ids.push(id);
+        }
+        let hold = if pick % 17 == 0 {
+            150
+        } else {
+            (pick % 9) as u64
+        };
+        tokio::time::sleep(Duration::from_millis(hold)).await;
+        if pick % 10 == 7 {
+            tx.rollback().await.unwrap();
+        } else {
+            tx.commit().await.unwrap();
+            committed.extend(ids);
+        }
+    }
+    committed
+}
+
+/// Reads the slots `slots` window after window until `stop` is set and a
+/// window taken after that is finished; records the progress after each
+/// chunk, but with `crash_every` only every other chunk, and every that
+/// many chunks forgets its state and loads the recorded progress again.
+/// Returns the rows read and how many windows had transactions in flight
+/// at their start.
+async fn reader(
+    pool: PgPool,
+    slots: Vec<i16>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    crash_every: Option<usize>,
+) -> (Vec<Read>, usize) {
+    let mut conn = pool.acquire().await.unwrap();
+    let mut reads = Vec::new();
+    let mut with_xip = 0;
+    let mut chunks = 0;
+    let mut windows = Window::group(load(&mut conn, &slots).await.unwrap());
+    let mut last_pass = false;
+    loop {
+        let stopping = stop.load(std::sync::atomic::Ordering::SeqCst);
+        let mut crashed = false;
+        'windows: for w in &mut windows {
+            loop {
+                match w.next(&mut conn, 7, 1 << 20).await.unwrap() {
+                    Chunk::Rows(rows) => {
+                        chunks += 1;
+                        reads.extend(
+                            rows.into_iter()
+                                .map(|r| (r.partition_key, r.id, r.event_id)),
+                        );
+                        if crash_every.is_none() || chunks % 2 == 0 {
+                            w.record(&mut conn).await.unwrap();
+                        }
+                        if crash_every.is_some_and(|n| chunks % n == 0) {
+                            crashed = true;
+                            break 'windows;
+                        }
+                    }
+                    Chunk::Finished => {
+                        if w.done.rsplit(':').next().is_some_and(|xip| !xip.is_empty()) {
+                            with_xip += 1;
+                        }
+                        w.advance();
+                        w.record(&mut conn).await.unwrap();
+                        break;
+                    }
+                }
+            }
+        }
+        if crashed {
+            windows = Window::group(load(&mut conn, &slots).await.unwrap());
+            continue;
+        }
+        if last_pass {
+            return (reads, with_xip);
+        }
+        // The windows just finished were taken before `stop` was read set:
+        // one more pass takes windows after every writer ended.
+        last_pass = stopping;
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+}
+
+async fn run(pool: &PgPool, crash_every: Option<usize>) {
+    sqlx::query("CREATE TABLE progress_scratch (x int)")
+        .execute(pool)
+        .await
+        .unwrap();
+    enable(pool).await.unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let lane = |l: i16| (0..64).filter(|s| s % 2 == l).collect::<Vec<i16>>();
+    let readers = [
+        tokio::spawn(reader(pool.clone(), lane(0), stop.clone(), crash_every)),
+        tokio::spawn(reader(pool.clone(), lane(1), stop.clone(), None)),
+    ];
+    let writers: Vec<_> = (0..6)
+        .map(|w| tokio::spawn(writer(pool.clone(), w, 60)))
+        .collect();
+    let mut committed = HashSet::new();
+    for w in writers {
+        committed.extend(w.await.unwrap());
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut reads: Vec<Read> = Vec::new();
+    let mut with_xip = 0;
+    for r in readers {
+        let (r, x) = r.await.unwrap();
+        reads.extend(r);
+        with_xip += x;
+    }
+    assert!(
+        with_xip > 0,
+        "no window started with a transaction in flight: the test did not exercise the xip part"
+    );
+
+    // Per key, the first time each event is read, in id order.
+    let mut seen = HashSet::new();
+    let mut last: HashMap<&str, i64> = HashMap::new();
+    let mut twice = 0;
+    for (key, id, event_id) in &reads {
+        if !seen.insert(*event_id) {
+            twice += 1;
+            continue;
+        }
+        let before = last.insert(key, *id);
+        assert!(
+            before.is_none_or(|b| b < *id),
+            "key {key}: id {id} read after {before:?}"
+        );
+    }
+    let missing: Vec<_> = committed.difference(&seen).collect();
+    assert!(missing.is_empty(), "never read: {missing:?}");
+    let phantom: Vec<_> = seen.difference(&committed).collect();
+    assert!(phantom.is_empty(), "read but never committed: {phantom:?}");
+    match crash_every {
+        None => assert_eq!(twice, 0, "read twice without a restart"),
+        Some(_) => assert!(
+            twice > 0,
+            "the restarts re-read nothing: they did not happen"
+        ),
+    }
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn every_committed_event_is_read_once_in_key_order(pool: PgPool) {
+    run(&pool, None).await;
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_reader_that_restarts_resumes_from_its_recorded_position(pool: PgPool) {
+    run(&pool, Some(5)).await;
+}
+
+/// Rows written before the column existed, rows published by marks, and a
+/// transaction in flight while the mode is enabled.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn enabling_leaves_out_only_what_is_published(pool: PgPool) {
+    let insert = |key: &'static str, published: bool, legacy: bool| {
+        let pool = pool.clone();
+        async move {
+            let id = Uuid::new_v4();
+            sqlx::query(&format!(
+                "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                           payload, topic, partition_key, published_at{})
+                 VALUES ($1, 'A', $2, 'E', '{{}}', 't', $2, {}{})",
+                if legacy { ", txid" } else { "" },
+                if published { "now()" } else { "NULL" },
+                if legacy { ", NULL" } else { "" },
+            ))
+            .bind(id)
+            .bind(key)
+            .execute(&pool)
+            .await
+            .unwrap();
+            id
+        }
+    };
+    let mut expected = vec![
+        insert("a", false, true).await,
+        insert("b", false, true).await,
+        insert("a", false, false).await,
+    ];
+    insert("a", true, true).await;
+    insert("c", true, false).await;
+
+    // In flight while the mode is enabled (after the index is built: its
+    // build waits for the writers' transactions).
+    create_index(&pool).await.unwrap();
+    let mut other = pool.acquire().await.unwrap();
+    let mut tx = other.begin().await.unwrap();
+    let late = Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                   payload, topic, partition_key)
+         VALUES ($1, 'A', 'd', 'E', '{}', 't', 'd')",
+    )
+    .bind(late)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    enable(&pool).await.unwrap();
+    // Enabling twice changes nothing.
+    enable(&pool).await.unwrap();
+    tx.commit().await.unwrap();
+    expected.push(late);
+    expected.push(insert("e", false, false).await);
+
+    let mut conn = pool.acquire().await.unwrap();
+    let slots: Vec<i16> = (0..64).collect();
+    let mut windows = Window::group(load(&mut conn, &slots).await.unwrap());
+    assert_eq!(windows.len(), 1, "every slot starts at one position");
+    let mut read = Vec::new();
+    while let Chunk::Rows(rows) = windows[0].next(&mut conn, 2, 1 << 20).await.unwrap() {
+        read.extend(rows.into_iter().map(|r| r.event_id));
+    }
+    expected.sort();
+    read.sort();
+    assert_eq!(read, expected);
+}
+
+/// A chunk stops at the byte budget (the first row comes alone when it is
+/// larger) and the rest of the window follows.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_chunk_stops_at_the_byte_budget(pool: PgPool) {
+    enable(&pool).await.unwrap();
+    sqlx::query(
+        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                   payload, topic, partition_key)
+         SELECT gen_random_uuid(), 'A', 'a', 'E', jsonb_build_object('p', repeat('x', 1000)), 't', 'k'
+         FROM generate_series(1, 10)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let slots: Vec<i16> = (0..64).collect();
+    let mut window = Window::group(load(&mut conn, &slots).await.unwrap()).remove(0);
+    let mut sizes = Vec::new();
+    let mut ids = Vec::new();
+    while let Chunk::Rows(rows) = window.next(&mut conn, 100, 2500).await.unwrap() {
+        sizes.push(rows.len());
+        ids.extend(rows.iter().map(|r| r.id));
+    }
+    assert_eq!(sizes, vec![3, 3, 3, 1]);
+    assert!(ids.windows(2).all(|p| p[0] < p[1]));
+    assert_eq!(ids.len(), 10);
+    // A row larger than the budget comes alone.
+    let mut window = Window::group(load(&mut conn, &slots).await.unwrap()).remove(0);
+    match window.next(&mut conn, 100, 10).await.unwrap() {
+        Chunk::Rows(rows) => assert_eq!(rows.len(), 1),
+        Chunk::Finished => panic!("the window is not empty"),
+    }
+}
