@@ -49,6 +49,9 @@ struct Args {
     /// reference the others are compared with).
     #[arg(long, value_delimiter = ',', default_values_t = [0.0, 0.1, 1.0, 5.0])]
     stages: Vec<f64>,
+    /// Inbox processors of the consumer (they split the partitions).
+    #[arg(long, default_value_t = 1)]
+    processors: usize,
     /// Also write the results to this JSON file.
     #[arg(long)]
     json: Option<String>,
@@ -180,8 +183,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pool = db.pool.clone();
     println!(
         "failing-keys benchmark: {} events on {PARTITIONS} partitions, {KEYS} keys (one in ten hot), \
-         dedup mode, max_attempts {}, back-off {} ms",
-        a.events, a.max_attempts, a.backoff_ms
+         dedup mode, max_attempts {}, back-off {} ms, {} inbox processor(s)",
+        a.events, a.max_attempts, a.backoff_ms, a.processors
     );
     preload(&brokers, a.events).await?;
     let mut stages = Vec::new();
@@ -217,6 +220,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .brokers(&brokers)
             .max_attempts(a.max_attempts)
             .retry_backoff(backoff, backoff * 10)
+            .processors(a.processors)
             .handler(Stage {
                 per_million,
                 failing_keys,
@@ -274,6 +278,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "keys": KEYS,
         "max_attempts": a.max_attempts,
         "backoff_ms": a.backoff_ms,
+        "processors": a.processors,
         "stages": stages,
     });
     println!("{json}");
