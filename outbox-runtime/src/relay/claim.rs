@@ -40,19 +40,30 @@ pub(crate) const RECORD: Statement = Statement {
 
 /// One claimed outbox row, ready to publish.
 #[derive(Debug, Clone, sqlx::FromRow)]
-pub(crate) struct Row {
+pub struct Row {
+    /// The row's id (`id` order is commit order within a key).
     pub id: i64,
+    /// The event's id.
     pub event_id: uuid::Uuid,
+    /// The aggregate's type.
     pub aggregate_type: String,
+    /// The aggregate's id.
     pub aggregate_id: String,
+    /// The event's type.
     pub event_type: String,
+    /// The event's schema version.
     pub event_version: i32,
     /// When the event was recorded (CloudEvents `time`).
     pub created_at: sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc>,
+    /// The Kafka topic.
     pub topic: String,
+    /// The Kafka message key.
     pub partition_key: String,
+    /// The payload (JSON text).
     pub payload: String,
+    /// The headers (a JSON object's text).
     pub headers: String,
+    /// Failed deliveries so far.
     pub attempts: i32,
     /// An earlier row of the row's key on its topic is held (see
     /// [`held`](super::held)):

@@ -41,34 +41,161 @@ use std::collections::VecDeque;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::claim::Row;
-use crate::error::Result;
+pub use super::claim::Row;
+use crate::error::{Error, Result};
 
 /// Most ids of a window listed at once.
-pub(crate) const LIST_CAP: i64 = 100_000;
+pub const LIST_CAP: i64 = 100_000;
 
 /// The index the progress mode reads windows through (created when the
 /// mode is enabled: the rows' slots, by transaction id).
-pub(crate) const INDEX: &str = "ix_outbox_event_progress";
+pub const INDEX: &str = "ix_outbox_event_progress";
 
-/// One lane slot's recorded progress.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
-pub(crate) struct SlotProgress {
-    pub slot: i16,
-    pub done: String,
-    pub upto: Option<String>,
-    pub after_id: Option<i64>,
+/// A snapshot, as `pg_snapshot`'s text gives it (`xmin:xmax:xip,…`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Every transaction before it is finished.
+    pub xmin: u64,
+    /// Every transaction from it on is not finished.
+    pub xmax: u64,
+    /// The transactions between them in flight when it was taken.
+    pub xip: Vec<u64>,
 }
 
-/// Reads the recorded progress of `slots` (those with a progress row).
-pub(crate) async fn load(conn: &mut PgConnection, slots: &[i16]) -> Result<Vec<SlotProgress>> {
-    Ok(sqlx::query_as(
-        "SELECT slot, done::text AS done, upto::text AS upto, after_id
-         FROM outbox_progress WHERE slot = ANY($1) ORDER BY slot",
-    )
-    .bind(slots)
-    .fetch_all(conn)
-    .await?)
+impl Snapshot {
+    /// Parses `pg_snapshot`'s text form.
+    pub fn parse(text: &str) -> Option<Self> {
+        let mut parts = text.split(':');
+        let xmin = parts.next()?.parse().ok()?;
+        let xmax = parts.next()?.parse().ok()?;
+        let xip = match parts.next()? {
+            "" => Vec::new(),
+            list => list
+                .split(',')
+                .map(|x| x.parse().ok())
+                .collect::<Option<Vec<u64>>>()?,
+        };
+        parts.next().is_none().then_some(Self { xmin, xmax, xip })
+    }
+
+    /// Whether transaction `txid` is visible in it (finished, if it
+    /// committed, when the snapshot was taken).
+    pub fn visible(&self, txid: u64) -> bool {
+        txid < self.xmin || (txid < self.xmax && !self.xip.contains(&txid))
+    }
+
+    /// The snapshot in which exactly the transactions visible in both are
+    /// visible: the position of slots that stand at `self` and `other`.
+    pub fn intersect(&self, other: &Snapshot) -> Snapshot {
+        let xmin = self.xmin.min(other.xmin);
+        let xmax = self.xmax.min(other.xmax);
+        let mut xip: Vec<u64> = self
+            .xip
+            .iter()
+            .chain(&other.xip)
+            .copied()
+            .filter(|t| *t >= xmin && *t < xmax)
+            .collect();
+        // Below both `xmax`, a transaction is invisible in a snapshot only
+        // if it is in its `xip` list (below its `xmin`, it is visible).
+        xip.sort_unstable();
+        xip.dedup();
+        Snapshot { xmin, xmax, xip }
+    }
+}
+
+impl std::fmt::Display for Snapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let xip: Vec<String> = self.xip.iter().map(u64::to_string).collect();
+        write!(f, "{}:{}:{}", self.xmin, self.xmax, xip.join(","))
+    }
+}
+
+/// A recorded position.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+struct Position {
+    slots: Vec<i16>,
+    done: String,
+    upto: Option<String>,
+    after_id: Option<i64>,
+}
+
+/// The newest position recorded for exactly these slots, unless one of
+/// them was recorded in another set since (the lane count changed, and
+/// changed back).
+const NEWEST: &str = "
+SELECT p.* FROM (
+    SELECT id, slots, done::text AS done, upto::text AS upto, after_id FROM outbox_progress
+    WHERE slots = $1 ORDER BY id DESC LIMIT 1) p
+WHERE NOT EXISTS (SELECT 1 FROM outbox_progress q WHERE q.id > p.id AND q.slots && $1)";
+
+/// The newest position of each slot of `$1`, whatever set it was recorded
+/// for (after a change of the lane count: a scan of the positions).
+const NEWEST_PER_SLOT: &str = "
+SELECT ARRAY[s] AS slots, p.done::text AS done, p.upto::text AS upto, p.after_id
+FROM unnest($1::int2[]) AS s
+CROSS JOIN LATERAL (SELECT * FROM outbox_progress p WHERE s = ANY(p.slots)
+                    ORDER BY p.id DESC LIMIT 1) p";
+
+/// Where the slots `slots` stand: their newest position, or, when they
+/// were recorded in other sets since (the lane count changed), the earliest
+/// of their newest positions — the intersection of their `done` snapshots, the
+/// windows they were in the middle of read again from the start (at least
+/// once). Fails if a slot has no position: the progress mode is not
+/// enabled.
+pub async fn load(conn: &mut PgConnection, slots: &[i16]) -> Result<Window> {
+    let mut slots = slots.to_vec();
+    slots.sort_unstable();
+    slots.dedup();
+    let newest: Option<Position> = sqlx::query_as(NEWEST)
+        .bind(&slots)
+        .fetch_optional(&mut *conn)
+        .await?;
+    let position = match newest {
+        Some(p) => p,
+        None => {
+            let each: Vec<Position> = sqlx::query_as(NEWEST_PER_SLOT)
+                .bind(&slots)
+                .fetch_all(&mut *conn)
+                .await?;
+            if each.len() < slots.len() {
+                return Err(Error::Config(
+                    "the outbox's progress mode is not enabled (no position for some lane slots)"
+                        .into(),
+                ));
+            }
+            let first = &each[0];
+            if each.iter().all(|p| {
+                (&p.done, &p.upto, p.after_id) == (&first.done, &first.upto, first.after_id)
+            }) {
+                first.clone()
+            } else {
+                let parse = |text: &str| {
+                    Snapshot::parse(text).ok_or_else(|| {
+                        Error::Config(format!("a recorded position is not a snapshot: {text}"))
+                    })
+                };
+                let mut done = parse(&first.done)?;
+                for p in &each[1..] {
+                    done = done.intersect(&parse(&p.done)?);
+                }
+                Position {
+                    slots: slots.clone(),
+                    done: done.to_string(),
+                    upto: None,
+                    after_id: None,
+                }
+            }
+        }
+    };
+    Ok(Window {
+        slots,
+        done: position.done,
+        after_id: position.after_id.unwrap_or(0),
+        upto: position.upto,
+        listed: VecDeque::new(),
+        complete: false,
+    })
 }
 
 /// The ids of a window's rows after `$4`, in id order, at most `$5`: the
@@ -107,18 +234,18 @@ fn fetch_sql() -> String {
 
 static FETCH: std::sync::LazyLock<String> = std::sync::LazyLock::new(fetch_sql);
 
-/// Records the progress of slots `$1`.
+/// Records the position of slots `$1` (appended).
 const RECORD: &str = "
-UPDATE outbox_progress
-SET done = $2::pg_snapshot, upto = $3::pg_snapshot, after_id = $4, updated_at = now()
-WHERE slot = ANY($1)";
+INSERT INTO outbox_progress (slots, done, upto, after_id)
+VALUES ($1, $2::pg_snapshot, $3::pg_snapshot, $4)";
 
-/// The slots of one progress (slots that share `done`, `upto` and
-/// `after_id`, read and recorded together), and what is known of its window
-/// in memory.
+/// A set of lane slots read and recorded together (a lane's), where they
+/// stand, and what is known of their window in memory.
 #[derive(Debug)]
-pub(crate) struct Window {
+pub struct Window {
+    /// The slots read and recorded together.
     pub slots: Vec<i16>,
+    /// Every event of the slots visible in this snapshot is published.
     pub done: String,
     /// The window being read; `None` until the first read takes it.
     pub upto: Option<String>,
@@ -132,7 +259,7 @@ pub(crate) struct Window {
 
 /// What [`Window::next`] found.
 #[derive(Debug)]
-pub(crate) enum Chunk {
+pub enum Chunk {
     /// Rows of the window, in id order, ready to hand over.
     Rows(Vec<Row>),
     /// The window has no row left: [`Window::advance`] starts the next.
@@ -140,33 +267,10 @@ pub(crate) enum Chunk {
 }
 
 impl Window {
-    /// Groups recorded progress by equal position: one window per group.
-    pub(crate) fn group(progress: Vec<SlotProgress>) -> Vec<Window> {
-        let mut windows: Vec<Window> = Vec::new();
-        for p in progress {
-            let after_id = p.after_id.unwrap_or(0);
-            match windows
-                .iter_mut()
-                .find(|w| w.done == p.done && w.upto == p.upto && w.after_id == after_id)
-            {
-                Some(w) => w.slots.push(p.slot),
-                None => windows.push(Window {
-                    slots: vec![p.slot],
-                    done: p.done,
-                    upto: p.upto,
-                    after_id,
-                    listed: VecDeque::new(),
-                    complete: false,
-                }),
-            }
-        }
-        windows
-    }
-
     /// The next rows of the window: at most `limit`, past the first at most
     /// `budget` bytes. The position moves past them (in memory: see
     /// [`Window::record`]).
-    pub(crate) async fn next(
+    pub async fn next(
         &mut self,
         conn: &mut PgConnection,
         limit: usize,
@@ -221,9 +325,8 @@ impl Window {
         }
     }
 
-    /// Records the window's position on its slots (in the caller's
-    /// transaction).
-    pub(crate) async fn record(&self, conn: &mut PgConnection) -> Result<()> {
+    /// Records the window's position (in the caller's transaction).
+    pub async fn record(&self, conn: &mut PgConnection) -> Result<()> {
         sqlx::query(RECORD)
             .bind(&self.slots)
             .bind(&self.done)
@@ -236,7 +339,7 @@ impl Window {
 
     /// After [`Chunk::Finished`]: the window is done; the next read takes
     /// a new one.
-    pub(crate) fn advance(&mut self) {
+    pub fn advance(&mut self) {
         if let Some(upto) = self.upto.take() {
             self.done = upto;
         }
@@ -247,12 +350,12 @@ impl Window {
 }
 
 /// Enables the progress mode on this outbox (relays stopped): the index
-/// the windows are read through, and a progress row per slot whose `done`
+/// the windows are read through, and a position for every slot whose `done`
 /// leaves out every event not yet published, those of transactions still in
 /// flight included. Rows written before the `txid` column existed and not
 /// published yet are given the id of this call's transaction. Events
 /// published before stay skipped (`published_at`).
-pub(crate) async fn enable(pool: &sqlx::PgPool) -> Result<()> {
+pub async fn enable(pool: &sqlx::PgPool) -> Result<()> {
     create_index(pool).await?;
     let mut conn = pool.acquire().await?;
     sqlx::query(
@@ -266,13 +369,12 @@ pub(crate) async fn enable(pool: &sqlx::PgPool) -> Result<()> {
     // the oldest transaction in flight now (whose rows this statement
     // cannot see).
     sqlx::query(
-        "INSERT INTO outbox_progress (slot, done)
-         SELECT s, (m || ':' || m || ':')::pg_snapshot
-         FROM generate_series(0, 63) AS s,
-              (SELECT least(pg_snapshot_xmin(pg_current_snapshot()),
+        "INSERT INTO outbox_progress (slots, done)
+         SELECT ARRAY(SELECT generate_series(0, 63))::int2[], (m || ':' || m || ':')::pg_snapshot
+         FROM (SELECT least(pg_snapshot_xmin(pg_current_snapshot()),
                             (SELECT min(txid) FROM outbox_event
                              WHERE published_at IS NULL AND parked_at IS NULL)) AS m) b
-         ON CONFLICT (slot) DO NOTHING",
+         WHERE NOT EXISTS (SELECT 1 FROM outbox_progress)",
     )
     .execute(&mut *conn)
     .await?;
@@ -282,7 +384,7 @@ pub(crate) async fn enable(pool: &sqlx::PgPool) -> Result<()> {
 /// Builds the index the windows are read through, if it is missing. The
 /// build waits for the writers' open transactions, and the writers wait for
 /// it (one read of the table).
-pub(crate) async fn create_index(pool: &sqlx::PgPool) -> Result<()> {
+pub async fn create_index(pool: &sqlx::PgPool) -> Result<()> {
     let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
         .bind(INDEX)
         .fetch_one(pool)

@@ -90,48 +90,51 @@ async fn reader(
     let mut reads = Vec::new();
     let mut with_xip = 0;
     let mut chunks = 0;
-    let mut windows = Window::group(load(&mut conn, &slots).await.unwrap());
+    let mut window = load(&mut conn, &slots).await.unwrap();
     let mut last_pass = false;
     loop {
         let stopping = stop.load(std::sync::atomic::Ordering::SeqCst);
         let mut crashed = false;
-        'windows: for w in &mut windows {
-            loop {
-                match w.next(&mut conn, 7, 1 << 20).await.unwrap() {
-                    Chunk::Rows(rows) => {
-                        chunks += 1;
-                        reads.extend(
-                            rows.into_iter()
-                                .map(|r| (r.partition_key, r.id, r.event_id)),
-                        );
-                        if crash_every.is_none() || chunks % 2 == 0 {
-                            w.record(&mut conn).await.unwrap();
-                        }
-                        if crash_every.is_some_and(|n| chunks % n == 0) {
-                            crashed = true;
-                            break 'windows;
-                        }
+        loop {
+            match window.next(&mut conn, 7, 1 << 20).await.unwrap() {
+                Chunk::Rows(rows) => {
+                    chunks += 1;
+                    reads.extend(
+                        rows.into_iter()
+                            .map(|r| (r.partition_key, r.id, r.event_id)),
+                    );
+                    if crash_every.is_none() || chunks % 2 == 0 {
+                        window.record(&mut conn).await.unwrap();
                     }
-                    Chunk::Finished => {
-                        if w.done.rsplit(':').next().is_some_and(|xip| !xip.is_empty()) {
-                            with_xip += 1;
-                        }
-                        w.advance();
-                        w.record(&mut conn).await.unwrap();
+                    if crash_every.is_some_and(|n| chunks % n == 0) {
+                        crashed = true;
                         break;
                     }
+                }
+                Chunk::Finished => {
+                    if window
+                        .done
+                        .rsplit(':')
+                        .next()
+                        .is_some_and(|xip| !xip.is_empty())
+                    {
+                        with_xip += 1;
+                    }
+                    window.advance();
+                    window.record(&mut conn).await.unwrap();
+                    break;
                 }
             }
         }
         if crashed {
-            windows = Window::group(load(&mut conn, &slots).await.unwrap());
+            window = load(&mut conn, &slots).await.unwrap();
             continue;
         }
         if last_pass {
             return (reads, with_xip);
         }
-        // The windows just finished were taken before `stop` was read set:
-        // one more pass takes windows after every writer ended.
+        // The window just finished was taken before `stop` was read set:
+        // one more takes a window after every writer ended.
         last_pass = stopping;
         tokio::time::sleep(Duration::from_millis(3)).await;
     }
@@ -263,10 +266,9 @@ async fn enabling_leaves_out_only_what_is_published(pool: PgPool) {
 
     let mut conn = pool.acquire().await.unwrap();
     let slots: Vec<i16> = (0..64).collect();
-    let mut windows = Window::group(load(&mut conn, &slots).await.unwrap());
-    assert_eq!(windows.len(), 1, "every slot starts at one position");
+    let mut window = load(&mut conn, &slots).await.unwrap();
     let mut read = Vec::new();
-    while let Chunk::Rows(rows) = windows[0].next(&mut conn, 2, 1 << 20).await.unwrap() {
+    while let Chunk::Rows(rows) = window.next(&mut conn, 2, 1 << 20).await.unwrap() {
         read.extend(rows.into_iter().map(|r| r.event_id));
     }
     expected.sort();
@@ -290,7 +292,7 @@ async fn a_chunk_stops_at_the_byte_budget(pool: PgPool) {
     .unwrap();
     let mut conn = pool.acquire().await.unwrap();
     let slots: Vec<i16> = (0..64).collect();
-    let mut window = Window::group(load(&mut conn, &slots).await.unwrap()).remove(0);
+    let mut window = load(&mut conn, &slots).await.unwrap();
     let mut sizes = Vec::new();
     let mut ids = Vec::new();
     while let Chunk::Rows(rows) = window.next(&mut conn, 100, 2500).await.unwrap() {
@@ -301,9 +303,103 @@ async fn a_chunk_stops_at_the_byte_budget(pool: PgPool) {
     assert!(ids.windows(2).all(|p| p[0] < p[1]));
     assert_eq!(ids.len(), 10);
     // A row larger than the budget comes alone.
-    let mut window = Window::group(load(&mut conn, &slots).await.unwrap()).remove(0);
+    let mut window = load(&mut conn, &slots).await.unwrap();
     match window.next(&mut conn, 100, 10).await.unwrap() {
         Chunk::Rows(rows) => assert_eq!(rows.len(), 1),
         Chunk::Finished => panic!("the window is not empty"),
+    }
+}
+
+/// Reads the window to its end, records the next position; the rows read.
+async fn drain(window: &mut Window, conn: &mut sqlx::PgConnection) -> Vec<Uuid> {
+    let mut read = Vec::new();
+    loop {
+        match window.next(conn, 50, 1 << 20).await.unwrap() {
+            Chunk::Rows(rows) => read.extend(rows.into_iter().map(|r| r.event_id)),
+            Chunk::Finished => {
+                window.advance();
+                window.record(conn).await.unwrap();
+                return read;
+            }
+        }
+    }
+}
+
+/// After a change of the lane count, a lane made of slots recorded at
+/// different positions starts from the earliest of them: the rows one lane
+/// had read are read again, none of the other's is lost; where they stand
+/// alike, nothing is read again.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_lane_of_slots_at_different_positions_starts_from_the_earliest(pool: PgPool) {
+    enable(&pool).await.unwrap();
+    let insert = |n: i32| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(
+                "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                           payload, topic, partition_key)
+                 SELECT gen_random_uuid(), 'A', 'a', 'E', '{}', 't', 'k' || g
+                 FROM generate_series(1, $1) AS g",
+            )
+            .bind(n)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    };
+    let mut conn = pool.acquire().await.unwrap();
+    let all: Vec<i16> = (0..64).collect();
+    let even: Vec<i16> = (0..64).filter(|s| s % 2 == 0).collect();
+    let odd: Vec<i16> = (0..64).filter(|s| s % 2 == 1).collect();
+    insert(100).await;
+    let mut one = load(&mut conn, &all).await.unwrap();
+    assert_eq!(drain(&mut one, &mut conn).await.len(), 100);
+
+    // Two lanes: the even one reads its rows; the odd one reads none.
+    insert(100).await;
+    let mut lane0 = load(&mut conn, &even).await.unwrap();
+    let read0 = drain(&mut lane0, &mut conn).await.len();
+    assert!(
+        read0 > 0 && read0 < 100,
+        "{read0} of 100 rows in half the slots"
+    );
+
+    // One lane again: from the odd lane's position, the even lane's rows
+    // read again; not from the position recorded for all the slots before.
+    insert(10).await;
+    let mut one = load(&mut conn, &all).await.unwrap();
+    assert_eq!(drain(&mut one, &mut conn).await.len(), 110);
+
+    // Two lanes that both read everything, then one: only what is new.
+    insert(100).await;
+    for slots in [&even, &odd] {
+        let mut lane = load(&mut conn, slots).await.unwrap();
+        drain(&mut lane, &mut conn).await;
+    }
+    insert(10).await;
+    let mut one = load(&mut conn, &all).await.unwrap();
+    assert_eq!(drain(&mut one, &mut conn).await.len(), 10);
+}
+
+#[test]
+fn snapshots_parse_print_and_intersect() {
+    let a = Snapshot::parse("100:200:120,150").unwrap();
+    assert_eq!(a.to_string(), "100:200:120,150");
+    assert!(a.visible(99) && a.visible(110) && !a.visible(120) && !a.visible(200));
+    let b = Snapshot::parse("130:180:").unwrap();
+    assert!(Snapshot::parse("1:2").is_none() && Snapshot::parse("1:2:x").is_none());
+    let both = a.intersect(&b);
+    assert_eq!(both.to_string(), "100:180:120,150");
+    for t in 90..210 {
+        assert_eq!(both.visible(t), a.visible(t) && b.visible(t), "txid {t}");
+    }
+    let c = Snapshot::parse("160:170:").unwrap();
+    let d = Snapshot::parse("140:175:140,172").unwrap();
+    for t in 130..180 {
+        assert_eq!(
+            c.intersect(&d).visible(t),
+            c.visible(t) && d.visible(t),
+            "txid {t}"
+        );
     }
 }
