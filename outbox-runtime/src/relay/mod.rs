@@ -32,7 +32,9 @@
 //! (rows held back out of the claim's index), `lanes`
 //! (lane ownership across relays), `publish` (the producer),
 //! `topics` (topics missing on the broker),
-//! `wake` (LISTEN/NOTIFY and polling), `trace_links` (with
+//! `wake` (LISTEN/NOTIFY and polling), `progress` (the progress mode's
+//! reader: windows of snapshots instead of marks; no loop uses it yet),
+//! `trace_links` (with
 //! the `otel` feature: the links of each batch's `outbox.relay.batch` span
 //! to its events' traces).
 
