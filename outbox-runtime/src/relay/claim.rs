@@ -123,7 +123,7 @@ WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL
 ///
 /// The statement starts with [`CLAIM_MARK`]: `pg_stat_activity` shows only
 /// its first kilobyte.
-pub(super) fn bounded(locking: &str, budget: &str) -> String {
+fn bounded(locking: &str, budget: &str) -> String {
     format!(
         "{CLAIM_MARK} SELECT {RETURNED} FROM (
   SELECT b.*, count(*) FILTER (WHERE b.bytes_before >= {budget}::int8)

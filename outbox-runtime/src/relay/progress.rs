@@ -28,9 +28,11 @@
 //! and committed after it; a `txid` range from `done`'s `xmin` would read
 //! everything published since a long transaction began, at every window.
 //!
-//! A window's ids are listed once (up to [`LIST_CAP`] at a time, id order)
-//! and its rows fetched a chunk at a time by `event_id`: a backlog of
-//! millions in one window is read in one pass, not once per chunk.
+//! A window's rows are listed once (id, event id and `ctid`; up to
+//! [`LIST_CAP`] at a time, in id order) and fetched a chunk at a time by
+//! their `ctid` (a TID scan: one page read for many rows), by `event_id` for
+//! those that moved since: a backlog of millions in one window is read in
+//! one pass, not once per chunk.
 //!
 //! Rows with their own state (published, parked or held by the rare paths,
 //! which still write the row) are skipped: they were handled where they
@@ -202,14 +204,14 @@ pub async fn load(conn: &mut PgConnection, slots: &[i16]) -> Result<Window> {
 /// rows of slots `$1` whose transaction is visible in `$3` (`upto`) and not
 /// in `$2` (`done`), without a state of their own.
 const LIST: &str = "
-SELECT w.id, w.event_id FROM (
-    SELECT e.id, e.event_id FROM outbox_event e
+SELECT w.id, w.event_id, w.tid FROM (
+    SELECT e.id, e.event_id, e.ctid::text AS tid FROM outbox_event e
     WHERE e.lane_slot = ANY($1::int2[])
       AND e.txid = ANY(ARRAY(SELECT pg_snapshot_xip($2::pg_snapshot)))
       AND pg_visible_in_snapshot(e.txid, $3::pg_snapshot)
       AND e.id > $4 AND coalesce(e.published_at, e.parked_at, e.held_until) IS NULL
     UNION ALL
-    SELECT e.id, e.event_id FROM outbox_event e
+    SELECT e.id, e.event_id, e.ctid::text AS tid FROM outbox_event e
     WHERE e.lane_slot = ANY($1::int2[])
       AND e.txid >= pg_snapshot_xmax($2::pg_snapshot)
       AND e.txid < pg_snapshot_xmax($3::pg_snapshot)
@@ -218,21 +220,28 @@ SELECT w.id, w.event_id FROM (
 ) w
 ORDER BY w.id LIMIT $5";
 
-/// The rows of the ids `$1` still without a state of their own, in id
-/// order, cut at the byte budget `$3` (see `claim::bounded`); `$2` is the
-/// claim's list of keys to leave out, always empty here: a row left out
-/// would be passed over by the position.
-fn fetch_sql() -> String {
-    super::claim::bounded(
-        &format!(
-            "{} AND event_id = ANY($1::uuid[]) ORDER BY id",
-            super::claim::CLAIM_COLUMNS
-        ),
-        "$3",
+/// The rows at the places `$1` (`ctid`s, as listed) that are still the
+/// events `$3` (between `$4` and `$5`: the partitions they can be in) without
+/// a state of their own, in id order: a TID scan, a page read for many rows.
+/// `$2` is the claim's list of keys to leave out, always empty here: a row
+/// left out would be passed over by the position.
+static FETCH_AT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "{} AND ctid = ANY($1::text[]::tid[]) AND event_id = ANY($3::uuid[])
+           AND event_id BETWEEN $4 AND $5 ORDER BY id",
+        super::claim::CLAIM_COLUMNS
     )
-}
+});
 
-static FETCH: std::sync::LazyLock<String> = std::sync::LazyLock::new(fetch_sql);
+/// The events `$1` without a state of their own, in id order, wherever
+/// they are (those that moved since they were listed: a row version
+/// written by a rare path, a table rewritten).
+static FETCH_BY_ID: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "{} AND event_id = ANY($1::uuid[]) ORDER BY id",
+        super::claim::CLAIM_COLUMNS
+    )
+});
 
 /// Records the position of slots `$1` (appended).
 const RECORD: &str = "
@@ -251,8 +260,9 @@ pub struct Window {
     pub upto: Option<String>,
     /// Rows of the window up to this id are handed over.
     pub after_id: i64,
-    /// Ids listed and not handed over yet, in id order.
-    listed: VecDeque<(i64, Uuid)>,
+    /// Rows listed and not handed over yet (id, event id, `ctid`), in id
+    /// order.
+    listed: VecDeque<(i64, Uuid, String)>,
     /// Whether `listed` holds every remaining row of the window.
     complete: bool,
 }
@@ -291,7 +301,7 @@ impl Window {
                 if self.complete {
                     return Ok(Chunk::Finished);
                 }
-                let ids: Vec<(i64, Uuid)> = sqlx::query_as(LIST)
+                let ids: Vec<(i64, Uuid, String)> = sqlx::query_as(LIST)
                     .bind(&self.slots)
                     .bind(&self.done)
                     .bind(&upto)
@@ -304,18 +314,51 @@ impl Window {
                 continue;
             }
             let take = self.listed.len().min(limit.max(1));
-            let wanted: Vec<Uuid> = self.listed.iter().take(take).map(|(_, e)| *e).collect();
-            let rows: Vec<Row> = sqlx::query_as(&FETCH)
-                .bind(&wanted)
+            let wanted: Vec<&(i64, Uuid, String)> = self.listed.iter().take(take).collect();
+            let tids: Vec<&str> = wanted.iter().map(|(_, _, t)| t.as_str()).collect();
+            let ids: Vec<Uuid> = wanted.iter().map(|(_, e, _)| *e).collect();
+            let (low, high) = (ids.iter().min(), ids.iter().max());
+            let mut rows: Vec<Row> = sqlx::query_as(&FETCH_AT)
+                .bind(&tids)
                 .bind(Vec::<String>::new())
-                .bind(budget)
+                .bind(&ids)
+                .bind(low)
+                .bind(high)
                 .fetch_all(&mut *conn)
                 .await?;
-            // Every id up to the last row returned is handled: returned, or
-            // given a state of its own since it was listed. With no row
-            // returned, every id asked for had one.
-            let through = rows.last().map_or(self.listed[take - 1].0, |r| r.id);
-            while self.listed.front().is_some_and(|(id, _)| *id <= through) {
+            if rows.len() < take {
+                let found: std::collections::HashSet<Uuid> =
+                    rows.iter().map(|r| r.event_id).collect();
+                let moved: Vec<Uuid> = ids.iter().filter(|e| !found.contains(e)).copied().collect();
+                let more: Vec<Row> = sqlx::query_as(&FETCH_BY_ID)
+                    .bind(&moved)
+                    .bind(Vec::<String>::new())
+                    .fetch_all(&mut *conn)
+                    .await?;
+                rows.extend(more);
+                rows.sort_by_key(|r| r.id);
+            }
+            // The byte budget: a row goes while the bytes before it are
+            // under it (the first always).
+            let mut bytes = 0i64;
+            let cut = rows
+                .iter()
+                .position(|r| {
+                    let over = bytes >= budget;
+                    bytes += r.bytes() as i64;
+                    over
+                })
+                .filter(|i| *i > 0)
+                .unwrap_or(rows.len());
+            // Every id asked for up to the last row kept is handled: kept,
+            // or given a state of its own since it was listed (not found).
+            let through = if cut < rows.len() {
+                rows[cut - 1].id
+            } else {
+                self.listed[take - 1].0
+            };
+            rows.truncate(cut);
+            while self.listed.front().is_some_and(|(id, _, _)| *id <= through) {
                 self.listed.pop_front();
             }
             self.after_id = through;
