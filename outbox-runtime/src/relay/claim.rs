@@ -65,9 +65,8 @@ pub struct Row {
     pub headers: String,
     /// Failed deliveries so far.
     pub attempts: i32,
-    /// An earlier row of the row's key on its topic is held (see
-    /// [`held`](super::held)):
-    /// seconds until that hold ends (negative once it has, until the row is
+    /// An earlier row of the row's key on its topic is held (see the
+    /// relay's `held` module): seconds until that hold ends (negative once it has, until the row is
     /// released). The row must then wait too.
     pub behind_held_secs: Option<f64>,
     /// The row version's physical address, stable while the claim's

@@ -27,7 +27,7 @@ async fn writer(pool: PgPool, w: usize, txs: usize) -> Vec<Uuid> {
         let pick = (w * 7919 + t * 104_729) % 1000;
         let key = format!("k{}", pick % KEYS);
         let mut tx = conn.begin().await.unwrap();
-        if pick % 3 == 0 {
+        if pick.is_multiple_of(3) {
             // Draws its transaction id first, then waits for the key.
             sqlx::query("INSERT INTO progress_scratch VALUES (1)")
                 .execute(&mut *tx)
@@ -58,7 +58,7 @@ async fn writer(pool: PgPool, w: usize, txs: usize) -> Vec<Uuid> {
             .unwrap();
             ids.push(id);
         }
-        let hold = if pick % 17 == 0 {
+        let hold = if pick.is_multiple_of(17) {
             150
         } else {
             (pick % 9) as u64
@@ -89,7 +89,7 @@ async fn reader(
     let mut conn = pool.acquire().await.unwrap();
     let mut reads = Vec::new();
     let mut with_xip = 0;
-    let mut chunks = 0;
+    let mut chunks: usize = 0;
     let mut window = load(&mut conn, &slots).await.unwrap();
     let mut last_pass = false;
     loop {
@@ -103,10 +103,10 @@ async fn reader(
                         rows.into_iter()
                             .map(|r| (r.partition_key, r.id, r.event_id)),
                     );
-                    if crash_every.is_none() || chunks % 2 == 0 {
+                    if crash_every.is_none() || chunks.is_multiple_of(2) {
                         window.record(&mut conn).await.unwrap();
                     }
-                    if crash_every.is_some_and(|n| chunks % n == 0) {
+                    if crash_every.is_some_and(|n| chunks.is_multiple_of(n)) {
                         crashed = true;
                         break;
                     }
