@@ -442,3 +442,58 @@ async fn rows_that_moved_since_they_were_listed_are_still_read(pool: PgPool) {
         .unwrap();
     assert_eq!(read, all);
 }
+
+/// The partitioned layout: the column default comes along with the
+/// conversion, and a chunk's places (`ctid`s, which repeat from partition
+/// to partition) find each row in its own partition.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn the_partitioned_layout_reads_the_same(pool: PgPool) {
+    let insert = |n: i32| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(&format!(
+                "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                           payload, topic, partition_key)
+                 SELECT {}, 'A', 'a', 'E', '{{}}', 't', 'k' || g
+                 FROM generate_series(1, $1) AS g",
+                // Ids of now (the current partition) and random ones (the
+                // legacy partition and the default one).
+                "CASE WHEN g % 2 = 0 THEN gen_random_uuid() ELSE \
+                 encode(set_bit(set_bit(overlay(uuid_send(gen_random_uuid()) placing \
+                 substring(int8send(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint) \
+                 FROM 3) FROM 1 FOR 6), 52, 1), 53, 1), 'hex')::uuid END"
+            ))
+            .bind(n)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    };
+    insert(40).await;
+    crate::partition::enable(&pool, &crate::partition::PartitionPlan::default())
+        .await
+        .unwrap();
+    enable(&pool).await.unwrap();
+    insert(60).await;
+    let partitions: i64 = sqlx::query_scalar("SELECT count(DISTINCT tableoid) FROM outbox_event")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(partitions >= 2, "the rows are in {partitions} partition(s)");
+    let unset: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE txid IS NULL")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(unset, 0, "rows without a transaction id");
+    let mut conn = pool.acquire().await.unwrap();
+    let slots: Vec<i16> = (0..64).collect();
+    let mut window = load(&mut conn, &slots).await.unwrap();
+    let mut read = drain(&mut window, &mut conn).await;
+    let mut all: Vec<Uuid> = sqlx::query_scalar("SELECT event_id FROM outbox_event")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    read.sort();
+    all.sort();
+    assert_eq!(read, all);
+}
