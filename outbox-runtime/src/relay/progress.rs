@@ -395,17 +395,29 @@ impl Window {
 /// Enables the progress mode on this outbox (relays stopped): the index
 /// the windows are read through, and a position for every slot whose `done`
 /// leaves out every event not yet published, those of transactions still in
-/// flight included. Rows written before the `txid` column existed and not
-/// published yet are given the id of this call's transaction. Events
-/// published before stay skipped (`published_at`).
+/// flight included. Events published before stay skipped (`published_at`)
+/// and parked ones stay parked. In the same transaction, on the first call
+/// only: rows written before the `txid` column existed and not published
+/// are given this transaction's id, and rows held back are released (the
+/// windows read them in id order with the rest). Calling it again changes
+/// nothing.
 pub async fn enable(pool: &sqlx::PgPool) -> Result<()> {
     create_index(pool).await?;
-    let mut conn = pool.acquire().await?;
+    let mut tx = pool.begin().await?;
+    sqlx::query("LOCK TABLE outbox_progress IN SHARE ROW EXCLUSIVE MODE")
+        .execute(&mut *tx)
+        .await?;
+    let enabled: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM outbox_progress)")
+        .fetch_one(&mut *tx)
+        .await?;
+    if enabled {
+        return Ok(());
+    }
     sqlx::query(
-        "UPDATE outbox_event SET txid = pg_current_xact_id()
-         WHERE txid IS NULL AND published_at IS NULL",
+        "UPDATE outbox_event SET txid = coalesce(txid, pg_current_xact_id()), held_until = NULL
+         WHERE (txid IS NULL OR held_until IS NOT NULL) AND published_at IS NULL",
     )
-    .execute(&mut *conn)
+    .execute(&mut *tx)
     .await?;
     // `m:m:` is a snapshot in which exactly the transactions before `m` are
     // visible: `m` is at most the oldest unpublished row's transaction and
@@ -416,11 +428,11 @@ pub async fn enable(pool: &sqlx::PgPool) -> Result<()> {
          SELECT ARRAY(SELECT generate_series(0, 63))::int2[], (m || ':' || m || ':')::pg_snapshot
          FROM (SELECT least(pg_snapshot_xmin(pg_current_snapshot()),
                             (SELECT min(txid) FROM outbox_event
-                             WHERE published_at IS NULL AND parked_at IS NULL)) AS m) b
-         WHERE NOT EXISTS (SELECT 1 FROM outbox_progress)",
+                             WHERE published_at IS NULL AND parked_at IS NULL)) AS m) b",
     )
-    .execute(&mut *conn)
+    .execute(&mut *tx)
     .await?;
+    tx.commit().await?;
     Ok(())
 }
 

@@ -210,8 +210,8 @@ async fn a_reader_that_restarts_resumes_from_its_recorded_position(pool: PgPool)
     run(&pool, Some(5)).await;
 }
 
-/// Rows written before the column existed, rows published by marks, and a
-/// transaction in flight while the mode is enabled.
+/// Rows written before the column existed, rows published by marks, held
+/// and parked rows, and a transaction in flight while the mode is enabled.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn enabling_leaves_out_only_what_is_published(pool: PgPool) {
     let insert = |key: &'static str, published: bool, legacy: bool| {
@@ -241,6 +241,23 @@ async fn enabling_leaves_out_only_what_is_published(pool: PgPool) {
     ];
     insert("a", true, true).await;
     insert("c", true, false).await;
+    // Held back (a key's failure, a missing topic): read with the rest.
+    let held = insert("h", false, false).await;
+    sqlx::query(
+        "UPDATE outbox_event SET held_until = now() + interval '1 hour' WHERE event_id = $1",
+    )
+    .bind(held)
+    .execute(&pool)
+    .await
+    .unwrap();
+    expected.push(held);
+    // Parked: stays parked.
+    let parked = insert("p", false, false).await;
+    sqlx::query("UPDATE outbox_event SET parked_at = now() WHERE event_id = $1")
+        .bind(parked)
+        .execute(&pool)
+        .await
+        .unwrap();
 
     // In flight while the mode is enabled (after the index is built: its
     // build waits for the writers' transactions).
