@@ -954,3 +954,49 @@ async fn a_busy_table_does_not_stop_the_partitions_of_the_others(pool: PgPool) {
     let report = partition::maintain(&pool, &plan).await.unwrap().unwrap();
     assert_eq!((report.created, report.busy), (2, 0), "{report:?}");
 }
+
+/// A partition needed within a period (here: the next one's, dropped) on
+/// a table a transaction keeps locked for 1.5 s: its attempts wait longer
+/// each time (0.3, 0.6, 1.2 s) and it is created in this pass; at 0.3 s
+/// each, all three would have ended by 1.2 s and left it for the next.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_partition_needed_soon_waits_longer_for_a_busy_table(pool: PgPool) {
+    let plan = PartitionPlan {
+        period: Duration::from_secs(10),
+        ahead: 1,
+        lock_timeout: Duration::from_millis(300),
+    };
+    partition::enable(&pool, &plan).await.unwrap();
+    let next = partition::list(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|p| p.table == "processed_event" && p.kind == PartitionKind::Range)
+        .expect("a range partition of processed_event");
+    sqlx::query(&format!("DROP TABLE {}", next.name))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut reader = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE processed_event IN ACCESS SHARE MODE")
+        .execute(&mut *reader)
+        .await
+        .unwrap();
+    let held = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        reader.rollback().await.unwrap();
+    });
+    let report = partition::maintain(&pool, &plan).await.unwrap().unwrap();
+    held.await.unwrap();
+    assert_eq!(report.busy, 0, "{report:?}");
+    let again = partition::list(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .any(|p| p.table == "processed_event" && p.from == next.from);
+    assert!(
+        again,
+        "the partition of {:?} is there again: {report:?}",
+        next.from
+    );
+}

@@ -174,7 +174,8 @@ pub(super) async fn create_ahead(
     }
     let now = now_ms(conn).await?;
     for (from, to) in missing_ranges(&covered, now, period, plan.ahead) {
-        match create_with_retries(conn, schema, table, (from, to), plan.lock_timeout).await? {
+        let waits = lock_waits(plan.lock_timeout, urgent(from, now, period));
+        match create_with_retries(conn, schema, table, (from, to), &waits).await? {
             Some(moved) => {
                 report.created += 1;
                 report.moved_rows += moved;
@@ -185,16 +186,41 @@ pub(super) async fn create_ahead(
     Ok(())
 }
 
-/// [`create_range`] in a transaction of its own, up to [`ATTEMPTS`] times
-/// while the tables stay busy; `None` if they did at every attempt.
+/// Whether the range from `from` is needed within a period: it covers now
+/// or the next period, so that rows of its ids land in the default
+/// partition (and must be moved out of it later) as long as it is missing.
+fn urgent(from: i64, now: i64, period: i64) -> bool {
+    from <= now.saturating_add(period)
+}
+
+/// How long each attempt at a partition waits for its table lock: the
+/// plan's `lock_timeout` each time; for an urgent one (see [`urgent`]),
+/// doubling from it at each attempt (writers then queue behind the attempt
+/// that long at most, rather than the maintainer falling behind for good on
+/// a table whose claims and writers always hold it).
+fn lock_waits(lock_timeout: Duration, urgent: bool) -> Vec<Duration> {
+    (0..ATTEMPTS)
+        .map(|i| {
+            if urgent {
+                lock_timeout * 2u32.pow(i)
+            } else {
+                lock_timeout
+            }
+        })
+        .collect()
+}
+
+/// [`create_range`] in a transaction of its own, an attempt per lock wait
+/// of `waits` while the tables stay busy; `None` if they did at every
+/// attempt.
 async fn create_with_retries(
     conn: &mut PgConnection,
     schema: &str,
     table: &str,
     (from, to): (i64, i64),
-    lock_timeout: Duration,
+    waits: &[Duration],
 ) -> Result<Option<u64>> {
-    for attempt in 1..=ATTEMPTS {
+    for (attempt, lock_timeout) in (1..).zip(waits.iter().copied()) {
         let mut tx = sqlx::Connection::begin(&mut *conn).await?;
         set_lock_timeout(&mut tx, lock_timeout).await?;
         match create_range(&mut tx, schema, table, from, to).await {
@@ -205,7 +231,7 @@ async fn create_with_retries(
             Err(error) if is_busy(&error) => {
                 tx.rollback().await?;
                 tracing::debug!(table, attempt, %error, "partition not created yet: table busy");
-                if attempt < ATTEMPTS {
+                if attempt < waits.len() as u32 {
                     tokio::time::sleep(RETRY_PAUSE * attempt).await;
                 }
             }
@@ -252,6 +278,23 @@ pub async fn maintain(pool: &PgPool, plan: &PartitionPlan) -> Result<Option<Main
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_urgent_partition_waits_longer_for_its_lock_at_each_attempt() {
+        let period = 10_000;
+        // The partition of now, of the next period: urgent; later: not.
+        assert!(urgent(0, 5_000, period) && urgent(10_000, 5_000, period));
+        assert!(!urgent(20_000, 5_000, period));
+        let ms = |waits: Vec<Duration>| waits.iter().map(|d| d.as_millis()).collect::<Vec<_>>();
+        assert_eq!(
+            ms(lock_waits(Duration::from_millis(500), true)),
+            [500, 1000, 2000]
+        );
+        assert_eq!(
+            ms(lock_waits(Duration::from_millis(500), false)),
+            [500, 500, 500]
+        );
+    }
 
     #[test]
     fn missing_ranges_fill_gaps_from_now_and_catch_up_from_the_newest() {
