@@ -327,6 +327,20 @@ async fn a_chunk_stops_at_the_byte_budget(pool: PgPool) {
     }
 }
 
+/// Inserts `n` events, each of a key of its own.
+async fn insert_keys(pool: &PgPool, n: i32) {
+    sqlx::query(
+        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                   payload, topic, partition_key)
+         SELECT gen_random_uuid(), 'A', 'a', 'E', '{}', 't', 'k' || g
+         FROM generate_series(1, $1) AS g",
+    )
+    .bind(n)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 /// Reads the window to its end, records the next position; the rows read.
 async fn drain(window: &mut Window, conn: &mut sqlx::PgConnection) -> Vec<Uuid> {
     let mut read = Vec::new();
@@ -349,21 +363,7 @@ async fn drain(window: &mut Window, conn: &mut sqlx::PgConnection) -> Vec<Uuid> 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_lane_of_slots_at_different_positions_starts_from_the_earliest(pool: PgPool) {
     enable(&pool).await.unwrap();
-    let insert = |n: i32| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query(
-                "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
-                                           payload, topic, partition_key)
-                 SELECT gen_random_uuid(), 'A', 'a', 'E', '{}', 't', 'k' || g
-                 FROM generate_series(1, $1) AS g",
-            )
-            .bind(n)
-            .execute(&pool)
-            .await
-            .unwrap();
-        }
-    };
+    let insert = |n: i32| insert_keys(&pool, n);
     let mut conn = pool.acquire().await.unwrap();
     let all: Vec<i16> = (0..64).collect();
     let even: Vec<i16> = (0..64).filter(|s| s % 2 == 0).collect();
@@ -426,15 +426,7 @@ fn snapshots_parse_print_and_intersect() {
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn rows_that_moved_since_they_were_listed_are_still_read(pool: PgPool) {
     enable(&pool).await.unwrap();
-    sqlx::query(
-        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
-                                   payload, topic, partition_key)
-         SELECT gen_random_uuid(), 'A', 'a', 'E', '{}', 't', 'k' || g
-         FROM generate_series(1, 30) AS g",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    insert_keys(&pool, 30).await;
     let mut conn = pool.acquire().await.unwrap();
     let slots: Vec<i16> = (0..64).collect();
     let mut window = load(&mut conn, &slots).await.unwrap();
