@@ -46,7 +46,7 @@ use uuid::Uuid;
 pub use super::claim::Row;
 use crate::error::{Error, Result};
 
-/// Most ids of a window listed at once.
+/// Most rows of a window listed at once.
 pub const LIST_CAP: i64 = 100_000;
 
 /// The index the progress mode reads windows through (created when the
@@ -200,8 +200,8 @@ pub async fn load(conn: &mut PgConnection, slots: &[i16]) -> Result<Window> {
     })
 }
 
-/// The ids of a window's rows after `$4`, in id order, at most `$5`: the
-/// rows of slots `$1` whose transaction is visible in `$3` (`upto`) and not
+/// A window's rows after the id `$4` (id, event id, `ctid`), in id order, at
+/// most `$5`: the rows of slots `$1` whose transaction is visible in `$3` (`upto`) and not
 /// in `$2` (`done`), without a state of their own.
 const LIST: &str = "
 SELECT w.id, w.event_id, w.tid FROM (
