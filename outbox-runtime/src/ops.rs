@@ -582,7 +582,9 @@ pub async fn written_by_topic(pool: &PgPool, after: i64, upto: i64) -> Result<Ve
 
 /// Puts parked rows back in the relay's queue (attempts reset); `ids = None`
 /// requeues every parked row except dropped ones, explicit ids requeue
-/// dropped rows too (undoing the drop). Returns how many were requeued.
+/// dropped rows too (undoing the drop). Returns how many were requeued. In
+/// the progress mode a requeued row is held until now: the relay reads it
+/// with the held rows whose hold has ended (its lane's position is past it).
 /// `executor` is a pool or a transaction's connection (to commit an audit
 /// record with the change).
 pub async fn requeue_parked<'c>(
@@ -591,7 +593,9 @@ pub async fn requeue_parked<'c>(
 ) -> Result<u64> {
     let result = sqlx::query(
         "UPDATE outbox_event
-         SET parked_at = NULL, attempts = 0, discarded_at = NULL, discard_reason = NULL
+         SET parked_at = NULL, attempts = 0, discarded_at = NULL, discard_reason = NULL,
+             held_until = CASE WHEN EXISTS (SELECT 1 FROM outbox_progress)
+                               THEN statement_timestamp() END
          WHERE parked_at IS NOT NULL AND published_at IS NULL
            AND (($1::bigint[] IS NULL AND discarded_at IS NULL) OR id = ANY($1))",
     )

@@ -180,6 +180,12 @@ impl Relay {
         let Some(scope) = self.outbox(&shutdown).await else {
             return Ok(());
         };
+        // The mode is the outbox's: relays of both modes on one outbox
+        // would publish everything twice.
+        let progress_mode = progress::batch::enabled(&self.pool).await?.unwrap_or(false);
+        if progress_mode && self.config.lanes == 0 {
+            return Err(progress::batch::needs_lanes());
+        }
         let shared = Arc::new(lanes::Shared::new(scope, self.config.lanes));
         let manager = lanes::LaneManager::start(
             &self.pool,
@@ -203,6 +209,7 @@ impl Relay {
             batch_size = self.config.batch_size,
             lanes = self.config.lanes,
             outbox = scope.oid(),
+            progress_mode,
             "relay started"
         );
         let mut waker = Waker::new(
@@ -256,6 +263,7 @@ impl Relay {
             producer_unusable: false,
             answered_yet_failing: 0,
             probe_answered: false,
+            progress: progress_mode.then(cycle::progress::ProgressMode::default),
         };
         let metrics_stop = CancellationToken::new();
         let _stop_metrics = metrics_stop.clone().drop_guard();

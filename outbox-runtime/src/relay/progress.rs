@@ -277,6 +277,19 @@ pub enum Chunk {
 }
 
 impl Window {
+    /// A window standing where `stand` says (a rewind: the rows after
+    /// `stand.after_id` are listed again).
+    pub(crate) fn at(stand: &batch::Stand) -> Window {
+        Window {
+            slots: stand.slots.clone(),
+            done: stand.done.clone(),
+            upto: stand.upto.clone(),
+            after_id: stand.after_id,
+            listed: VecDeque::new(),
+            complete: false,
+        }
+    }
+
     /// The next rows of the window: at most `limit`, past the first at most
     /// `budget` bytes. The position moves past them (in memory: see
     /// [`Window::record`]).
@@ -436,6 +449,29 @@ pub async fn enable(pool: &sqlx::PgPool) -> Result<()> {
     Ok(())
 }
 
+/// Rows not published yet in the progress mode: those of each slot its
+/// newest position does not pass, those held (a hold to end, or due) and
+/// not published, none parked. A scan of the table: for tests and reports.
+const PENDING: &str = "
+WITH pos AS (
+    SELECT s::int2 AS slot, p.done, p.upto, p.after_id
+    FROM generate_series(0, 63) AS s
+    CROSS JOIN LATERAL (SELECT done, upto, after_id FROM outbox_progress q
+                        WHERE s::int2 = ANY(q.slots) ORDER BY q.id DESC LIMIT 1) p)
+SELECT count(*) FROM outbox_event e JOIN pos ON pos.slot = e.lane_slot
+WHERE e.published_at IS NULL AND e.parked_at IS NULL
+  AND (e.held_until IS NOT NULL
+       OR e.txid IS NULL
+       OR NOT (pg_visible_in_snapshot(e.txid, pos.done)
+               OR (pos.upto IS NOT NULL AND pg_visible_in_snapshot(e.txid, pos.upto)
+                   AND e.id <= pos.after_id)))";
+
+/// How many events are not published yet in the progress mode (see
+/// [`PENDING`]).
+pub async fn pending(pool: &sqlx::PgPool) -> Result<i64> {
+    Ok(sqlx::query_scalar(PENDING).fetch_one(pool).await?)
+}
+
 /// Builds the index the windows are read through, if it is missing. The
 /// build waits for the writers' open transactions, and the writers wait for
 /// it (one read of the table).
@@ -455,5 +491,6 @@ pub async fn create_index(pool: &sqlx::PgPool) -> Result<()> {
     Ok(())
 }
 
+pub(crate) mod batch;
 #[cfg(test)]
 mod tests;
