@@ -173,12 +173,16 @@ impl Loop<'_> {
             }
             self.topic_updates_done().await;
             let mut claim_next = !stopping && !self.broker.is_down();
-            if self.progress.as_ref().is_some_and(|p| p.carry.is_some())
-                && (self.in_flight.is_some() || self.marking.is_some())
-            {
+            if self.progress.as_ref().is_some_and(|p| p.failing) {
                 // A finish that did not commit goes with the open batch's
                 // (or alone, once none is open) before anything is claimed.
-                claim_next = false;
+                if self.in_flight.is_none() && self.marking.is_some() {
+                    // The finish that carries it: nothing else to wait for.
+                    self.finish_marking().await;
+                }
+                if self.in_flight.is_some() || self.marking.is_some() {
+                    claim_next = false;
+                }
             }
             if let Some(cut) = self.cut {
                 // A batch cut at the byte budget may lock rows it did not
@@ -384,6 +388,7 @@ impl Loop<'_> {
                 mode.apply_rewinds();
                 if carried_to_claim && matches!(claimed, Some(Ok(_))) {
                     mode.carry = None;
+                    mode.failing = false;
                     self.database.permitted(batch::RECORD);
                     tracing::info!("a finish that had not committed is written");
                 }
@@ -711,6 +716,9 @@ impl Loop<'_> {
             match result {
                 Ok(finished) => {
                     self.database.answered();
+                    if let Some(mode) = self.progress.as_mut() {
+                        mode.failing = false;
+                    }
                     for statement in finished.ran {
                         self.database.permitted(statement);
                     }
@@ -734,6 +742,7 @@ impl Loop<'_> {
                     self.unrecorded.extend(delivered);
                     if let (Some(mode), Some(work)) = (self.progress.as_mut(), work) {
                         mode.carry = Some(*work);
+                        mode.failing = true;
                     }
                     let refused = trouble.refusal().is_some();
                     let wait = self.database.down(trouble);

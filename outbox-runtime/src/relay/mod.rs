@@ -182,7 +182,9 @@ impl Relay {
         };
         // The mode is the outbox's: relays of both modes on one outbox
         // would publish everything twice.
-        let progress_mode = progress::batch::enabled(&self.pool).await?.unwrap_or(false);
+        let Some(progress_mode) = self.mode(&shutdown).await else {
+            return Ok(());
+        };
         if progress_mode && self.config.lanes == 0 {
             return Err(progress::batch::needs_lanes());
         }
@@ -282,6 +284,34 @@ impl Relay {
         let _ = metrics.await;
         tracing::info!(counts = ?self.stats.snapshot(), "relay stopped");
         result
+    }
+
+    /// Whether the outbox is in the progress mode. Waits (backing off, a
+    /// refusal reported) while the database is down or refuses to say;
+    /// `None` if shut down meanwhile.
+    async fn mode(&self, shutdown: &CancellationToken) -> Option<bool> {
+        let mut health = Health::new(
+            "database",
+            self.config.outage_backoff,
+            self.config.outage_backoff_max,
+        )
+        .reporting(self.stats.problems.clone());
+        loop {
+            match progress::batch::enabled(&self.pool).await {
+                Ok(on) => {
+                    health.up();
+                    return Some(on.unwrap_or(false));
+                }
+                Err(error) => {
+                    let wait = health
+                        .down(crate::refusal::Trouble::from(error).during(progress::batch::MODE));
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = shutdown.cancelled() => return None,
+                    }
+                }
+            }
+        }
     }
 
     /// The outbox this relay publishes: the `outbox_event` table its pool's

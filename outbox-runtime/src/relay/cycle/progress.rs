@@ -14,7 +14,8 @@
 //!
 //! A finish that does not commit is carried: the next batch's finish
 //! writes it first, in its own transaction, or, with no batch open, it is
-//! written alone before the next claim; until then nothing more is claimed.
+//! written alone before the next claim; until one of them commits, nothing
+//! more is claimed while a batch is open.
 //! Positions are facts ("every row of these slots up to here was delivered
 //! or has its state"), so writing a carried one late is safe.
 
@@ -34,8 +35,13 @@ pub(in crate::relay) struct ProgressMode {
     pub(super) generations: HashMap<i32, u64>,
     /// Rewinds not yet applied to the windows (a claim had them).
     pub(super) rewinds: Vec<Stand>,
-    /// A finish that did not commit.
+    /// A finish that did not commit (unless a finish running now took it).
     pub(super) carry: Option<Work>,
+    /// The last finish did not commit, and no later one has yet: nothing is
+    /// claimed while a batch is open, and then the carried work is written
+    /// before the claim. A relay whose positions the database refuses
+    /// stops publishing.
+    pub(super) failing: bool,
 }
 
 impl ProgressMode {

@@ -134,16 +134,22 @@ ORDER BY id LIMIT $3 FOR UPDATE SKIP LOCKED"
     )
 });
 
+/// Reading the mode.
+pub(crate) const MODE: Statement = Statement {
+    name: "relay: read the outbox's mode",
+    needs: "SELECT ON outbox_progress",
+};
+
 /// Whether the outbox is in the progress mode (its positions table has
 /// rows). `None`: the table does not exist (a schema from before it).
-pub(crate) async fn enabled(pool: &PgPool) -> Result<Option<bool>> {
+pub(crate) async fn enabled(pool: &PgPool) -> std::result::Result<Option<bool>, sqlx::Error> {
     match sqlx::query_scalar::<_, bool>("SELECT EXISTS (SELECT 1 FROM outbox_progress)")
         .fetch_one(pool)
         .await
     {
         Ok(on) => Ok(Some(on)),
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => Ok(None),
-        Err(e) => Err(e.into()),
+        Err(e) => Err(e),
     }
 }
 
