@@ -31,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::relay::lanes::SCOPE_LOCKS;
 use crate::scope::{Lock, OutboxScope};
 
-mod backlog;
+pub(crate) mod backlog;
 
 pub use backlog::{BACKLOG_COUNTED_UP_TO, BACKLOG_EXACT_UP_TO};
 
@@ -140,6 +140,12 @@ pub async fn relays(pool: &PgPool) -> Result<Vec<RelayLanes>> {
 #[doc(hidden)]
 pub const GAUGES_SQL: &str = crate::metrics::BACKLOG;
 
+/// [`GAUGES_SQL`] in the progress mode (for the tests).
+#[doc(hidden)]
+pub fn progress_gauges_sql() -> &'static str {
+    crate::metrics::PROGRESS_BACKLOG.as_str()
+}
+
 /// Up to this many rows (by the table's statistics) `status` counts
 /// published rows exactly; beyond, it estimates them.
 pub const EXACT_BELOW: f64 = 100_000.0;
@@ -147,6 +153,9 @@ pub const EXACT_BELOW: f64 = 100_000.0;
 /// Exact published rows per topic: a scan, for small tables only.
 const PUBLISHED_EXACT: &str = "\
 SELECT topic, count(*) FROM outbox_event WHERE published_at IS NOT NULL GROUP BY topic";
+
+/// Exact rows per topic: a scan, for small tables only.
+const ROWS_EXACT: &str = "SELECT topic, count(*) FROM outbox_event GROUP BY topic";
 
 /// Rows of the table (`$1`: its oid) and of every partition, by the
 /// statistics (`reltuples`; -1 when never analyzed, taken as 0).
@@ -197,7 +206,10 @@ fn published_estimate(of_topic: f64, rows: f64, backlog: i64) -> i64 {
 pub async fn status(pool: &PgPool) -> Result<Status> {
     let scope = OutboxScope::of(pool).await?;
     let oid = i64::from(scope.oid());
-    let backlog = backlog::read(pool, oid).await?;
+    let progress = crate::relay::progress::batch::enabled(pool)
+        .await?
+        .unwrap_or(false);
+    let backlog = backlog::read(pool, oid, progress).await?;
     let mut topics: Vec<TopicStatus> = Vec::new();
     for kind in [&backlog.queue, &backlog.held, &backlog.parked] {
         for topic in kind.topics.keys() {
@@ -239,6 +251,19 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
                     .find(|t| t.topic == topic)
                     .map_or(0, |t| t.unpublished + t.parked + t.discarded);
                 (topic.clone(), published_estimate(n, rows, others))
+            })
+            .collect()
+    } else if progress {
+        // Rows are not marked in this mode: all but the others.
+        let by_topic: Vec<(String, i64)> = sqlx::query_as(ROWS_EXACT).fetch_all(pool).await?;
+        by_topic
+            .into_iter()
+            .map(|(topic, n)| {
+                let others = topics
+                    .iter()
+                    .find(|t| t.topic == topic)
+                    .map_or(0, |t| t.unpublished + t.parked + t.discarded);
+                (topic, (n - others).max(0))
             })
             .collect()
     } else {

@@ -439,3 +439,81 @@ async fn the_relay_role_records_positions_only_with_its_grant(pool: PgPool) {
     app.close().await;
     roles.drop_all().await;
 }
+
+/// What operators read and run in the progress mode: `status` and the
+/// backlog gauges count the rows the positions have not passed (all of
+/// them before the relay, none after, although no row is marked); the
+/// cleanup deletes the old rows the positions passed and never one they
+/// have not, and prunes the positions no lane stands at.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn status_gauges_and_cleanup_follow_the_positions(pool: PgPool) {
+    use outbox_runtime::cleanup::{self, Retention};
+    let topic = unique_topic("progress-ops");
+    create_topic(&brokers(), &topic).await;
+    progress::enable(&pool).await.unwrap();
+    let committed = commit_messages(&pool, &topic, 500, 20, 50).await;
+    let gauges = |pool: PgPool| async move {
+        let (backlog, _, parked, held): (i64, Option<f64>, i64, i64) =
+            sqlx::query_as(ops::progress_gauges_sql())
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        (backlog, parked, held)
+    };
+    let status = ops::status(&pool).await.unwrap();
+    assert_eq!(status.unpublished, 500, "{status:?}");
+    assert_eq!(gauges(pool.clone()).await, (500, 0, 0));
+
+    let handle = relay(&pool).batch_size(100).spawn().unwrap();
+    assert!(wait_until_done(&pool, Duration::from_secs(30)).await);
+    handle.shutdown().await.unwrap();
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(30)).await;
+    assert_eq!(verify(&committed, &received), 0);
+    let status = ops::status(&pool).await.unwrap();
+    assert_eq!(status.unpublished, 0, "{status:?}");
+    let published: i64 = status.topics.iter().map(|t| t.published).sum();
+    assert_eq!(published, 500, "{status:?}");
+    assert_eq!(gauges(pool.clone()).await, (0, 0, 0));
+
+    // Ten more, not published (no relay); then everything is made old.
+    let later = commit_messages(&pool, &topic, 10, 5, 10).await;
+    assert_eq!(ops::status(&pool).await.unwrap().unpublished, 10);
+    assert_eq!(gauges(pool.clone()).await, (10, 0, 0));
+    sqlx::query("UPDATE outbox_event SET created_at = created_at - interval '40 days'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let positions = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox_progress")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let before = positions().await;
+    let report = cleanup::cleanup(&pool, &Retention::new(Duration::from_secs(30 * 86_400)))
+        .await
+        .unwrap();
+    assert_eq!(report.outbox_events, 500, "{report:?}");
+    assert!(
+        report.positions > 0 && positions().await < before,
+        "{report:?}"
+    );
+    let left: Vec<uuid::Uuid> = sqlx::query_scalar("SELECT event_id FROM outbox_event ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, later, "the rows the positions have not passed stay");
+    // The positions kept still say where each lane stands: the ten go out.
+    let handle = relay(&pool).spawn().unwrap();
+    assert!(wait_until_done(&pool, Duration::from_secs(30)).await);
+    handle.shutdown().await.unwrap();
+    let received = read_topic(
+        &brokers(),
+        &topic,
+        committed.len() + later.len(),
+        Duration::from_secs(30),
+    )
+    .await;
+    let all: Vec<uuid::Uuid> = committed.iter().chain(&later).copied().collect();
+    assert_eq!(verify(&all, &received), 0);
+}
