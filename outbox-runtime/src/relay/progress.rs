@@ -504,6 +504,33 @@ DELETE FROM outbox_progress WHERE id < (SELECT max(id) FROM pos)
     )
 });
 
+/// Where a set of lane slots stands (see [`positions`]).
+#[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
+pub struct PositionStatus {
+    /// The slots, as `{s,…}`.
+    pub slots: String,
+    /// Every event of the slots visible in this snapshot is published.
+    pub done: String,
+    /// The window being published, if one is.
+    pub upto: Option<String>,
+    /// Events of the window up to this id are published.
+    pub after_id: Option<i64>,
+    /// Seconds since it was recorded.
+    pub recorded_secs_ago: f64,
+}
+
+/// The positions the slots stand at (none: the mode is off), by slots.
+pub async fn positions(pool: &sqlx::PgPool) -> Result<Vec<PositionStatus>> {
+    Ok(sqlx::query_as(&format!(
+        "WITH RECURSIVE {POSITIONS}
+SELECT p.slots::text AS slots, p.done::text AS done, p.upto::text AS upto, p.after_id,
+       EXTRACT(EPOCH FROM now() - p.recorded_at)::float8 AS recorded_secs_ago
+FROM outbox_progress p WHERE p.id IN (SELECT id FROM pos) ORDER BY p.slots"
+    ))
+    .fetch_all(pool)
+    .await?)
+}
+
 /// Deletes the positions no slot stands at any more (see [`PRUNE`]).
 pub async fn prune(pool: &sqlx::PgPool) -> Result<u64> {
     Ok(sqlx::query(&PRUNE).execute(pool).await?.rows_affected())
