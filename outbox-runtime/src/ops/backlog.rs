@@ -55,11 +55,11 @@ pub(crate) fn progress_queue_rows(limit: &str) -> String {
         "SELECT e.id, e.topic FROM pos CROSS JOIN LATERAL (
     (SELECT e.id, e.topic FROM outbox_event e
      WHERE e.lane_slot = pos.slot AND e.txid = ANY(ARRAY(SELECT pg_snapshot_xip(pos.done)))
-       AND coalesce(e.published_at, e.parked_at, e.held_until) IS NULL AND NOT {passed})
+       AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3 AND NOT {passed})
     UNION ALL
     (SELECT e.id, e.topic FROM outbox_event e
      WHERE e.lane_slot = pos.slot AND e.txid >= pg_snapshot_xmax(pos.done)
-       AND coalesce(e.published_at, e.parked_at, e.held_until) IS NULL AND NOT {passed}
+       AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3 AND NOT {passed}
      LIMIT {limit})) e
 ORDER BY e.id LIMIT {limit}"
     )
