@@ -35,6 +35,15 @@
 //! come back in id order. The relay's in-memory view of blocked keys and
 //! topics is not needed for order: a relay that took a lane over, or
 //! restarted, finds the holds in the table.
+//!
+//! Scheduled rows (`UnitOfWork::record_at`): written with `held_until` at
+//! their `due_at`, they are held rows until then and released like any
+//! other. They are ordered by their time, not their id: the probe leaves
+//! rows with a `due_at` out (its gate and its index too), so a scheduled
+//! row never holds back its key's later rows, before or after it is due.
+//! An idle relay sleeps at most until the next hold ends ([`NEXT_HOLD`],
+//! asked by its waker), so that a row goes out within about a release
+//! interval of its time, however long the poll interval.
 
 use crate::refusal::{Statement, Trouble};
 
@@ -74,6 +83,13 @@ WHERE id IN (SELECT id FROM outbox_event
              WHERE held_until <= statement_timestamp() AND published_at IS NULL
              ORDER BY held_until, id LIMIT $1
              FOR UPDATE SKIP LOCKED)";
+
+/// Seconds until the earliest hold ends (negative if it has; NULL: no row
+/// is held): the first entry of `ix_outbox_event_held`.
+pub(crate) const NEXT_HOLD: &str = "\
+SELECT EXTRACT(EPOCH FROM held_until - statement_timestamp())::float8 FROM outbox_event
+WHERE held_until IS NOT NULL AND published_at IS NULL
+ORDER BY held_until, id LIMIT 1";
 
 /// How often a relay releases rows whose hold has ended (sooner while each
 /// release finds a full batch).
@@ -134,16 +150,22 @@ pub(crate) async fn release(
 /// Holds every held row of topic `$1` until `$2` seconds from now, those
 /// held for less (a missing topic still missing: see
 /// [`topics`](super::topics)), through `ix_outbox_event_held_key`.
+///
+/// Scheduled rows (with a `due_at`) are left alone, here and in
+/// [`RELEASE_TOPIC`]: one waiting for its time must not be released early
+/// (nor a million of them walked), and one that is due and met the missing
+/// topic comes back at the end of the hold the claim gave it.
 pub(crate) const EXTEND: &str = "\
 UPDATE outbox_event SET held_until = statement_timestamp() + make_interval(secs => $2)
-WHERE topic = $1 AND held_until IS NOT NULL AND published_at IS NULL
+WHERE topic = $1 AND held_until IS NOT NULL AND published_at IS NULL AND due_at IS NULL
   AND held_until < statement_timestamp() + make_interval(secs => $2)";
 
 /// Ends the holds of topic `$1`'s held rows (a missing topic created): one
 /// `held_until` for all, so they are released in id order.
 pub(crate) const RELEASE_TOPIC: &str = "\
 UPDATE outbox_event SET held_until = statement_timestamp()
-WHERE topic = $1 AND held_until > statement_timestamp() AND published_at IS NULL";
+WHERE topic = $1 AND held_until > statement_timestamp() AND published_at IS NULL
+  AND due_at IS NULL";
 
 /// Holds a topic's held rows longer, or ends their holds ([`EXTEND`],
 /// [`RELEASE_TOPIC`]), under the relay's `statement_timeout`; returns how

@@ -139,8 +139,9 @@ impl Waker {
             }
         };
         let Some(listener) = self.listener.as_mut() else {
+            let wait = until_next_hold(&self.pool, self.poll).await;
             tokio::select! {
-                _ = sleep_or_shutdown(self.poll, shutdown) => {}
+                _ = sleep_or_shutdown(wait, shutdown) => {}
                 _ = gained => {}
             }
             return;
@@ -184,10 +185,10 @@ impl Waker {
                 }
             }
         }
-        let poll = self.poll;
         let Some(listener) = self.listener.as_mut() else {
             return;
         };
+        let poll = until_next_hold(&mut *listener, self.poll).await;
         tokio::select! {
             received = tokio::time::timeout(poll, listener.recv()) => {
                 match received {
@@ -202,6 +203,36 @@ impl Waker {
             _ = shutdown.cancelled() => {}
             _ = gained => {}
         }
+    }
+}
+
+/// The shortest wait for a hold to end: a row whose hold ends in less
+/// than this is waited for this long (the relay's release runs about once
+/// a [`RELEASE_INTERVAL`](super::held::RELEASE_INTERVAL) anyway).
+const MIN_HOLD_WAIT: Duration = Duration::from_millis(100);
+
+/// The poll interval, or less if a held row's hold (a scheduled row's due
+/// time, see [`held`](super::held)) ends sooner: an idle relay does not
+/// sleep past it. A failed look-up leaves the poll interval.
+async fn until_next_hold<'c, E>(executor: E, poll: Duration) -> Duration
+where
+    E: sqlx::PgExecutor<'c>,
+{
+    if poll <= MIN_HOLD_WAIT {
+        return poll;
+    }
+    let query = sqlx::query_scalar(super::held::NEXT_HOLD).fetch_optional(executor);
+    let next: Option<Option<f64>> = match tokio::time::timeout(poll, query).await {
+        Ok(Ok(next)) => next,
+        _ => None,
+    };
+    match next.flatten() {
+        Some(secs) if secs.is_finite() && secs < poll.as_secs_f64() => {
+            // A few milliseconds past the end: the release compares with
+            // its own statement's time.
+            Duration::from_secs_f64(secs.max(0.0) + 0.005).clamp(MIN_HOLD_WAIT, poll)
+        }
+        _ => poll,
     }
 }
 
