@@ -325,6 +325,14 @@ impl UnitOfWork {
         self.schedule(Due::After(delay), &event)
     }
 
+    /// [`record_message`](Self::record_message), published at `at`, not
+    /// before (see [`record_at`](Self::record_at)); returns its event id.
+    pub fn record_message_at(&mut self, at: impl Into<DateTime<Utc>>, message: OutboxMessage) -> Uuid {
+        let id = message.event_id;
+        self.scheduled.push((message, Due::At(at.into())));
+        id
+    }
+
     fn schedule<E: DomainEvent>(&mut self, due: Due, event: &E) -> Uuid {
         match OutboxMessage::from_event(event) {
             Ok(message) => {

@@ -1,0 +1,256 @@
+//! Scheduled messages (`UnitOfWork::record_at`, `record_after`,
+//! `cancel_scheduled`) against a real PostgreSQL and broker: a scheduled
+//! event is published once its time has come and not before, even by a
+//! relay whose poll interval is longer than the wait; it does not hold back
+//! the later events of its key; a cancelled one is never published.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use outbox_core::{DomainEvent, UnitOfWork};
+use outbox_runtime::{Relay, ops};
+use sqlx::PgPool;
+use sqlx::types::chrono::{TimeDelta, Utc};
+use uuid::Uuid;
+
+fn relay(pool: &PgPool) -> outbox_runtime::RelayBuilder {
+    Relay::builder(pool.clone())
+        .brokers(brokers())
+        .delivery_timeout(Duration::from_secs(10))
+}
+
+/// Whether the database's clock has passed the row's `due_at`, and whether
+/// the row is published.
+async fn due_and_published(pool: &PgPool, event_id: Uuid) -> (bool, bool) {
+    sqlx::query_as(
+        "SELECT due_at <= clock_timestamp(), published_at IS NOT NULL
+         FROM outbox_event WHERE event_id = $1",
+    )
+    .bind(event_id)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Whether `event_id` was published at or after its `due_at`.
+async fn published_when_due(pool: &PgPool, event_id: Uuid) -> bool {
+    sqlx::query_scalar("SELECT published_at >= due_at FROM outbox_event WHERE event_id = $1")
+        .bind(event_id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+fn ids(received: &[Received]) -> Vec<Uuid> {
+    received.iter().map(Received::event_id).collect()
+}
+
+/// An event scheduled two seconds ahead is not on the topic before its
+/// time (an event committed with it is, at once), and is once its time has
+/// come, published at or after `due_at`: by a relay whose poll interval (a
+/// minute) is far longer, since an idle relay wakes when the next hold ends.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_scheduled_event_goes_out_at_its_time_and_not_before(pool: PgPool) {
+    let topic = unique_topic("scheduled-due");
+    create_topic(&brokers(), &topic).await;
+    let handle = relay(&pool)
+        .poll_interval(Duration::from_secs(60))
+        .spawn()
+        .unwrap();
+
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let now = uow.record_message(message(&topic, "a", 0));
+    let due = Utc::now() + TimeDelta::seconds(2);
+    let later = uow.record_message_at(due, message(&topic, "b", 1));
+    uow.commit().await.unwrap();
+
+    let first = read_topic(&brokers(), &topic, 1, Duration::from_secs(30)).await;
+    assert_eq!(ids(&first), [now]);
+    // Until its time, the consumer of the topic never sees it.
+    loop {
+        let (due, published) = due_and_published(&pool, later).await;
+        if due {
+            break;
+        }
+        assert!(!published, "published before its time");
+        let seen = read_all(&brokers(), &topic, Duration::from_secs(10)).await;
+        assert!(!ids(&seen).contains(&later), "on the topic before its time");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let all = read_topic(&brokers(), &topic, 2, Duration::from_secs(30)).await;
+    assert!(ids(&all).contains(&later), "published once due");
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            due_and_published(&pool, later).await.1
+        })
+        .await
+    );
+    assert!(published_when_due(&pool, later).await);
+    handle.shutdown().await.unwrap();
+}
+
+/// Key K: a scheduled event S (due in three seconds), then E1 and E2 of
+/// the same key recorded after it: E1 and E2 go out without waiting for
+/// S, S after its time; on K's partition, E1, E2, S.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_scheduled_event_does_not_hold_back_its_keys_later_events(pool: PgPool) {
+    let topic = unique_topic("scheduled-order");
+    create_topic(&brokers(), &topic).await;
+    let handle = relay(&pool).spawn().unwrap();
+
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let due = Utc::now() + TimeDelta::seconds(3);
+    let s = uow.record_message_at(due, message(&topic, "K", 0));
+    uow.commit().await.unwrap();
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let e1 = uow.record_message(message(&topic, "K", 1));
+    uow.commit().await.unwrap();
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let e2 = uow.record_message(message(&topic, "K", 2));
+    uow.commit().await.unwrap();
+
+    let first = read_topic(&brokers(), &topic, 2, Duration::from_secs(30)).await;
+    assert_eq!(ids(&first), [e1, e2]);
+    let (due_yet, published) = due_and_published(&pool, s).await;
+    assert!(
+        !due_yet && !published,
+        "E1 and E2 went out without waiting for S"
+    );
+
+    let all = read_topic(&brokers(), &topic, 3, Duration::from_secs(30)).await;
+    assert_eq!(ids(&all), [e1, e2, s], "one key, one partition: E1, E2, S");
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            due_and_published(&pool, s).await.1
+        })
+        .await
+    );
+    assert!(published_when_due(&pool, s).await);
+    handle.shutdown().await.unwrap();
+}
+
+keyed_event!(
+    /// The events of the cancel test (a topic of its own, shared by runs:
+    /// the test reads only its event ids).
+    Reminder, "scheduled-cancel"
+);
+
+fn reminder(key: &str, seq: u64) -> Reminder {
+    Reminder {
+        key: key.into(),
+        seq,
+    }
+}
+
+/// `cancel_scheduled`: before its time, `true`, and the event is never
+/// published (an event recorded and cancelled in one Unit of Work is not
+/// even written); a cancel rolled back cancels nothing; once the event is
+/// published, or for an event that was not scheduled, or cancelled
+/// already, `false`.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn cancelled_scheduled_events_are_never_published(pool: PgPool) {
+    create_topic(&brokers(), <Reminder as DomainEvent>::TOPIC).await;
+    let key = Uuid::now_v7().to_string();
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let cancelled = uow.record_after(Duration::from_secs(1), reminder(&key, 0));
+    let kept = uow.record_after(Duration::from_secs(1), reminder(&key, 1));
+    let rolled_back = uow.record_after(Duration::from_secs(2), reminder(&key, 2));
+    let plain = uow.record(reminder(&key, 3));
+    let never_written = uow.record_after(Duration::from_secs(1), reminder(&key, 4));
+    assert!(uow.cancel_scheduled(never_written).await.unwrap());
+    let committed = uow.commit().await.unwrap();
+    assert_eq!(committed.event_ids.len(), 4);
+    assert!(!committed.event_ids.contains(&never_written));
+
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    assert!(uow.cancel_scheduled(cancelled).await.unwrap());
+    assert!(
+        !uow.cancel_scheduled(plain).await.unwrap(),
+        "not a scheduled event"
+    );
+    uow.commit().await.unwrap();
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    assert!(uow.cancel_scheduled(rolled_back).await.unwrap());
+    uow.rollback().await.unwrap();
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    assert!(
+        !uow.cancel_scheduled(cancelled).await.unwrap(),
+        "cancelled already"
+    );
+    uow.commit().await.unwrap();
+
+    let handle = relay(&pool).spawn().unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            due_and_published(&pool, kept).await.1 && due_and_published(&pool, rolled_back).await.1
+        })
+        .await,
+        "the events not cancelled are published"
+    );
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    assert!(
+        !uow.cancel_scheduled(kept).await.unwrap(),
+        "published already"
+    );
+    uow.commit().await.unwrap();
+    // A few more release rounds: the cancelled one stays where it is.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    handle.shutdown().await.unwrap();
+
+    let received = read_all(&brokers(), <Reminder as DomainEvent>::TOPIC, Duration::from_secs(30)).await;
+    let mine: Vec<Uuid> = ids(&received)
+        .into_iter()
+        .filter(|id| [cancelled, kept, rolled_back, plain, never_written].contains(id))
+        .collect();
+    assert_eq!(mine.len(), 3, "{mine:?}");
+    assert!(!mine.contains(&cancelled) && !mine.contains(&never_written));
+    let (reason, published): (Option<String>, bool) = sqlx::query_as(
+        "SELECT discard_reason, published_at IS NOT NULL FROM outbox_event WHERE event_id = $1",
+    )
+    .bind(cancelled)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(reason.as_deref(), Some("cancelled"));
+    assert!(!published);
+    let status = ops::status(&pool).await.unwrap();
+    assert_eq!(status.scheduled.total, 0);
+}
+
+/// `outbox status` counts scheduled rows apart from held ones, with the
+/// next due time.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn status_shows_scheduled_rows_apart_from_held_ones(pool: PgPool) {
+    let topic = unique_topic("scheduled-status");
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let soon = Utc::now() + TimeDelta::minutes(10);
+    uow.record_message_at(soon, message(&topic, "a", 0));
+    uow.record_message_at(soon + TimeDelta::days(7), message(&topic, "b", 1));
+    uow.record_message(message(&topic, "c", 2));
+    uow.commit().await.unwrap();
+    // A row held after a failure.
+    sqlx::query(
+        "UPDATE outbox_event SET held_until = now() + interval '1 minute'
+         WHERE topic = $1 AND due_at IS NULL",
+    )
+    .bind(&topic)
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    let status = ops::status(&pool).await.unwrap();
+    assert_eq!(status.scheduled.total, 2);
+    assert_eq!(status.held, 1);
+    let next = status.scheduled.next_due_secs.expect("next due");
+    assert!((next - 600.0).abs() < 5.0, "{next}");
+    assert_eq!(status.unpublished, 2, "the held row and the plain one");
+    let topic_status = status
+        .topics
+        .iter()
+        .find(|t| t.topic == topic)
+        .expect("topic");
+    assert_eq!(topic_status.scheduled, 2);
+    assert_eq!(topic_status.held, 1);
+}
