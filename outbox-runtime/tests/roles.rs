@@ -445,7 +445,7 @@ impl RelayRun {
         uow.record_message(poison);
         uow.record_message(message(&missing, "k0", 11));
         // A scheduled event, due a second later: released and published.
-        let due = sqlx::types::chrono::Utc::now() + sqlx::types::chrono::TimeDelta::seconds(1);
+        let due = std::time::SystemTime::now() + Duration::from_secs(1);
         good.push(uow.record_message_at(due, message(&topic, "k0", 12)));
         uow.commit().await.unwrap();
         app.close().await;
@@ -573,7 +573,7 @@ async fn the_application_needs_each_of_its_grants_and_no_more(pool: PgPool) {
     let commit = || async {
         let mut uow = UnitOfWork::begin(&app).await.unwrap();
         uow.record_message(message("roles-app", "k", 0));
-        let later = sqlx::types::chrono::Utc::now() + sqlx::types::chrono::TimeDelta::hours(1);
+        let later = std::time::SystemTime::now() + Duration::from_secs(3600);
         let scheduled = uow.record_message_at(later, message("roles-app", "k", 1));
         uow.commit().await?;
         let mut uow = UnitOfWork::begin(&app).await.unwrap();
