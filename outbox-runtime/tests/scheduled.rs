@@ -254,3 +254,83 @@ async fn status_shows_scheduled_rows_apart_from_held_ones(pool: PgPool) {
     assert_eq!(topic_status.scheduled, 2);
     assert_eq!(topic_status.held, 1);
 }
+
+/// The embedded migrations up to and including `version`.
+fn migrations_up_to(version: i64) -> sqlx::migrate::Migrator {
+    sqlx::migrate::Migrator {
+        migrations: std::borrow::Cow::Owned(
+            outbox_core::MIGRATOR
+                .iter()
+                .filter(|m| m.version <= version)
+                .cloned()
+                .collect(),
+        ),
+        ignore_missing: true,
+        locking: true,
+        no_tx: false,
+    }
+}
+
+/// Held rows per key, by the indexes' definitions (every partition's too).
+async fn held_key_indexes(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT pg_get_indexdef(indexrelid) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+         WHERE pg_get_indexdef(indexrelid) LIKE '%(topic, partition_key, id)%held_until IS NOT NULL%'
+         ORDER BY c.relname",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// An installation partitioned before this version: the migration adds
+/// the column and rebuilds the index of held rows per key without the
+/// scheduled ones on the partitioned table (every partition included);
+/// then scheduled events are written, cancelled and published there.
+#[sqlx::test(migrations = false)]
+async fn the_migration_and_scheduled_events_work_on_the_partitioned_layout(pool: PgPool) {
+    use outbox_runtime::partition::{self, PartitionPlan};
+    migrations_up_to(20261204000040).run(&pool).await.unwrap();
+    let topic = unique_topic("scheduled-partitioned");
+    create_topic(&brokers(), &topic).await;
+    let before = commit_messages(&pool, &topic, 10, 2, 5).await;
+    partition::enable(&pool, &PartitionPlan::default())
+        .await
+        .unwrap();
+    let old = held_key_indexes(&pool).await;
+    assert!(old.len() > 1, "the parent's and its partitions': {old:?}");
+    assert!(old.iter().all(|d| !d.contains("due_at")), "{old:?}");
+
+    outbox_core::migrate(&pool).await.unwrap();
+    let new = held_key_indexes(&pool).await;
+    assert_eq!(new.len(), old.len(), "{new:?}");
+    assert!(new.iter().all(|d| d.contains("due_at IS NULL")), "{new:?}");
+    assert!(
+        partition::is_partitioned(&pool, "outbox_event")
+            .await
+            .unwrap()
+    );
+
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let due = SystemTime::now() + Duration::from_secs(1);
+    let sent = uow.record_message_at(due, message(&topic, "k0", 10));
+    let cancelled = uow.record_message_at(due, message(&topic, "k1", 11));
+    uow.commit().await.unwrap();
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    assert!(uow.cancel_scheduled(cancelled).await.unwrap());
+    uow.commit().await.unwrap();
+
+    let handle = relay(&pool).spawn().unwrap();
+    let received = read_topic(&brokers(), &topic, 11, Duration::from_secs(30)).await;
+    assert_eq!(verify(&[before, vec![sent]].concat(), &received), 0);
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            due_and_published(&pool, sent).await.1
+        })
+        .await
+    );
+    assert!(published_when_due(&pool, sent).await);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    handle.shutdown().await.unwrap();
+    assert!(!ids(&read_all(&brokers(), &topic, Duration::from_secs(10)).await).contains(&cancelled));
+}
