@@ -334,3 +334,57 @@ async fn the_migration_and_scheduled_events_work_on_the_partitioned_layout(pool:
     handle.shutdown().await.unwrap();
     assert!(!ids(&read_all(&brokers(), &topic, Duration::from_secs(10)).await).contains(&cancelled));
 }
+
+/// Rows of a topic missing on the broker are held, their holds extended,
+/// then ended at once when the topic appears: a scheduled row of that
+/// topic keeps waiting for its own time through all of it.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_missing_topics_release_leaves_scheduled_rows_waiting(pool: PgPool) {
+    let missing = unique_topic("scheduled-missing");
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let plain = uow.record_message(message(&missing, "a", 0));
+    let due = SystemTime::now() + Duration::from_secs(300);
+    let scheduled = uow.record_message_at(due, message(&missing, "b", 1));
+    uow.commit().await.unwrap();
+
+    let handle = relay(&pool)
+        .kafka_setting("topic.metadata.propagation.max.ms", "1000")
+        .missing_topic_hold(Duration::from_millis(300), Duration::from_secs(1))
+        .spawn()
+        .unwrap();
+    let held = || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT held_until IS NOT NULL FROM outbox_event WHERE event_id = $1",
+        )
+        .bind(plain)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    assert!(eventually(Duration::from_secs(30), held).await);
+    // A few rounds of holds extended.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    create_topic(&brokers(), &missing).await;
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT published_at IS NOT NULL FROM outbox_event WHERE event_id = $1",
+            )
+            .bind(plain)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        })
+        .await
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    handle.shutdown().await.unwrap();
+    let waiting: bool = sqlx::query_scalar(
+        "SELECT held_until = due_at AND published_at IS NULL FROM outbox_event WHERE event_id = $1",
+    )
+    .bind(scheduled)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(waiting, "the scheduled row still waits for its time");
+}
