@@ -357,8 +357,8 @@ impl UnitOfWork {
     /// An event recorded in this Unit of Work is simply not written. One
     /// committed earlier is cancelled in this transaction: the cancel
     /// takes effect at [`commit`](Self::commit), and a rollback undoes it.
-    /// The row stays in the outbox, dropped with the reason `cancelled`
-    /// (`outbox parked` lists it; cleaned up with the other dropped rows).
+    /// The row stays in the outbox, parked and dropped with the reason
+    /// `cancelled` (as `outbox parked drop` leaves a row).
     pub async fn cancel_scheduled(&mut self, event_id: Uuid) -> Result<bool> {
         if let Some(i) = self.scheduled.iter().position(|(m, _)| m.event_id == event_id) {
             self.scheduled.remove(i);
