@@ -327,7 +327,11 @@ impl UnitOfWork {
 
     /// [`record_message`](Self::record_message), published at `at`, not
     /// before (see [`record_at`](Self::record_at)); returns its event id.
-    pub fn record_message_at(&mut self, at: impl Into<DateTime<Utc>>, message: OutboxMessage) -> Uuid {
+    pub fn record_message_at(
+        &mut self,
+        at: impl Into<DateTime<Utc>>,
+        message: OutboxMessage,
+    ) -> Uuid {
         let id = message.event_id;
         self.scheduled.push((message, Due::At(at.into())));
         id
@@ -360,7 +364,11 @@ impl UnitOfWork {
     /// The row stays in the outbox, parked and dropped with the reason
     /// `cancelled` (as `outbox parked drop` leaves a row).
     pub async fn cancel_scheduled(&mut self, event_id: Uuid) -> Result<bool> {
-        if let Some(i) = self.scheduled.iter().position(|(m, _)| m.event_id == event_id) {
+        if let Some(i) = self
+            .scheduled
+            .iter()
+            .position(|(m, _)| m.event_id == event_id)
+        {
             self.scheduled.remove(i);
             return Ok(true);
         }

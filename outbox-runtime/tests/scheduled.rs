@@ -199,7 +199,12 @@ async fn cancelled_scheduled_events_are_never_published(pool: PgPool) {
     tokio::time::sleep(Duration::from_secs(2)).await;
     handle.shutdown().await.unwrap();
 
-    let received = read_all(&brokers(), <Reminder as DomainEvent>::TOPIC, Duration::from_secs(30)).await;
+    let received = read_all(
+        &brokers(),
+        <Reminder as DomainEvent>::TOPIC,
+        Duration::from_secs(30),
+    )
+    .await;
     let mine: Vec<Uuid> = ids(&received)
         .into_iter()
         .filter(|id| [cancelled, kept, rolled_back, plain, never_written].contains(id))
@@ -227,7 +232,10 @@ async fn status_shows_scheduled_rows_apart_from_held_ones(pool: PgPool) {
     let mut uow = UnitOfWork::begin(&pool).await.unwrap();
     let soon = SystemTime::now() + Duration::from_secs(600);
     uow.record_message_at(soon, message(&topic, "a", 0));
-    uow.record_message_at(soon + Duration::from_secs(7 * 86_400), message(&topic, "b", 1));
+    uow.record_message_at(
+        soon + Duration::from_secs(7 * 86_400),
+        message(&topic, "b", 1),
+    );
     uow.record_message(message(&topic, "c", 2));
     uow.commit().await.unwrap();
     // A row held after a failure.
@@ -245,7 +253,10 @@ async fn status_shows_scheduled_rows_apart_from_held_ones(pool: PgPool) {
     assert_eq!(status.held, 1);
     let next = status.scheduled.next_due_secs.expect("next due");
     assert!((next - 600.0).abs() < 5.0, "{next}");
-    assert_eq!(status.unpublished, 1, "the held row: scheduled ones are apart");
+    assert_eq!(
+        status.unpublished, 1,
+        "the held row: scheduled ones are apart"
+    );
     let topic_status = status
         .topics
         .iter()
@@ -332,7 +343,9 @@ async fn the_migration_and_scheduled_events_work_on_the_partitioned_layout(pool:
     assert!(published_when_due(&pool, sent).await);
     tokio::time::sleep(Duration::from_secs(1)).await;
     handle.shutdown().await.unwrap();
-    assert!(!ids(&read_all(&brokers(), &topic, Duration::from_secs(10)).await).contains(&cancelled));
+    assert!(
+        !ids(&read_all(&brokers(), &topic, Duration::from_secs(10)).await).contains(&cancelled)
+    );
 }
 
 /// Rows of a topic missing on the broker are held, their holds extended,

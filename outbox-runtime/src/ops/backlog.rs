@@ -174,7 +174,10 @@ pub(super) struct Backlog {
 impl Backlog {
     /// Whether any count is an estimate.
     pub fn estimated(&self) -> bool {
-        self.queue.estimated || self.held.estimated || self.parked.estimated || self.scheduled.estimated
+        self.queue.estimated
+            || self.held.estimated
+            || self.parked.estimated
+            || self.scheduled.estimated
     }
 }
 
