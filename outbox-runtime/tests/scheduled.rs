@@ -401,3 +401,46 @@ async fn a_missing_topics_release_leaves_scheduled_rows_waiting(pool: PgPool) {
     .unwrap();
     assert!(waiting, "the scheduled row still waits for its time");
 }
+
+/// Once released, a scheduled event whose delivery fails is handled like
+/// any event: retried, then parked; the events of its key recorded after
+/// it still go out.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_scheduled_event_that_fails_once_due_is_retried_then_parked(pool: PgPool) {
+    let topic = unique_topic("scheduled-fails");
+    create_topic(&brokers(), &topic).await;
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let mut poison = message(&topic, "K", 0);
+    poison.payload = serde_json::json!({ "blob": "x".repeat(300_000) }).to_string();
+    let due = SystemTime::now() + Duration::from_secs(1);
+    let scheduled = uow.record_message_at(due, poison);
+    uow.commit().await.unwrap();
+    let handle = relay(&pool)
+        .kafka_setting("message.max.bytes", "100000")
+        .max_attempts(2)
+        .retry_backoff(Duration::from_millis(100), Duration::from_millis(200))
+        .spawn()
+        .unwrap();
+    let parked = || async {
+        sqlx::query_as::<_, (bool, i32, bool)>(
+            "SELECT parked_at IS NOT NULL, attempts, published_at IS NOT NULL
+             FROM outbox_event WHERE event_id = $1",
+        )
+        .bind(scheduled)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    assert!(
+        eventually(Duration::from_secs(30), || async { parked().await.0 }).await,
+        "{:?}",
+        parked().await
+    );
+    assert_eq!(parked().await, (true, 2, false));
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let later = uow.record_message(message(&topic, "K", 1));
+    uow.commit().await.unwrap();
+    let received = read_topic(&brokers(), &topic, 1, Duration::from_secs(30)).await;
+    assert_eq!(ids(&received), [later]);
+    handle.shutdown().await.unwrap();
+}

@@ -208,7 +208,8 @@ impl Waker {
 
 /// The shortest wait for a hold to end: a row whose hold ends in less
 /// than this is waited for this long (the relay's release runs about once
-/// a [`RELEASE_INTERVAL`](super::held::RELEASE_INTERVAL) anyway).
+/// a [`RELEASE_INTERVAL`](super::held::RELEASE_INTERVAL) anyway); one whose
+/// hold has ended, that long at most.
 const MIN_HOLD_WAIT: Duration = Duration::from_millis(100);
 
 /// The poll interval, or less if a held row's hold (a scheduled row's due
@@ -227,10 +228,13 @@ where
         _ => None,
     };
     match next.flatten() {
+        // Ended already, not yet released (the release runs once a
+        // release interval, or was refused): no need to look more often.
+        Some(secs) if secs <= 0.0 => poll.min(super::held::RELEASE_INTERVAL),
         Some(secs) if secs.is_finite() && secs < poll.as_secs_f64() => {
             // A few milliseconds past the end: the release compares with
             // its own statement's time.
-            Duration::from_secs_f64(secs.max(0.0) + 0.005).clamp(MIN_HOLD_WAIT, poll)
+            Duration::from_secs_f64(secs + 0.005).clamp(MIN_HOLD_WAIT, poll)
         }
         _ => poll,
     }
