@@ -100,6 +100,10 @@ pub(crate) enum Command {
     /// and inbox_event: retention then drops whole partitions.
     #[command(subcommand)]
     Partitions(PartitionsCommand),
+    /// The progress mode (opt-in): relays record how far each lane is
+    /// published, a row per batch and lane, instead of marking every event.
+    #[command(subcommand)]
+    Progress(ProgressCommand),
     /// The commit-time NOTIFY that wakes idle relays: `on`, `off` or `status`.
     Notify {
         /// on | off | status
@@ -440,6 +444,23 @@ pub(crate) enum ParkedCommand {
         /// Why (stored with the rows).
         #[arg(long)]
         reason: String,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum ProgressCommand {
+    /// Switch this outbox to the progress mode. Stop every relay first
+    /// (relays of both modes would publish everything twice); start them
+    /// again afterwards, with lanes. Unpublished events stay unpublished,
+    /// parked ones parked; rows held back are released. Does nothing the
+    /// second time.
+    Enable,
+    /// Where each set of lane slots stands: its position, and how long ago
+    /// it was recorded.
+    Status {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
     },
 }
 

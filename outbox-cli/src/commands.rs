@@ -11,7 +11,7 @@ use sqlx::types::chrono::{DateTime, Utc};
 
 use crate::args::{
     AheadArgs, CleanupArgs, Command, DeadLetterSelection, DeadLettersCommand, ParkedCommand,
-    PartitionsCommand, ReplayArgs, TopicsCommand,
+    PartitionsCommand, ProgressCommand, ReplayArgs, TopicsCommand,
 };
 use crate::config::Layers;
 use crate::output::{print_status, table};
@@ -142,6 +142,38 @@ pub(crate) async fn run(ctx: Ctx, command: Command) -> Result<(), Error> {
         Command::Replay(args) => replay_events(&ctx, args).await?,
         Command::Cleanup(args) => cleanup(&ctx, args).await?,
         Command::Partitions(command) => partitions(&ctx, command).await?,
+        Command::Progress(ProgressCommand::Enable) => {
+            let pool = ctx.pool(2).await?;
+            outbox_runtime::relay::progress::enable(&pool).await?;
+            println!("progress mode: on (start the relays again, with lanes)");
+        }
+        Command::Progress(ProgressCommand::Status { json }) => {
+            let pool = ctx.pool(2).await?;
+            let positions = outbox_runtime::relay::progress::positions(&pool).await?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&positions).unwrap_or_default()
+                );
+            } else if positions.is_empty() {
+                println!("progress mode: off (`outbox progress enable` turns it on)");
+            } else {
+                println!(
+                    "{:<28} {:>10} {:>12}  window",
+                    "slots", "after id", "recorded"
+                );
+                for p in positions {
+                    println!(
+                        "{:<28} {:>10} {:>11.1}s  {} .. {}",
+                        p.slots,
+                        p.after_id.map_or("-".to_owned(), |a| a.to_string()),
+                        p.recorded_secs_ago,
+                        p.done,
+                        p.upto.as_deref().unwrap_or("(next)")
+                    );
+                }
+            }
+        }
         Command::DeadLetters(command) => dead_letters(&ctx, command).await?,
         Command::Notify { state, lock: _ } => {
             let pool = ctx.pool(2).await?;

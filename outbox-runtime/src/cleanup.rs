@@ -174,6 +174,8 @@ pub struct CleanupReport {
     /// Partitions past the window left for the next pass: their table
     /// stayed locked longer than the lock timeout.
     pub partitions_busy: u64,
+    /// Positions of the progress mode no lane stands at any more.
+    pub positions: u64,
 }
 
 /// The first row at or after `$1` (a probe of the bound's binary search).
@@ -181,18 +183,29 @@ fn outbox_probe(table: &str) -> String {
     format!("SELECT created_at FROM {table} WHERE id >= $1 ORDER BY id LIMIT 1")
 }
 
+/// A batch of the rows to delete: published before the cutoff `$3` or, in
+/// the progress mode, created before it and passed by their slot's
+/// position (see [`crate::relay::progress`]); ids after `$1` and before
+/// `$2`, at most `$4`.
 fn outbox_batch(table: &str) -> String {
     format!(
         "\
-WITH batch AS (
-    SELECT id FROM {table}
-    WHERE id > $1 AND id < $2 AND published_at < $3
-    ORDER BY id LIMIT $4
-    FOR UPDATE SKIP LOCKED
+WITH RECURSIVE {positions},
+batch AS (
+    SELECT o.id FROM {table} o LEFT JOIN pos ON pos.slot = o.lane_slot
+    WHERE o.id > $1 AND o.id < $2
+      AND (o.published_at < $3
+           OR (pos.slot IS NOT NULL AND o.created_at < $3 AND o.txid IS NOT NULL
+               AND o.published_at IS NULL AND o.parked_at IS NULL AND o.held_until IS NULL
+               AND {passed}))
+    ORDER BY o.id LIMIT $4
+    FOR UPDATE OF o SKIP LOCKED
 ), gone AS (
     DELETE FROM {table} o USING batch b WHERE o.id = b.id RETURNING o.id
 )
-SELECT count(*), max(id) FROM gone"
+SELECT count(*), max(id) FROM gone",
+        positions = crate::relay::progress::POSITIONS,
+        passed = crate::relay::progress::passed("o"),
     )
 }
 
@@ -250,6 +263,9 @@ pub async fn cleanup(pool: &PgPool, retention: &Retention) -> Result<CleanupRepo
     report.partitions_dropped = dropped.dropped;
     report.partitions_kept = dropped.kept;
     report.partitions_busy = dropped.busy;
+
+    // Positions of the progress mode no lane stands at any more.
+    report.positions = crate::relay::progress::prune(pool).await?;
 
     // Published outbox rows, in id order.
     for table in partition::row_cleaned(pool, "outbox_event").await? {

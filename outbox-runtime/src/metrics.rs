@@ -170,6 +170,32 @@ FROM (SELECT held_until FROM outbox_event
       WHERE held_until IS NOT NULL AND published_at IS NULL AND held_until = due_at
       ORDER BY held_until, id LIMIT 10001) s";
 
+/// [`BACKLOG`] in the progress mode (see [`crate::relay::progress`]): the
+/// queue is the rows in the windows after the slots' positions.
+pub(crate) static PROGRESS_BACKLOG: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    let queue = "(SELECT id FROM outbox_event
+                 WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL
+                 ORDER BY id LIMIT 10001) s";
+    let last = "(SELECT id FROM outbox_event
+                       WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL
+                       ORDER BY id DESC LIMIT 1)";
+    assert!(BACKLOG.contains(queue) && BACKLOG.contains(last));
+    BACKLOG
+        .replacen(
+            "WITH q AS",
+            &format!("WITH RECURSIVE {}, q AS", crate::relay::progress::POSITIONS),
+            1,
+        )
+        .replace(
+            queue,
+            &format!("({}) s", crate::ops::backlog::progress_queue_rows("10001")),
+        )
+        .replace(
+            last,
+            "(SELECT id FROM outbox_event ORDER BY id DESC LIMIT 1)",
+        )
+});
+
 /// A consumer group's dead letters awaiting an operator: an index-only
 /// count over `ix_dead_letter_dead` (rows of status `dead`), so its cost
 /// follows the number of dead letters, not the table.
@@ -259,7 +285,15 @@ async fn sample_backlog(pool: PgPool) -> Result<i64, sqlx::Error> {
     type Backlog = (i64, Option<f64>, i64, i64);
     let row: Result<(Backlog, (i64, f64)), sqlx::Error> = async {
         let mut tx = pool.begin_with(sample_begin()).await?;
-        let row = sqlx::query_as(BACKLOG).fetch_one(&mut *tx).await?;
+        let progress: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM outbox_progress)")
+            .fetch_one(&mut *tx)
+            .await?;
+        let sql = if progress {
+            PROGRESS_BACKLOG.as_str()
+        } else {
+            BACKLOG
+        };
+        let row = sqlx::query_as(sql).fetch_one(&mut *tx).await?;
         let scheduled: (i64, f64) = sqlx::query_as(SCHEDULED).fetch_one(&mut *tx).await?;
         tx.commit().await?;
         Ok((row, scheduled))

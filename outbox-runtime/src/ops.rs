@@ -31,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::relay::lanes::SCOPE_LOCKS;
 use crate::scope::{Lock, OutboxScope};
 
-mod backlog;
+pub(crate) mod backlog;
 
 pub use backlog::{BACKLOG_COUNTED_UP_TO, BACKLOG_EXACT_UP_TO};
 
@@ -157,6 +157,12 @@ pub async fn relays(pool: &PgPool) -> Result<Vec<RelayLanes>> {
 #[doc(hidden)]
 pub const GAUGES_SQL: &str = crate::metrics::BACKLOG;
 
+/// [`GAUGES_SQL`] in the progress mode (for the tests).
+#[doc(hidden)]
+pub fn progress_gauges_sql() -> &'static str {
+    crate::metrics::PROGRESS_BACKLOG.as_str()
+}
+
 /// Up to this many rows (by the table's statistics) `status` counts
 /// published rows exactly; beyond, it estimates them.
 pub const EXACT_BELOW: f64 = 100_000.0;
@@ -164,6 +170,9 @@ pub const EXACT_BELOW: f64 = 100_000.0;
 /// Exact published rows per topic: a scan, for small tables only.
 const PUBLISHED_EXACT: &str = "\
 SELECT topic, count(*) FROM outbox_event WHERE published_at IS NOT NULL GROUP BY topic";
+
+/// Exact rows per topic: a scan, for small tables only.
+const ROWS_EXACT: &str = "SELECT topic, count(*) FROM outbox_event GROUP BY topic";
 
 /// Rows of the table (`$1`: its oid) and of every partition, by the
 /// statistics (`reltuples`; -1 when never analyzed, taken as 0).
@@ -214,7 +223,10 @@ fn published_estimate(of_topic: f64, rows: f64, backlog: i64) -> i64 {
 pub async fn status(pool: &PgPool) -> Result<Status> {
     let scope = OutboxScope::of(pool).await?;
     let oid = i64::from(scope.oid());
-    let backlog = backlog::read(pool, oid).await?;
+    let progress = crate::relay::progress::batch::enabled(pool)
+        .await?
+        .unwrap_or(false);
+    let backlog = backlog::read(pool, oid, progress).await?;
     let mut topics: Vec<TopicStatus> = Vec::new();
     for kind in [
         &backlog.queue,
@@ -262,6 +274,19 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
                     .find(|t| t.topic == topic)
                     .map_or(0, |t| t.unpublished + t.parked + t.discarded + t.scheduled);
                 (topic.clone(), published_estimate(n, rows, others))
+            })
+            .collect()
+    } else if progress {
+        // Rows are not marked in this mode: all but the others.
+        let by_topic: Vec<(String, i64)> = sqlx::query_as(ROWS_EXACT).fetch_all(pool).await?;
+        by_topic
+            .into_iter()
+            .map(|(topic, n)| {
+                let others = topics
+                    .iter()
+                    .find(|t| t.topic == topic)
+                    .map_or(0, |t| t.unpublished + t.parked + t.discarded);
+                (topic, (n - others).max(0))
             })
             .collect()
     } else {
@@ -611,7 +636,9 @@ pub async fn written_by_topic(pool: &PgPool, after: i64, upto: i64) -> Result<Ve
 
 /// Puts parked rows back in the relay's queue (attempts reset); `ids = None`
 /// requeues every parked row except dropped ones, explicit ids requeue
-/// dropped rows too (undoing the drop). Returns how many were requeued.
+/// dropped rows too (undoing the drop). Returns how many were requeued. In
+/// the progress mode a requeued row is held until now: the relay reads it
+/// with the held rows whose hold has ended (its lane's position is past it).
 /// `executor` is a pool or a transaction's connection (to commit an audit
 /// record with the change).
 pub async fn requeue_parked<'c>(
@@ -620,7 +647,9 @@ pub async fn requeue_parked<'c>(
 ) -> Result<u64> {
     let result = sqlx::query(
         "UPDATE outbox_event
-         SET parked_at = NULL, attempts = 0, discarded_at = NULL, discard_reason = NULL
+         SET parked_at = NULL, attempts = 0, discarded_at = NULL, discard_reason = NULL,
+             held_until = CASE WHEN EXISTS (SELECT 1 FROM outbox_progress)
+                               THEN statement_timestamp() END
          WHERE parked_at IS NOT NULL AND published_at IS NULL
            AND (($1::bigint[] IS NULL AND discarded_at IS NULL) OR id = ANY($1))",
     )

@@ -372,6 +372,7 @@ fn the_block_parses_into_its_privileges() {
         relay,
         [
             "SELECT ON outbox_event",
+            "SELECT ON outbox_progress",
             "UPDATE (attempts) ON outbox_event",
             "UPDATE (held_until) ON outbox_event",
             "UPDATE (last_attempt_at) ON outbox_event",
@@ -498,6 +499,7 @@ fn needs(grant: &Grant) -> &'static [&'static str] {
             &["write follow-up events"]
         }
         ("SELECT", "outbox_event", _) => &["permission denied"],
+        ("SELECT", "outbox_progress", _) => &["read the outbox's mode"],
         ("UPDATE", "outbox_event", Some("published_at")) => &["mark rows published"],
         ("UPDATE", "outbox_event", Some("held_until")) => &[
             "record failed deliveries",

@@ -41,6 +41,45 @@ SELECT id FROM outbox_event
 WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL
 ORDER BY id DESC LIMIT 1";
 
+/// In the progress mode (see [`crate::relay::progress`]): the queue's
+/// rows (id, topic) in the windows after the slots' positions, up to
+/// `limit` (a parameter or a number) per slot and in all, lowest ids first.
+/// Each slot's rows are read over the progress index from its position's
+/// snapshot on (the transactions in flight then, and those after), as the
+/// relay reads them. Written after `WITH RECURSIVE` [`POSITIONS`]`,`.
+///
+/// [`POSITIONS`]: crate::relay::progress::POSITIONS
+pub(crate) fn progress_queue_rows(limit: &str) -> String {
+    let passed = crate::relay::progress::passed("e");
+    format!(
+        "SELECT e.id, e.topic FROM pos CROSS JOIN LATERAL (
+    (SELECT e.id, e.topic FROM outbox_event e
+     WHERE e.lane_slot = pos.slot AND e.txid = ANY(ARRAY(SELECT pg_snapshot_xip(pos.done)))
+       AND coalesce(e.published_at, e.parked_at, e.held_until) IS NULL AND NOT {passed})
+    UNION ALL
+    (SELECT e.id, e.topic FROM outbox_event e
+     WHERE e.lane_slot = pos.slot AND e.txid >= pg_snapshot_xmax(pos.done)
+       AND coalesce(e.published_at, e.parked_at, e.held_until) IS NULL AND NOT {passed}
+     LIMIT {limit})) e
+ORDER BY e.id LIMIT {limit}"
+    )
+}
+
+/// [`QUEUE_SAMPLE`] in the progress mode.
+pub(super) static PROGRESS_QUEUE_SAMPLE: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| {
+        format!(
+            "WITH RECURSIVE {}, s AS ({})
+SELECT topic, count(*)::int8, min(id), max(id), 0::int8 FROM s GROUP BY topic",
+            crate::relay::progress::POSITIONS,
+            progress_queue_rows("$1")
+        )
+    });
+
+/// [`QUEUE_LAST`] in the progress mode: the last row (the queue's last,
+/// unless published since).
+pub(super) const PROGRESS_QUEUE_LAST: &str = "SELECT id FROM outbox_event ORDER BY id DESC LIMIT 1";
+
 /// Held rows in the order of their index (the time they may go again),
 /// scheduled rows waiting for their time excluded (their hold ends at their
 /// `due_at`: [`SCHEDULED_SAMPLE`]).
@@ -239,10 +278,16 @@ async fn index_entries(pool: &PgPool, oid: i64, index: &str) -> Result<f64> {
         .await?)
 }
 
-/// Reads the backlog of the outbox table `oid` (see the module docs).
-pub(super) async fn read(pool: &PgPool, oid: i64) -> Result<Backlog> {
-    let queue = kind(pool, QUEUE_SAMPLE, async |read, first, upto| {
-        let last: Option<i64> = sqlx::query_scalar(QUEUE_LAST).fetch_optional(pool).await?;
+/// Reads the backlog of the outbox table `oid` (see the module docs); in
+/// the progress mode with `progress`.
+pub(super) async fn read(pool: &PgPool, oid: i64, progress: bool) -> Result<Backlog> {
+    let (sample, last) = if progress {
+        (PROGRESS_QUEUE_SAMPLE.as_str(), PROGRESS_QUEUE_LAST)
+    } else {
+        (QUEUE_SAMPLE, QUEUE_LAST)
+    };
+    let queue = kind(pool, sample, async |read, first, upto| {
+        let last: Option<i64> = sqlx::query_scalar(last).fetch_optional(pool).await?;
         let span = (last.unwrap_or(upto).max(upto) - first + 1) as f64;
         let density = read as f64 / (upto - first + 1) as f64;
         Ok(span * density)

@@ -94,6 +94,9 @@ pub(crate) struct Batch {
     /// other claim of this relay may run, or it would skip them and send
     /// later rows of their keys first.
     pub cut: bool,
+    /// In the progress mode: where the batch leaves its lanes, and each
+    /// row's lane (see [`progress::batch`](super::progress::batch)).
+    pub progress: Option<super::progress::batch::Read>,
 }
 
 pub(super) const CLAIM_COLUMNS: &str = "\
@@ -252,7 +255,7 @@ ORDER BY s.slot_id LIMIT $1",
 /// Taken before the claim (in the `BEGIN` round trip): see the handover
 /// notes in [`lanes`]. Keys and lane numbers are integers, written into the
 /// text.
-fn hold_in_use(scope: OutboxScope, owned: &[i32]) -> String {
+pub(crate) fn hold_in_use(scope: OutboxScope, owned: &[i32]) -> String {
     let list: Vec<String> = owned.iter().map(i32::to_string).collect();
     format!(
         "SELECT count(pg_advisory_xact_lock_shared({}::int8 | l)) FROM unnest('{{{}}}'::int4[]) AS l",
@@ -285,7 +288,8 @@ const MARK_PUBLISHED: &str = "UPDATE outbox_event SET published_at = statement_t
 
 /// Marks delivered rows published by event id (`$1`), outside the claim
 /// that delivered them: see [`record_published`].
-const MARK_DELIVERED: &str = "UPDATE outbox_event SET published_at = statement_timestamp()
+pub(crate) const MARK_DELIVERED: &str =
+    "UPDATE outbox_event SET published_at = statement_timestamp()
      WHERE event_id = ANY($1::uuid[]) AND published_at IS NULL";
 
 const RECORD_FAILURES: &str = "\
@@ -381,7 +385,12 @@ pub(crate) async fn claim(
     };
     let bytes: usize = rows.iter().map(Row::bytes).sum();
     let cut = usize::try_from(max_bytes).is_ok_and(|max| bytes >= max);
-    Ok(Batch { tx, rows, cut })
+    Ok(Batch {
+        tx,
+        rows,
+        cut,
+        progress: None,
+    })
 }
 
 /// A delivery failure to record on a row.
@@ -415,6 +424,9 @@ pub(crate) struct Unfinished {
     pub trouble: Trouble,
     /// The rows delivered: id, event id.
     pub delivered: Vec<(i64, uuid::Uuid)>,
+    /// In the progress mode: what the finish would have written (carried
+    /// work included), to carry on.
+    pub work: Option<Box<super::progress::batch::Work>>,
 }
 
 impl Batch {
@@ -440,6 +452,7 @@ impl Batch {
         let unfinished = |trouble: Trouble| Unfinished {
             trouble,
             delivered: delivered.clone(),
+            work: None,
         };
         let mut finished = Finished::default();
         if !marked.is_empty() {
@@ -480,7 +493,7 @@ impl Batch {
 
 /// Records `failures` and `holds` on `tx`, adding the statements that went
 /// through to `ran`.
-async fn record(
+pub(crate) async fn record(
     tx: &mut Transaction<'static, Postgres>,
     failures: &[Failure],
     holds: &[(i64, f64)],

@@ -5,6 +5,7 @@
 //! batch's deliveries is in [`evaluate`].
 
 mod evaluate;
+pub(super) mod progress;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use super::claim::{self, Batch, Finished, Row, Unfinished};
 use super::held;
 use super::lanes;
+use super::progress::batch;
 use super::publish::{self, Outcome, Publisher};
 use super::topics::{self, Topics};
 use super::wake::Waker;
@@ -131,6 +133,8 @@ pub(super) struct Loop<'a> {
     pub(super) release_after: Option<Instant>,
     /// Updates of a missing topic's held rows, running in the background.
     pub(super) topic_updates: Vec<JoinHandle<std::result::Result<u64, Trouble>>>,
+    /// In the progress mode (the outbox's, see [`progress`]): its state.
+    pub(super) progress: Option<progress::ProgressMode>,
 }
 
 /// Rounds of failed deliveries to a broker that answers probes after which
@@ -169,6 +173,17 @@ impl Loop<'_> {
             }
             self.topic_updates_done().await;
             let mut claim_next = !stopping && !self.broker.is_down();
+            if self.progress.as_ref().is_some_and(|p| p.failing) {
+                // A finish that did not commit goes with the open batch's
+                // (or alone, once none is open) before anything is claimed.
+                if self.in_flight.is_none() && self.marking.is_some() {
+                    // The finish that carries it: nothing else to wait for.
+                    self.finish_marking().await;
+                }
+                if self.in_flight.is_some() || self.marking.is_some() {
+                    claim_next = false;
+                }
+            }
             if let Some(cut) = self.cut {
                 // A batch cut at the byte budget may lock rows it did not
                 // return: no claim until its transaction has ended.
@@ -180,6 +195,7 @@ impl Loop<'_> {
             }
             let limit = self.config.batch_size as i64;
             if !stopping
+                && self.progress.is_none()
                 && self.release_after.is_none_or(|at| at <= Instant::now())
                 && self
                     .released
@@ -227,6 +243,27 @@ impl Loop<'_> {
             };
             let to_record: Vec<uuid::Uuid> = unrecorded.iter().map(|(_, e)| *e).collect();
             let statement_timeout = self.config.statement_timeout;
+            // In the progress mode, the claim takes the windows (and gives
+            // them back), and writes a carried finish first.
+            let nothing_open = self.in_flight.is_none() && self.marking.is_none();
+            let mut windows = None;
+            let mut progress_claim = None;
+            let mut carried_to_claim = false;
+            if let Some(mode) = self.progress.as_mut() {
+                mode.apply_rewinds();
+                windows = Some(mode.windows.take().unwrap_or_default());
+                let carry = if claim_next && nothing_open {
+                    mode.carry.clone()
+                } else {
+                    None
+                };
+                carried_to_claim = carry.is_some();
+                progress_claim = Some((
+                    mode.generations.clone(),
+                    carry,
+                    nothing_open && mode.carry.is_none(),
+                ));
+            }
             // The next claim runs while the batch in flight is delivered. As
             // soon as its deliveries are known the batch is marked and
             // committed, even while the claim still waits for a connection:
@@ -250,28 +287,58 @@ impl Loop<'_> {
                 if let Some(at) = pace {
                     tokio::select! {
                         _ = tokio::time::sleep_until(at.into()) => {}
-                        _ = stop.cancelled() => return (None, Duration::ZERO),
+                        _ = stop.cancelled() => return (None, Duration::ZERO, windows),
                     }
                 }
                 let start = Instant::now();
-                let claimed = if claim_next {
+                let (claimed, windows) = if claim_next {
                     let task = tokio::spawn(async move {
-                        if !to_record.is_empty() {
-                            claim::record_published(&pool, &to_record, statement_timeout).await?;
+                        let mut windows = windows;
+                        let result = async {
+                            if !to_record.is_empty() {
+                                claim::record_published(&pool, &to_record, statement_timeout)
+                                    .await?;
+                            }
+                            match (progress_claim, windows.as_mut()) {
+                                (Some((generations, carry, record_idle)), Some(windows)) => {
+                                    if let Some(work) = carry {
+                                        batch::record_carried(&pool, &work, statement_timeout)
+                                            .await?;
+                                    }
+                                    batch::claim(
+                                        &pool,
+                                        &begin,
+                                        limit,
+                                        max_bytes,
+                                        &keys,
+                                        &claimable,
+                                        windows,
+                                        &generations,
+                                        record_idle,
+                                    )
+                                    .await
+                                    .map_err(|e| Trouble::from(e).during(claim::CLAIM))
+                                }
+                                _ => {
+                                    claim::claim(&pool, &begin, limit, max_bytes, &keys, &claimable)
+                                        .await
+                                        .map_err(|e| Trouble::from(e).during(claim::CLAIM))
+                                }
+                            }
                         }
-                        claim::claim(&pool, &begin, limit, max_bytes, &keys, &claimable)
-                            .await
-                            .map_err(|e| Trouble::from(e).during(claim::CLAIM))
+                        .await;
+                        (result, windows)
                     });
-                    Some(
-                        task.await
-                            .map_err(|e| Trouble::from(Error::Task(e.to_string())))
-                            .and_then(|r| r),
-                    )
+                    match task.await {
+                        Ok((result, windows)) => (Some(result), windows),
+                        // The windows are lost with the task: read again
+                        // from the recorded positions.
+                        Err(e) => (Some(Err(Trouble::from(Error::Task(e.to_string())))), None),
+                    }
                 } else {
-                    None
+                    (None, windows)
                 };
-                (claimed, start.elapsed())
+                (claimed, start.elapsed(), windows)
             };
             let mut claim = std::pin::pin!(claim);
             let mut claimed = None;
@@ -310,12 +377,22 @@ impl Loop<'_> {
                 } else {
                     self.finish_marking().await;
                 }
-                self.marking = Some((in_flight_seq, tokio::spawn(batch.finish_owned(evaluated))));
+                self.finish_batch(in_flight_seq, batch, evaluated);
             }
-            let (claimed, claim_time) = match claimed {
+            let (claimed, claim_time, windows) = match claimed {
                 Some(done) => done,
                 None => claim.await,
             };
+            if let Some(mode) = self.progress.as_mut() {
+                mode.windows = windows;
+                mode.apply_rewinds();
+                if carried_to_claim && matches!(claimed, Some(Ok(_))) {
+                    mode.carry = None;
+                    mode.failing = false;
+                    self.database.permitted(batch::RECORD);
+                    tracing::info!("a finish that had not committed is written");
+                }
+            }
             tracing::trace!(
                 claimed = claimed
                     .as_ref()
@@ -343,7 +420,15 @@ impl Loop<'_> {
                 }
             }
             match claimed {
-                Some(Ok(batch)) if batch.rows.is_empty() => idle = true,
+                Some(Ok(batch)) if batch.rows.is_empty() => {
+                    idle = true;
+                    if batch.progress.as_ref().is_some_and(|p| p.commit) {
+                        // Idle lanes' positions, recorded by the claim.
+                        if let Err(error) = batch.tx.commit().await {
+                            tracing::debug!(%error, "recording idle lanes' positions failed");
+                        }
+                    }
+                }
                 Some(Ok(batch)) => {
                     if self
                         .marking
@@ -411,6 +496,15 @@ impl Loop<'_> {
         }
         self.finish_marking().await;
         self.topic_updates_done().await;
+        if let Some(work) = self.progress.as_mut().and_then(|p| p.carry.take())
+            && let Err(error) =
+                batch::record_carried(self.pool, &work, self.config.statement_timeout).await
+        {
+            tracing::warn!(
+                %error,
+                "a batch's progress could not be recorded: its events will be published again"
+            );
+        }
         if !self.unrecorded.is_empty() {
             let event_ids: Vec<uuid::Uuid> = self.unrecorded.values().copied().collect();
             if let Err(error) =
@@ -519,6 +613,7 @@ impl Loop<'_> {
             if unrecorded.contains(&row.id) {
                 outcomes.push(Some(Outcome::Unrecorded));
             } else if recording
+                || self.progress.as_ref().is_some_and(|p| p.stale(&batch, i))
                 || self.held.contains_key(&row.partition_key)
                 || self.blocked.deadline(row).is_some()
                 || self.topics.held(&row.topic).is_some()
@@ -565,6 +660,25 @@ impl Loop<'_> {
         }
     }
 
+    /// Starts finishing a batch whose deliveries are judged: its marks (or,
+    /// in the progress mode, its work after any carried) and commit, in the
+    /// background.
+    fn finish_batch(&mut self, seq: u64, batch: Batch, evaluated: evaluate::Evaluated) {
+        if self.progress.is_some() {
+            let own = self.progress_work(&batch, evaluated);
+            let work = match self.progress.as_mut().and_then(|p| p.carry.take()) {
+                Some(mut carried) => {
+                    carried.then(own);
+                    carried
+                }
+                None => own,
+            };
+            self.marking = Some((seq, tokio::spawn(batch.finish_progress(work))));
+        } else {
+            self.marking = Some((seq, tokio::spawn(batch.finish_owned(evaluated))));
+        }
+    }
+
     /// Before the producer is replaced, the batch sent through the old one is
     /// settled: its deliveries are awaited and recorded like any other.
     async fn finish_in_flight_before_recreate(&mut self) {
@@ -573,7 +687,7 @@ impl Loop<'_> {
             let (batch, outcomes) = in_flight.deliveries().await;
             let evaluated = self.evaluate(seq, &batch, outcomes);
             self.finish_marking().await;
-            self.marking = Some((seq, tokio::spawn(batch.finish_owned(evaluated))));
+            self.finish_batch(seq, batch, evaluated);
         }
         self.producer_unusable = false;
     }
@@ -590,6 +704,7 @@ impl Loop<'_> {
                 .map_err(|e| Unfinished {
                     trouble: Trouble::from(Error::Task(e.to_string())),
                     delivered: Vec::new(),
+                    work: None,
                 })
                 .and_then(|r| r);
             if self.cut.is_some_and(|cut| cut <= seq) {
@@ -601,6 +716,9 @@ impl Loop<'_> {
             match result {
                 Ok(finished) => {
                     self.database.answered();
+                    if let Some(mode) = self.progress.as_mut() {
+                        mode.failing = false;
+                    }
                     for statement in finished.ran {
                         self.database.permitted(statement);
                     }
@@ -611,12 +729,21 @@ impl Loop<'_> {
                         self.refused_until = Some(Instant::now() + wait);
                     }
                 }
-                Err(Unfinished { trouble, delivered }) => {
+                Err(Unfinished {
+                    trouble,
+                    delivered,
+                    work,
+                }) => {
                     // The batch's transaction rolled back: its delivered
                     // rows stay unpublished in the table, and are marked
-                    // before the next claim (see `unrecorded`).
+                    // before the next claim (see `unrecorded`); in the
+                    // progress mode, its work is carried.
                     self.stats.failed_round();
                     self.unrecorded.extend(delivered);
+                    if let (Some(mode), Some(work)) = (self.progress.as_mut(), work) {
+                        mode.carry = Some(*work);
+                        mode.failing = true;
+                    }
                     let refused = trouble.refusal().is_some();
                     let wait = self.database.down(trouble);
                     if refused {

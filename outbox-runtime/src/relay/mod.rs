@@ -180,6 +180,14 @@ impl Relay {
         let Some(scope) = self.outbox(&shutdown).await else {
             return Ok(());
         };
+        // The mode is the outbox's: relays of both modes on one outbox
+        // would publish everything twice.
+        let Some(progress_mode) = self.mode(&shutdown).await else {
+            return Ok(());
+        };
+        if progress_mode && self.config.lanes == 0 {
+            return Err(progress::batch::needs_lanes());
+        }
         let shared = Arc::new(lanes::Shared::new(scope, self.config.lanes));
         let manager = lanes::LaneManager::start(
             &self.pool,
@@ -203,6 +211,7 @@ impl Relay {
             batch_size = self.config.batch_size,
             lanes = self.config.lanes,
             outbox = scope.oid(),
+            progress_mode,
             "relay started"
         );
         let mut waker = Waker::new(
@@ -256,6 +265,7 @@ impl Relay {
             producer_unusable: false,
             answered_yet_failing: 0,
             probe_answered: false,
+            progress: progress_mode.then(cycle::progress::ProgressMode::default),
         };
         let metrics_stop = CancellationToken::new();
         let _stop_metrics = metrics_stop.clone().drop_guard();
@@ -274,6 +284,34 @@ impl Relay {
         let _ = metrics.await;
         tracing::info!(counts = ?self.stats.snapshot(), "relay stopped");
         result
+    }
+
+    /// Whether the outbox is in the progress mode. Waits (backing off, a
+    /// refusal reported) while the database is down or refuses to say;
+    /// `None` if shut down meanwhile.
+    async fn mode(&self, shutdown: &CancellationToken) -> Option<bool> {
+        let mut health = Health::new(
+            "database",
+            self.config.outage_backoff,
+            self.config.outage_backoff_max,
+        )
+        .reporting(self.stats.problems.clone());
+        loop {
+            match progress::batch::enabled(&self.pool).await {
+                Ok(on) => {
+                    health.up();
+                    return Some(on.unwrap_or(false));
+                }
+                Err(error) => {
+                    let wait = health
+                        .down(crate::refusal::Trouble::from(error).during(progress::batch::MODE));
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = shutdown.cancelled() => return None,
+                    }
+                }
+            }
+        }
     }
 
     /// The outbox this relay publishes: the `outbox_event` table its pool's

@@ -277,6 +277,19 @@ pub enum Chunk {
 }
 
 impl Window {
+    /// A window standing where `stand` says (a rewind: the rows after
+    /// `stand.after_id` are listed again).
+    pub(crate) fn at(stand: &batch::Stand) -> Window {
+        Window {
+            slots: stand.slots.clone(),
+            done: stand.done.clone(),
+            upto: stand.upto.clone(),
+            after_id: stand.after_id,
+            listed: VecDeque::new(),
+            complete: false,
+        }
+    }
+
     /// The next rows of the window: at most `limit`, past the first at most
     /// `budget` bytes. The position moves past them (in memory: see
     /// [`Window::record`]).
@@ -436,6 +449,99 @@ pub async fn enable(pool: &sqlx::PgPool) -> Result<()> {
     Ok(())
 }
 
+/// `WITH RECURSIVE` common table expressions ending in `pos (slot, done,
+/// upto, after_id, id)`: each slot's newest position (none for a slot
+/// without one: the mode is off). The slot sets are found by a skip scan
+/// of the positions' `(slots, id)` index, then each set's newest row: a
+/// few index probes however many positions were recorded.
+pub(crate) const POSITIONS: &str = "
+sets AS (
+    (SELECT slots FROM outbox_progress ORDER BY slots LIMIT 1)
+    UNION ALL
+    SELECT (SELECT q.slots FROM outbox_progress q WHERE q.slots > sets.slots
+            ORDER BY q.slots LIMIT 1)
+    FROM sets WHERE sets.slots IS NOT NULL),
+newest AS (
+    SELECT n.* FROM sets CROSS JOIN LATERAL (
+        SELECT q.id, q.slots, q.done, q.upto, q.after_id FROM outbox_progress q
+        WHERE q.slots = sets.slots ORDER BY q.id DESC LIMIT 1) n
+    WHERE sets.slots IS NOT NULL),
+pos AS MATERIALIZED (
+    SELECT DISTINCT ON (s) s AS slot, newest.done, newest.upto, newest.after_id, newest.id
+    FROM newest, unnest(newest.slots) AS s ORDER BY s, newest.id DESC)";
+
+/// Whether the row `e` (joined to its slot's `pos`) is passed by that
+/// position: its transaction visible in `done`, or in the window up to
+/// `after_id`.
+pub(crate) fn passed(e: &str) -> String {
+    format!(
+        "(pg_visible_in_snapshot({e}.txid, pos.done)
+          OR (pos.upto IS NOT NULL AND pg_visible_in_snapshot({e}.txid, pos.upto)
+              AND {e}.id <= pos.after_id))"
+    )
+}
+
+/// Rows not published yet in the progress mode: those of each slot its
+/// newest position does not pass, those held (a hold to end, or due) and
+/// not published, none parked. A scan of the table: for tests and reports.
+static PENDING: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "WITH RECURSIVE {POSITIONS}
+SELECT count(*) FROM outbox_event e JOIN pos ON pos.slot = e.lane_slot
+WHERE e.published_at IS NULL AND e.parked_at IS NULL
+  AND (e.held_until IS NOT NULL OR e.txid IS NULL OR NOT {passed})",
+        passed = passed("e")
+    )
+});
+
+/// Deletes the positions no slot stands at any more (every slot of theirs
+/// has a newer one); returns how many. Run by the cleanup pass.
+static PRUNE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "WITH RECURSIVE {POSITIONS}
+DELETE FROM outbox_progress WHERE id < (SELECT max(id) FROM pos)
+  AND id NOT IN (SELECT id FROM pos)"
+    )
+});
+
+/// Where a set of lane slots stands (see [`positions`]).
+#[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
+pub struct PositionStatus {
+    /// The slots, as `{s,…}`.
+    pub slots: String,
+    /// Every event of the slots visible in this snapshot is published.
+    pub done: String,
+    /// The window being published, if one is.
+    pub upto: Option<String>,
+    /// Events of the window up to this id are published.
+    pub after_id: Option<i64>,
+    /// Seconds since it was recorded.
+    pub recorded_secs_ago: f64,
+}
+
+/// The positions the slots stand at (none: the mode is off), by slots.
+pub async fn positions(pool: &sqlx::PgPool) -> Result<Vec<PositionStatus>> {
+    Ok(sqlx::query_as(&format!(
+        "WITH RECURSIVE {POSITIONS}
+SELECT p.slots::text AS slots, p.done::text AS done, p.upto::text AS upto, p.after_id,
+       EXTRACT(EPOCH FROM now() - p.recorded_at)::float8 AS recorded_secs_ago
+FROM outbox_progress p WHERE p.id IN (SELECT id FROM pos) ORDER BY p.slots"
+    ))
+    .fetch_all(pool)
+    .await?)
+}
+
+/// Deletes the positions no slot stands at any more (see [`PRUNE`]).
+pub async fn prune(pool: &sqlx::PgPool) -> Result<u64> {
+    Ok(sqlx::query(&PRUNE).execute(pool).await?.rows_affected())
+}
+
+/// How many events are not published yet in the progress mode (see
+/// [`PENDING`]).
+pub async fn pending(pool: &sqlx::PgPool) -> Result<i64> {
+    Ok(sqlx::query_scalar(&PENDING).fetch_one(pool).await?)
+}
+
 /// Builds the index the windows are read through, if it is missing. The
 /// build waits for the writers' open transactions, and the writers wait for
 /// it (one read of the table).
@@ -455,5 +561,6 @@ pub async fn create_index(pool: &sqlx::PgPool) -> Result<()> {
     Ok(())
 }
 
+pub(crate) mod batch;
 #[cfg(test)]
 mod tests;

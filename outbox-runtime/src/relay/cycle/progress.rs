@@ -1,0 +1,163 @@
+//! The loop in the progress mode: the lanes' windows between claims, the
+//! rewinds, and the work a batch's finish writes (see
+//! [`progress::batch`](super::super::progress::batch)).
+//!
+//! A position may pass only rows that were delivered or given a state of
+//! their own (held, failed, parked). A row of a lane's window that is
+//! neither (a transient failure, a row withheld without a hold) stops the
+//! lane's position just before it, and the lane's window goes back there:
+//! a **rewind**. The lane's later rows of the batch get no state (they are
+//! read again, a delivered one sent again: at least once), and rows of the
+//! lane in batches claimed before the rewind are stale: withheld, given no
+//! state, their positions dropped (each lane has a generation, stamped on
+//! the positions a claim reads and bumped by a rewind).
+//!
+//! A finish that does not commit is carried: the next batch's finish
+//! writes it first, in its own transaction, or, with no batch open, it is
+//! written alone before the next claim; until one of them commits, nothing
+//! more is claimed while a batch is open.
+//! Positions are facts ("every row of these slots up to here was delivered
+//! or has its state"), so writing a carried one late is safe.
+
+use std::collections::{HashMap, HashSet};
+
+use super::super::claim::Batch;
+use super::super::progress::batch::{Stand, Windows, Work};
+use super::Loop;
+use super::evaluate::Evaluated;
+
+/// The loop's state in the progress mode.
+#[derive(Debug, Default)]
+pub(in crate::relay) struct ProgressMode {
+    /// The lanes' windows; `None` while a claim reads them.
+    pub(super) windows: Option<Windows>,
+    /// Each lane's generation (0 until its first rewind).
+    pub(super) generations: HashMap<i32, u64>,
+    /// Rewinds not yet applied to the windows (a claim had them).
+    pub(super) rewinds: Vec<Stand>,
+    /// A finish that did not commit (unless a finish running now took it).
+    pub(super) carry: Option<Work>,
+    /// The last finish did not commit, and no later one has yet: nothing is
+    /// claimed while a batch is open, and then the carried work is written
+    /// before the claim. A relay whose positions the database refuses
+    /// stops publishing.
+    pub(super) failing: bool,
+}
+
+impl ProgressMode {
+    /// Applies the pending rewinds, if the windows are here.
+    pub(super) fn apply_rewinds(&mut self) {
+        if let Some(windows) = self.windows.as_mut() {
+            for stand in self.rewinds.drain(..) {
+                windows.rewind(&stand);
+            }
+        }
+    }
+
+    /// Whether the batch's row `i` is of a lane rewound since the batch was
+    /// claimed.
+    pub(super) fn stale(&self, batch: &Batch, i: usize) -> bool {
+        let Some(read) = batch.progress.as_ref() else {
+            return false;
+        };
+        let Some(Some(lane)) = read.lanes.get(i) else {
+            return false;
+        };
+        read.stands.iter().any(|s| {
+            s.lane == *lane && self.generations.get(lane).copied().unwrap_or(0) != s.generation
+        })
+    }
+}
+
+impl Loop<'_> {
+    /// What finishing `batch` writes, from its evaluation `e`; rewinds the
+    /// lanes whose positions must stop short.
+    pub(super) fn progress_work(&mut self, batch: &Batch, e: Evaluated) -> Work {
+        let Some(mode) = self.progress.as_mut() else {
+            return Work::default();
+        };
+        let read = batch.progress.as_ref();
+        let lane_of = |i: usize| read.and_then(|r| r.lanes.get(i).copied().flatten());
+        let published: HashSet<i64> = e.published.iter().copied().collect();
+        let mut failures: HashMap<i64, super::super::claim::Failure> =
+            e.failures.into_iter().map(|f| (f.id, f)).collect();
+        let mut holds: HashMap<i64, f64> = e.holds.into_iter().collect();
+        let mut work = Work::default();
+        // A held row keeps a state of its own until it is published: one
+        // that failed without a hold stays due.
+        for (i, row) in batch.rows.iter().enumerate() {
+            if lane_of(i).is_some() {
+                continue;
+            }
+            if published.contains(&row.id) {
+                work.published.push(row.event_id);
+            } else if let Some(f) = failures.get_mut(&row.id)
+                && !f.park
+                && f.hold.is_none()
+            {
+                f.hold = Some(0.0);
+            }
+        }
+        let state = |id: i64,
+                     failures: &HashMap<i64, super::super::claim::Failure>,
+                     holds: &HashMap<i64, f64>| {
+            published.contains(&id)
+                || holds.contains_key(&id)
+                || failures
+                    .get(&id)
+                    .is_some_and(|f| f.park || f.hold.is_some())
+        };
+        for stand in read.map(|r| r.stands.as_slice()).unwrap_or_default() {
+            let current = mode.generations.get(&stand.lane).copied().unwrap_or(0);
+            let rows: Vec<i64> = batch
+                .rows
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| lane_of(*i) == Some(stand.lane))
+                .map(|(_, r)| r.id)
+                .collect();
+            let stale = current != stand.generation;
+            let first_undone = if stale {
+                rows.first().copied()
+            } else {
+                rows.iter()
+                    .copied()
+                    .find(|id| !state(*id, &failures, &holds))
+            };
+            let Some(undone) = first_undone else {
+                work.stands.push(stand.clone());
+                continue;
+            };
+            // Rows from the first undone on are read again: no state.
+            for id in rows.iter().filter(|id| **id >= undone) {
+                failures.remove(id);
+                holds.remove(id);
+            }
+            if stale {
+                continue;
+            }
+            let rewound = Stand {
+                after_id: undone - 1,
+                generation: current + 1,
+                ..stand.clone()
+            };
+            mode.generations.insert(stand.lane, current + 1);
+            tracing::debug!(
+                lane = stand.lane,
+                from = undone,
+                "a row was neither delivered nor held: its lane is read again from it"
+            );
+            work.stands.push(rewound.clone());
+            mode.rewinds.push(rewound);
+        }
+        mode.apply_rewinds();
+        // In the batch's order (the failures' order is the rows').
+        let mut ordered: Vec<_> = failures.into_values().collect();
+        ordered.sort_by_key(|f| f.id);
+        work.failures = ordered;
+        let mut held: Vec<(i64, f64)> = holds.into_iter().collect();
+        held.sort_by_key(|h| h.0);
+        work.holds = held;
+        work
+    }
+}

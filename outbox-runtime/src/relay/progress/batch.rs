@@ -1,0 +1,454 @@
+//! The progress mode's batches: what a claim reads (the held rows whose
+//! hold has ended, then each owned lane's window, in the claim's
+//! transaction, behind the lanes' "in use" locks) and what finishing a batch
+//! writes (the lanes' positions, appended; the rare paths' row states) in
+//! one transaction. A finish that does not commit is carried: written with
+//! the next one, or alone before the next claim (see the relay loop's
+//! progress state).
+//!
+//! A position must never pass a row that was neither delivered nor given a
+//! state of its own (held, failed, parked): the loop stops a lane's position
+//! before the first such row and reads the lane again from there (a
+//! rewind; see `cycle/progress.rs`).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use sqlx::{PgPool, Postgres, Transaction};
+use uuid::Uuid;
+
+use super::super::claim::{self, Batch, CLAIM_MARK, Failure, Row};
+use super::super::lanes::{self, Claimable};
+use super::{Chunk, Window, load};
+use crate::error::{Error, Result};
+use crate::refusal::{Statement, Trouble};
+use crate::scope::{Lock, OutboxScope};
+
+/// Recording positions.
+pub(crate) const RECORD: Statement = Statement {
+    name: "relay: record progress",
+    needs: "INSERT ON outbox_progress",
+};
+
+/// How often an idle lane's position is recorded at most: a window read
+/// empty moves the position without any row to publish; recording it keeps
+/// the next window's range of transaction ids short after a restart.
+const IDLE_RECORD: Duration = Duration::from_secs(5);
+
+/// Where a lane stands after a batch's rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Stand {
+    pub lane: i32,
+    /// The lane's generation when the batch was claimed: a rewind after it
+    /// makes the batch's rows of the lane stale.
+    pub generation: u64,
+    pub slots: Vec<i16>,
+    pub done: String,
+    pub upto: Option<String>,
+    pub after_id: i64,
+}
+
+impl Stand {
+    fn of(lane: i32, generation: u64, window: &Window) -> Stand {
+        Stand {
+            lane,
+            generation,
+            slots: window.slots.clone(),
+            done: window.done.clone(),
+            upto: window.upto.clone(),
+            after_id: if window.upto.is_some() {
+                window.after_id
+            } else {
+                0
+            },
+        }
+    }
+}
+
+/// What a batch read in the progress mode, beside its rows.
+#[derive(Debug, Default)]
+pub(crate) struct Read {
+    /// Where each lane read stands after the batch.
+    pub stands: Vec<Stand>,
+    /// Per row of the batch: the lane of a window's row; `None` for a held
+    /// row whose hold had ended.
+    pub lanes: Vec<Option<i32>>,
+    /// Positions of idle lanes were written in the claim's transaction: it
+    /// is committed even without rows.
+    pub commit: bool,
+}
+
+/// A lane's window and when its position was last recorded.
+#[derive(Debug)]
+struct Lane {
+    window: Window,
+    recorded: (String, Instant),
+}
+
+/// The windows of the lanes a relay reads, by lane (loaded when a lane is
+/// first read, dropped when it is no longer owned).
+#[derive(Debug, Default)]
+pub(crate) struct Windows {
+    lanes: HashMap<i32, Lane>,
+    /// Which lane the next batch reads first (each in turn).
+    turn: usize,
+}
+
+impl Windows {
+    /// Puts a lane's window back where `stand` says (a rewind), if this
+    /// relay still reads the lane.
+    pub fn rewind(&mut self, stand: &Stand) {
+        if let Some(lane) = self.lanes.get_mut(&stand.lane) {
+            lane.window = Window::at(stand);
+        }
+    }
+}
+
+/// The lanes of this outbox (`$1` oid) the lane session (pid `$2`) owns,
+/// lane 0's `objid` `$3`, `$4` lanes.
+const OWNED: &str = "
+SELECT coalesce(array_agg((objid::int8 - $3)::int4), '{}') FROM pg_locks
+WHERE locktype = 'advisory' AND granted AND objsubid = 1
+  AND classid = $1::int8::oid
+  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND pid = $2 AND objid::int8 >= $3 AND objid::int8 < $3 + $4";
+
+/// Held rows of slots `$1` whose hold has ended, not of the keys `$2`, in
+/// id order, at most `$3`, locked. With each, whether an earlier row of its
+/// key on its topic is held and not due yet (an earlier due one is in this
+/// claim, before it).
+static DUE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "{CLAIM_MARK} SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version,
+       created_at, topic, partition_key, payload::text AS payload, headers::text AS headers,
+       attempts, ctid::text AS tid,
+       (SELECT EXTRACT(EPOCH FROM h.held_until - statement_timestamp())::float8
+        FROM outbox_event h
+        WHERE h.held_until > statement_timestamp() AND h.published_at IS NULL
+          AND h.topic = o.topic AND h.partition_key = o.partition_key AND h.id < o.id
+        ORDER BY h.topic, h.partition_key, h.id LIMIT 1) AS behind_held_secs
+FROM outbox_event o
+WHERE held_until <= statement_timestamp() AND published_at IS NULL AND parked_at IS NULL
+  AND lane_slot = ANY($1::int2[]) AND partition_key <> ALL($2::text[])
+ORDER BY id LIMIT $3 FOR UPDATE SKIP LOCKED"
+    )
+});
+
+/// Reading the mode.
+pub(crate) const MODE: Statement = Statement {
+    name: "relay: read the outbox's mode",
+    needs: "SELECT ON outbox_progress",
+};
+
+/// Whether the outbox is in the progress mode (its positions table has
+/// rows). `None`: the table does not exist (a schema from before it).
+pub(crate) async fn enabled(pool: &PgPool) -> std::result::Result<Option<bool>, sqlx::Error> {
+    match sqlx::query_scalar::<_, bool>("SELECT EXISTS (SELECT 1 FROM outbox_progress)")
+        .fetch_one(pool)
+        .await
+    {
+        Ok(on) => Ok(Some(on)),
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Claims a batch in the progress mode: held rows of the owned lanes whose
+/// hold has ended (locked, up to `limit` and the byte budget), then the
+/// next rows of each owned lane's window, lanes in turn, up to `limit` and
+/// `max_bytes` in all. `generations` stamps the lanes' positions. With
+/// `record_idle` (nothing of this relay in flight), the positions of lanes
+/// whose windows moved without rows are recorded now and then.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn claim(
+    pool: &PgPool,
+    begin: &str,
+    limit: i64,
+    max_bytes: i64,
+    held_keys: &[String],
+    lanes: &Claimable,
+    windows: &mut Windows,
+    generations: &HashMap<i32, u64>,
+    record_idle: bool,
+) -> Result<Batch> {
+    let begin = if lanes.count > 0 && !lanes.lanes.is_empty() {
+        format!("{begin}; {}", claim::hold_in_use(lanes.scope, &lanes.lanes))
+    } else {
+        begin.to_owned()
+    };
+    let mut tx = pool.begin_with(begin).await?;
+    let mut read = Read::default();
+    if !lanes.any() || lanes.count == 0 {
+        windows.lanes.clear();
+        return Ok(Batch {
+            tx,
+            rows: Vec::new(),
+            cut: false,
+            progress: Some(read),
+        });
+    }
+    let owned: Vec<i32> = sqlx::query_scalar(OWNED)
+        .bind(i64::from(lanes.scope.oid()))
+        .bind(lanes.pid)
+        .bind(OutboxScope::objid(Lock::Lane))
+        .bind(lanes.count)
+        .fetch_one(&mut *tx)
+        .await?;
+    let owned: Vec<i32> = lanes
+        .lanes
+        .iter()
+        .filter(|l| owned.contains(l))
+        .copied()
+        .collect();
+    // A lane this relay does not own may have been read by another since:
+    // read from its recorded position if it comes back.
+    windows.lanes.retain(|lane, _| owned.contains(lane));
+    for lane in &owned {
+        if !windows.lanes.contains_key(lane) {
+            let window = load(&mut tx, &slots(lanes.count, *lane)).await?;
+            windows.lanes.insert(
+                *lane,
+                Lane {
+                    recorded: (window.done.clone(), Instant::now()),
+                    window,
+                },
+            );
+        }
+    }
+    let limit_rows = usize::try_from(limit.max(1)).unwrap_or(usize::MAX);
+    let all_slots: Vec<i16> = owned
+        .iter()
+        .flat_map(|lane| slots(lanes.count, *lane))
+        .collect();
+    let mut rows: Vec<Row> = sqlx::query_as(&DUE)
+        .bind(&all_slots)
+        .bind(held_keys)
+        .bind(limit)
+        .fetch_all(&mut *tx)
+        .await?;
+    // The byte budget over the held rows: those past it stay locked by this
+    // transaction without being in the batch (`cut`).
+    let mut bytes = 0i64;
+    let keep = rows
+        .iter()
+        .position(|r| {
+            let over = bytes >= max_bytes;
+            bytes += r.bytes() as i64;
+            over
+        })
+        .filter(|i| *i > 0)
+        .unwrap_or(rows.len());
+    let cut = keep < rows.len();
+    rows.truncate(keep);
+    let mut bytes: i64 = rows.iter().map(|r| r.bytes() as i64).sum();
+    read.lanes = vec![None; rows.len()];
+    let n = owned.len();
+    let start = windows.turn % n.max(1);
+    windows.turn = windows.turn.wrapping_add(1);
+    for i in 0..n {
+        if cut || rows.len() >= limit_rows || (!rows.is_empty() && bytes >= max_bytes) {
+            break;
+        }
+        let lane = owned[(start + i) % n];
+        let generation = generations.get(&lane).copied().unwrap_or(0);
+        let Some(entry) = windows.lanes.get_mut(&lane) else {
+            continue;
+        };
+        loop {
+            // A window taken now and found empty ends the lane's turn; one
+            // finished by earlier batches gives way to the next (once).
+            let fresh = entry.window.upto.is_none();
+            let budget = if rows.is_empty() {
+                max_bytes
+            } else {
+                max_bytes - bytes
+            };
+            match entry
+                .window
+                .next(&mut tx, limit_rows - rows.len(), budget)
+                .await?
+            {
+                Chunk::Rows(more) => {
+                    bytes += more.iter().map(|r| r.bytes() as i64).sum::<i64>();
+                    read.lanes
+                        .extend(std::iter::repeat_n(Some(lane), more.len()));
+                    rows.extend(more);
+                    read.stands.push(Stand::of(lane, generation, &entry.window));
+                    break;
+                }
+                Chunk::Finished => {
+                    entry.window.advance();
+                    if fresh {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    if record_idle && rows.is_empty() {
+        let idle: Vec<Stand> = windows
+            .lanes
+            .iter_mut()
+            .filter(|(_, l)| {
+                l.window.upto.is_none()
+                    && l.window.done != l.recorded.0
+                    && l.recorded.1.elapsed() >= IDLE_RECORD
+            })
+            .map(|(lane, l)| {
+                l.recorded = (l.window.done.clone(), Instant::now());
+                Stand::of(
+                    *lane,
+                    generations.get(lane).copied().unwrap_or(0),
+                    &l.window,
+                )
+            })
+            .collect();
+        if !idle.is_empty() {
+            insert_stands(&mut tx, &idle).await?;
+            read.commit = true;
+        }
+    }
+    Ok(Batch {
+        tx,
+        rows,
+        cut,
+        progress: Some(read),
+    })
+}
+
+/// The slots of `lane` of `count`.
+fn slots(count: i32, lane: i32) -> Vec<i16> {
+    lanes::slots_of(count, &[lane])
+        .into_iter()
+        .filter_map(|s| i16::try_from(s).ok())
+        .collect()
+}
+
+/// Appends positions, in order (`$1` slots as `int2[]` texts).
+const INSERT_STANDS: &str = "
+INSERT INTO outbox_progress (slots, done, upto, after_id)
+SELECT s::int2[], d::pg_snapshot, u::pg_snapshot, CASE WHEN u IS NOT NULL THEN a END
+FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[]) WITH ORDINALITY AS p(s, d, u, a, n)
+ORDER BY n";
+
+async fn insert_stands(
+    tx: &mut Transaction<'static, Postgres>,
+    stands: &[Stand],
+) -> std::result::Result<(), sqlx::Error> {
+    let slots: Vec<String> = stands
+        .iter()
+        .map(|s| {
+            let list: Vec<String> = s.slots.iter().map(i16::to_string).collect();
+            format!("{{{}}}", list.join(","))
+        })
+        .collect();
+    let done: Vec<&str> = stands.iter().map(|s| s.done.as_str()).collect();
+    let upto: Vec<Option<&str>> = stands.iter().map(|s| s.upto.as_deref()).collect();
+    let after: Vec<i64> = stands.iter().map(|s| s.after_id).collect();
+    sqlx::query(INSERT_STANDS)
+        .bind(&slots)
+        .bind(&done)
+        .bind(&upto)
+        .bind(&after)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// What finishing a batch writes in the progress mode.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Work {
+    /// Held rows delivered (event ids): marked published.
+    pub published: Vec<Uuid>,
+    pub failures: Vec<Failure>,
+    /// Rows to hold: id, seconds.
+    pub holds: Vec<(i64, f64)>,
+    /// The lanes' positions, in order.
+    pub stands: Vec<Stand>,
+}
+
+impl Work {
+    /// Adds a later batch's work after this one's.
+    pub fn then(&mut self, later: Work) {
+        self.published.extend(later.published);
+        self.failures.extend(later.failures);
+        self.holds.extend(later.holds);
+        self.stands.extend(later.stands);
+    }
+
+    /// Writes it in `tx`, adding the statements that went through to `ran`.
+    async fn write(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        ran: &mut Vec<Statement>,
+    ) -> std::result::Result<(), Trouble> {
+        if !self.published.is_empty() {
+            sqlx::query(claim::MARK_DELIVERED)
+                .bind(&self.published)
+                .execute(&mut **tx)
+                .await
+                .map_err(|e| Trouble::from(e).during(claim::MARK))?;
+            ran.push(claim::MARK);
+        }
+        claim::record(tx, &self.failures, &self.holds, ran).await?;
+        if !self.stands.is_empty() {
+            insert_stands(tx, &self.stands)
+                .await
+                .map_err(|e| Trouble::from(e).during(RECORD))?;
+            ran.push(RECORD);
+        }
+        Ok(())
+    }
+}
+
+impl Batch {
+    /// Writes `work` (this batch's, after any carried) and commits; if it
+    /// does not commit, the work comes back to be carried.
+    pub(crate) async fn finish_progress(
+        mut self,
+        work: Work,
+    ) -> std::result::Result<claim::Finished, claim::Unfinished> {
+        let mut finished = claim::Finished::default();
+        let result = async {
+            work.write(&mut self.tx, &mut finished.ran).await?;
+            self.tx.commit().await.map_err(Trouble::from)
+        }
+        .await;
+        match result {
+            Ok(()) => Ok(finished),
+            Err(trouble) => Err(claim::Unfinished {
+                trouble,
+                delivered: Vec::new(),
+                work: Some(Box::new(work)),
+            }),
+        }
+    }
+}
+
+/// Writes carried work in a transaction of its own under
+/// `statement_timeout` (0: none): the relay claims nothing until it could.
+pub(crate) async fn record_carried(
+    pool: &PgPool,
+    work: &Work,
+    statement_timeout: Duration,
+) -> std::result::Result<(), Trouble> {
+    let mut tx = pool.begin().await.map_err(Trouble::from)?;
+    sqlx::query(&format!(
+        "SET LOCAL statement_timeout = {}",
+        statement_timeout.as_millis()
+    ))
+    .execute(&mut *tx)
+    .await
+    .map_err(Trouble::from)?;
+    work.write(&mut tx, &mut Vec::new()).await?;
+    tx.commit().await.map_err(Trouble::from)
+}
+
+/// The error for a relay without lanes on an outbox in the progress mode.
+pub(crate) fn needs_lanes() -> Error {
+    Error::Config(
+        "this outbox is in the progress mode, which needs lanes (one relay reads a lane's \
+         window at a time): set lanes to 1 or more"
+            .into(),
+    )
+}

@@ -1,0 +1,519 @@
+//! The relay in the progress mode (`relay::progress`): positions per batch
+//! instead of a mark per row. Real PostgreSQL, real broker. Each test
+//! enables the mode on its fresh database, runs relays, and checks what a
+//! consumer of the topic reads (every committed event, first deliveries of
+//! a key in commit order) and what the relays wrote.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+use outbox_core::UnitOfWork;
+use outbox_runtime::relay::progress;
+use outbox_runtime::{Relay, ops};
+use sqlx::PgPool;
+
+fn relay(pool: &PgPool) -> outbox_runtime::RelayBuilder {
+    Relay::builder(pool.clone())
+        .brokers(brokers())
+        .delivery_timeout(Duration::from_secs(10))
+}
+
+/// Waits until the progress mode has nothing left to publish.
+async fn wait_until_done(pool: &PgPool, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if progress::pending(pool).await.unwrap() == 0 {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// Rows of the outbox written or locked since they were inserted (a row
+/// version's `xmax` is set by an update, a delete or a row lock).
+async fn touched(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE xmax::text <> '0'")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// If events are missing, says where the topic's offsets have holes (a
+/// record the broker acknowledged and does not return) before the check
+/// fails: the test broker's defect, not a lost event, if the holes account
+/// for them.
+fn report_holes(committed: &[uuid::Uuid], received: &[Received]) {
+    let seen: std::collections::HashSet<uuid::Uuid> =
+        received.iter().map(Received::event_id).collect();
+    let missing = committed.iter().filter(|id| !seen.contains(id)).count();
+    if missing == 0 {
+        return;
+    }
+    let mut by_partition: std::collections::BTreeMap<i32, Vec<i64>> = Default::default();
+    for r in received {
+        by_partition.entry(r.partition).or_default().push(r.offset);
+    }
+    for (partition, offsets) in by_partition {
+        let (first, last) = (offsets[0], offsets[offsets.len() - 1]);
+        let holes = (last - first + 1) as usize - offsets.len();
+        eprintln!(
+            "partition {partition}: offsets {first}..={last}, {} records, {holes} holes",
+            offsets.len()
+        );
+    }
+    eprintln!("{missing} events missing");
+}
+
+/// One relay, writers committing while it runs: every event arrives once,
+/// each key in commit order, and no outbox row was written or locked to
+/// publish it — the positions are the only writes.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_relay_publishes_every_event_once_in_key_order_without_writing_a_row(pool: PgPool) {
+    let topic = unique_topic("progress-basic");
+    create_topic(&brokers(), &topic).await;
+    progress::enable(&pool).await.unwrap();
+    let mut committed = commit_messages(&pool, &topic, 2_000, 50, 100).await;
+    let handle = relay(&pool).batch_size(300).spawn().unwrap();
+    // More while it runs, some in transactions that overlap.
+    let writers: Vec<_> = (0..4)
+        .map(|w| {
+            let (pool, topic) = (pool.clone(), topic.clone());
+            tokio::spawn(async move {
+                let mut ids = Vec::new();
+                for round in 0..20 {
+                    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+                    for i in 0..25 {
+                        let seq = 10_000 + w * 1_000 + round * 25 + i;
+                        ids.push(uow.record_message(message(
+                            &topic,
+                            &format!("w{w}-{}", i % 5),
+                            seq,
+                        )));
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    uow.commit().await.unwrap();
+                }
+                ids
+            })
+        })
+        .collect();
+    for w in writers {
+        committed.extend(w.await.unwrap());
+    }
+    assert!(
+        wait_until_done(&pool, Duration::from_secs(60)).await,
+        "relay drained the outbox"
+    );
+    let counts = handle.counts();
+    handle.shutdown().await.unwrap();
+    assert_eq!(counts.published as usize, committed.len());
+
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(60)).await;
+    let duplicates = verify(&committed, &received);
+    assert_eq!(duplicates, 0, "one relay, no failure: no duplicates");
+    assert_eq!(touched(&pool).await, 0, "no outbox row written or locked");
+    let marked: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE published_at IS NOT NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(marked, 0);
+    let positions: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_progress")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(
+        positions > 1 && (positions as usize) < committed.len(),
+        "positions per batch and lane, not per event: {positions}"
+    );
+}
+
+/// A relay on a task of its own, aborted to crash it.
+fn crashable(pool: &PgPool) -> tokio::task::JoinHandle<()> {
+    let relay = relay(pool).batch_size(200).build().unwrap();
+    tokio::spawn(async move {
+        let _ = relay.run(tokio_util::sync::CancellationToken::new()).await;
+    })
+}
+
+/// Three relays share the lanes while writers commit; relays are aborted
+/// (a crash: the batch in flight is neither finished nor flushed) and
+/// started again, four times. Nothing is lost, every key's first
+/// deliveries follow commit order; duplicates come only from batches the
+/// crashed relays had not recorded.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn relays_that_crash_and_restart_lose_nothing_and_keep_key_order(pool: PgPool) {
+    let topic = unique_topic("progress-crash");
+    // Several relays write it at once: see `create_warm_topic`.
+    create_warm_topic(&brokers(), &topic).await;
+    progress::enable(&pool).await.unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..3)
+        .map(|w| {
+            let (pool, topic, stop) = (pool.clone(), topic.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut ids = Vec::new();
+                let mut seq = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+                    for i in 0..20 {
+                        ids.push(uow.record_message(message(
+                            &topic,
+                            &format!("w{w}-{}", i % 7),
+                            seq,
+                        )));
+                        seq += 1;
+                    }
+                    uow.commit().await.unwrap();
+                }
+                ids
+            })
+        })
+        .collect();
+    let mut relays: Vec<_> = (0..3).map(|_| crashable(&pool)).collect();
+    for round in 0..4 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let victim = relays.remove(round % relays.len());
+        victim.abort();
+        let _ = victim.await;
+        relays.push(crashable(&pool));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut committed = Vec::new();
+    for w in writers {
+        committed.extend(w.await.unwrap());
+    }
+    assert!(
+        wait_until_done(&pool, Duration::from_secs(90)).await,
+        "relays drained the outbox"
+    );
+    for r in relays {
+        r.abort();
+    }
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(60)).await;
+    report_holes(&committed, &received);
+    let duplicates = verify(&committed, &received);
+    eprintln!(
+        "{} events, {duplicates} duplicates after 4 crashes",
+        committed.len()
+    );
+    assert_eq!(touched(&pool).await, 0, "no outbox row written or locked");
+}
+
+/// A poison event (too large for the producer) is retried, then parked;
+/// its key's later events wait behind it (held: the rare path writes those
+/// rows) and follow in order once it is parked; other keys never wait.
+/// Requeued, it is read again although its lane's position is past it.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_poison_event_is_parked_and_holds_back_only_its_key(pool: PgPool) {
+    let topic = unique_topic("progress-poison");
+    create_topic(&brokers(), &topic).await;
+    progress::enable(&pool).await.unwrap();
+    let mut committed = Vec::new();
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    committed.push(uow.record_message(message(&topic, "k0", 0)));
+    let mut poison = message(&topic, "k0", 1);
+    poison.payload = serde_json::json!({ "seq": 1, "blob": "x".repeat(300_000) }).to_string();
+    let poison_id = uow.record_message(poison);
+    for seq in 2..40 {
+        let key = if seq % 4 == 0 {
+            "k0".to_owned()
+        } else {
+            format!("k{}", seq % 4)
+        };
+        committed.push(uow.record_message(message(&topic, &key, seq)));
+    }
+    uow.commit().await.unwrap();
+
+    let handle = relay(&pool)
+        .kafka_setting("message.max.bytes", "100000")
+        .max_attempts(3)
+        .retry_backoff(Duration::from_millis(100), Duration::from_millis(400))
+        .batch_size(10)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let parked = ops::status(&pool).await.unwrap().parked;
+        if parked == 1 && progress::pending(&pool).await.unwrap() == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "poison not parked / others not drained"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(30)).await;
+    assert_eq!(verify(&committed, &received), 0);
+    assert!(received.iter().all(|r| r.event_id() != poison_id));
+    let (attempts, parked): (i32, bool) = sqlx::query_as(
+        "SELECT attempts, parked_at IS NOT NULL FROM outbox_event WHERE event_id = $1",
+    )
+    .bind(poison_id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((attempts, parked), (3, true));
+    // Only the poison and its key's later events were written (held, then
+    // marked published by the rare path): no other key's row.
+    let written: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT partition_key FROM outbox_event WHERE xmax::text <> '0'",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(written, vec!["k0".to_owned()]);
+
+    // Requeued with a size the producer takes: it goes out.
+    sqlx::query("UPDATE outbox_event SET payload = '{\"seq\": 1}' WHERE event_id = $1")
+        .bind(poison_id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ops::requeue_parked(&pool, None).await.unwrap(), 1);
+    assert!(wait_until_done(&pool, Duration::from_secs(30)).await);
+    handle.shutdown().await.unwrap();
+    let received = read_topic(
+        &brokers(),
+        &topic,
+        committed.len() + 1,
+        Duration::from_secs(30),
+    )
+    .await;
+    assert!(received.iter().any(|r| r.event_id() == poison_id));
+}
+
+/// A producer queue too small for a batch withholds rows without a hold:
+/// their lane's position stops before the first and the lane is read again
+/// from there. Nothing is lost and each key stays in order.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn rows_withheld_without_a_hold_are_read_again_in_order(pool: PgPool) {
+    let topic = unique_topic("progress-withheld");
+    create_topic(&brokers(), &topic).await;
+    progress::enable(&pool).await.unwrap();
+    let committed = commit_messages(&pool, &topic, 3_000, 5, 100).await;
+    let handle = relay(&pool)
+        .kafka_setting("queue.buffering.max.messages", "40")
+        .batch_size(200)
+        .spawn()
+        .unwrap();
+    assert!(wait_until_done(&pool, Duration::from_secs(60)).await);
+    let counts = handle.counts();
+    handle.shutdown().await.unwrap();
+    assert!(
+        counts.withheld > 0,
+        "the small queue held rows back: {counts:?}"
+    );
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(60)).await;
+    report_holes(&committed, &received);
+    let duplicates = verify(&committed, &received);
+    eprintln!("{} events, {duplicates} duplicates", committed.len());
+    assert_eq!(
+        touched(&pool).await,
+        0,
+        "no row written: they were read again"
+    );
+}
+
+/// The broker stops answering mid-drain (SIGSTOP): deliveries time out,
+/// the lanes are read again from the first undelivered row, and once it
+/// answers everything arrives, each key in order.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_broker_that_stops_answering_costs_nothing(pool: PgPool) {
+    let port = free_port();
+    let broker = PrivateBroker::start(port, port);
+    let brokers = format!("127.0.0.1:{port}");
+    let topic = unique_topic("progress-outage");
+    create_topic(&brokers, &topic).await;
+    progress::enable(&pool).await.unwrap();
+    let committed = commit_messages(&pool, &topic, 3_000, 20, 100).await;
+    let handle = Relay::builder(pool.clone())
+        .brokers(&brokers)
+        .delivery_timeout(Duration::from_secs(2))
+        .outage_backoff(Duration::from_millis(200), Duration::from_secs(1))
+        .batch_size(100)
+        .max_events_per_second(Some(2_000))
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    broker.pause();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let pending_in_outage = progress::pending(&pool).await.unwrap();
+    broker.resume();
+    assert!(wait_until_done(&pool, Duration::from_secs(60)).await);
+    let counts = handle.counts();
+    handle.shutdown().await.unwrap();
+    assert!(pending_in_outage > 0, "the outage came mid-drain");
+    assert!(
+        counts.failed > 0,
+        "deliveries failed in the outage: {counts:?}"
+    );
+    let received = read_topic(&brokers, &topic, committed.len(), Duration::from_secs(60)).await;
+    report_holes(&committed, &received);
+    let duplicates = verify(&committed, &received);
+    eprintln!("{} events, {duplicates} duplicates", committed.len());
+    assert_eq!(
+        touched(&pool).await,
+        0,
+        "no row written: they were read again"
+    );
+}
+
+/// A relay without lanes would read every lane's window beside the others:
+/// in the progress mode it refuses to start, saying why.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_relay_without_lanes_is_refused(pool: PgPool) {
+    progress::enable(&pool).await.unwrap();
+    let error = relay(&pool)
+        .lanes(0)
+        .spawn()
+        .unwrap()
+        .join()
+        .await
+        .unwrap_err();
+    assert!(error.to_string().contains("progress mode"), "{error}");
+}
+
+/// The relay as its role: the guide's block lets it read the mode; in the
+/// progress mode it also needs to insert positions. Without that grant its
+/// first finish is refused, reported as such, and it stops publishing
+/// (nothing more is claimed until the positions are recorded); given the
+/// grant, it writes them and goes on: every event once, none twice.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn the_relay_role_records_positions_only_with_its_grant(pool: PgPool) {
+    use common::roles::*;
+    use outbox_runtime::RelayHealth;
+    let logs = Logs::capture();
+    let roles = Roles::create(&pool).await;
+    progress::enable(&pool).await.unwrap();
+    let topic = unique_topic("progress-roles");
+    create_topic(&brokers(), &topic).await;
+    let app = roles.pool("outbox_app", 1);
+    let committed = commit_messages(&app, &topic, 200, 10, 20).await;
+    let relay = Relay::builder(roles.pool("outbox_relay", 4))
+        .brokers(brokers())
+        .batch_size(50)
+        .poll_interval(Duration::from_millis(100))
+        .outage_backoff(Duration::from_millis(50), Duration::from_secs(1))
+        .spawn()
+        .unwrap();
+    let refused = eventually(Duration::from_secs(20), || async {
+        matches!(relay.health(), RelayHealth::Refused { error }
+            if error.contains("record progress") && error.contains("permission denied"))
+    })
+    .await;
+    assert!(refused, "{:?}\n{}", relay.health(), logs.text());
+    // The batches already open when the refusal came settle; then nothing.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let published = relay.counts().published;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        relay.counts().published,
+        published,
+        "nothing more is published while its positions are refused"
+    );
+    assert!(published < committed.len() as u64, "{published}");
+    assert_eq!(logs.count("permission denied"), 1, "{}", logs.text());
+
+    roles
+        .sql("GRANT INSERT ON outbox_progress TO outbox_relay")
+        .await;
+    assert!(wait_until_done(&pool, Duration::from_secs(30)).await);
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            relay.health() == RelayHealth::Running
+        })
+        .await,
+        "{:?}",
+        relay.health()
+    );
+    relay.shutdown().await.unwrap();
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(30)).await;
+    assert_eq!(verify(&committed, &received), 0, "no event published twice");
+    app.close().await;
+    roles.drop_all().await;
+}
+
+/// What operators read and run in the progress mode: `status` and the
+/// backlog gauges count the rows the positions have not passed (all of
+/// them before the relay, none after, although no row is marked); the
+/// cleanup deletes the old rows the positions passed and never one they
+/// have not, and prunes the positions no lane stands at.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn status_gauges_and_cleanup_follow_the_positions(pool: PgPool) {
+    use outbox_runtime::cleanup::{self, Retention};
+    let topic = unique_topic("progress-ops");
+    create_topic(&brokers(), &topic).await;
+    progress::enable(&pool).await.unwrap();
+    let committed = commit_messages(&pool, &topic, 500, 20, 50).await;
+    let gauges = |pool: PgPool| async move {
+        let (backlog, _, parked, held): (i64, Option<f64>, i64, i64) =
+            sqlx::query_as(ops::progress_gauges_sql())
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        (backlog, parked, held)
+    };
+    let status = ops::status(&pool).await.unwrap();
+    assert_eq!(status.unpublished, 500, "{status:?}");
+    assert_eq!(gauges(pool.clone()).await, (500, 0, 0));
+
+    let handle = relay(&pool).batch_size(100).spawn().unwrap();
+    assert!(wait_until_done(&pool, Duration::from_secs(30)).await);
+    handle.shutdown().await.unwrap();
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(30)).await;
+    assert_eq!(verify(&committed, &received), 0);
+    let status = ops::status(&pool).await.unwrap();
+    assert_eq!(status.unpublished, 0, "{status:?}");
+    let published: i64 = status.topics.iter().map(|t| t.published).sum();
+    assert_eq!(published, 500, "{status:?}");
+    assert_eq!(gauges(pool.clone()).await, (0, 0, 0));
+
+    // Ten more, not published (no relay); then everything is made old.
+    let later = commit_messages(&pool, &topic, 10, 5, 10).await;
+    assert_eq!(ops::status(&pool).await.unwrap().unpublished, 10);
+    assert_eq!(gauges(pool.clone()).await, (10, 0, 0));
+    sqlx::query("UPDATE outbox_event SET created_at = created_at - interval '40 days'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let positions = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox_progress")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let before = positions().await;
+    let report = cleanup::cleanup(&pool, &Retention::new(Duration::from_secs(30 * 86_400)))
+        .await
+        .unwrap();
+    assert_eq!(report.outbox_events, 500, "{report:?}");
+    assert!(
+        report.positions > 0 && positions().await < before,
+        "{report:?}"
+    );
+    let left: Vec<uuid::Uuid> = sqlx::query_scalar("SELECT event_id FROM outbox_event ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, later, "the rows the positions have not passed stay");
+    // The positions kept still say where each lane stands: the ten go out.
+    let handle = relay(&pool).spawn().unwrap();
+    assert!(wait_until_done(&pool, Duration::from_secs(30)).await);
+    handle.shutdown().await.unwrap();
+    let received = read_topic(
+        &brokers(),
+        &topic,
+        committed.len() + later.len(),
+        Duration::from_secs(30),
+    )
+    .await;
+    let all: Vec<uuid::Uuid> = committed.iter().chain(&later).copied().collect();
+    assert_eq!(verify(&all, &received), 0);
+}
