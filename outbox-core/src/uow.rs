@@ -141,14 +141,15 @@ WHERE current_setting('outbox.tx', true) IS NOT DISTINCT FROM 'on'
 ORDER BY n";
 
 /// Cancels the scheduled row of event id `$1` while it still waits for its
-/// time (not yet released by a relay): it is parked and dropped (reason
-/// `cancelled`), out of the held rows. A relay releasing it right now holds
-/// its row lock: the update waits, then finds it released and changes
-/// nothing.
+/// time (not yet released by a relay, nor published: a relay in the
+/// progress mode publishes a due row without releasing it): it is parked
+/// and dropped (reason `cancelled`), out of the held rows. A relay
+/// releasing or publishing it right now holds its row lock: the update
+/// waits, then finds it released or published and changes nothing.
 const CANCEL_SCHEDULED: &str = "\
 UPDATE outbox_event
 SET parked_at = now(), discarded_at = now(), discard_reason = 'cancelled', held_until = NULL
-WHERE event_id = $1 AND held_until = due_at";
+WHERE event_id = $1 AND held_until = due_at AND published_at IS NULL";
 
 /// When a scheduled event is due.
 #[derive(Debug, Clone, Copy)]

@@ -444,3 +444,45 @@ async fn a_scheduled_event_that_fails_once_due_is_retried_then_parked(pool: PgPo
     assert_eq!(ids(&received), [later]);
     handle.shutdown().await.unwrap();
 }
+
+/// In the progress mode (positions instead of marks; a due held row is
+/// claimed as it is, without a release): a scheduled event goes out once
+/// due, not before, and is marked published; cancelling it then answers
+/// `false`; a cancelled one never goes out.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn scheduled_events_in_the_progress_mode(pool: PgPool) {
+    use outbox_runtime::relay::progress;
+    let topic = unique_topic("scheduled-progress");
+    create_topic(&brokers(), &topic).await;
+    progress::enable(&pool).await.unwrap();
+    let handle = relay(&pool).lanes(4).spawn().unwrap();
+
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let now = uow.record_message(message(&topic, "K", 0));
+    let due = SystemTime::now() + Duration::from_secs(2);
+    let sent = uow.record_message_at(due, message(&topic, "K", 1));
+    let cancelled = uow.record_message_at(due, message(&topic, "L", 2));
+    uow.commit().await.unwrap();
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    assert!(uow.cancel_scheduled(cancelled).await.unwrap());
+    uow.commit().await.unwrap();
+
+    let first = read_topic(&brokers(), &topic, 1, Duration::from_secs(30)).await;
+    assert_eq!(ids(&first), [now]);
+    let all = read_topic(&brokers(), &topic, 2, Duration::from_secs(30)).await;
+    assert_eq!(ids(&all), [now, sent]);
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            due_and_published(&pool, sent).await.1
+        })
+        .await
+    );
+    assert!(published_when_due(&pool, sent).await);
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    assert!(!uow.cancel_scheduled(sent).await.unwrap(), "published");
+    uow.commit().await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    handle.shutdown().await.unwrap();
+    let seen = ids(&read_all(&brokers(), &topic, Duration::from_secs(10)).await);
+    assert!(!seen.contains(&cancelled));
+}
