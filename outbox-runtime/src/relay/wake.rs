@@ -28,7 +28,8 @@ use crate::scope::OutboxScope;
 const WRITERS_IN_FLIGHT_RECHECK: Duration = Duration::from_millis(1);
 
 pub(crate) struct Waker {
-    /// A pool of one connection, for LISTEN alone: the listener never takes
+    /// A pool of one connection, for LISTEN (and, while there is no
+    /// listener, the look-up of the next hold's end): the waker never takes
     /// a connection from the relay's (or the application's) pool.
     pool: PgPool,
     /// The outbox's channel and wake-up lock.
