@@ -127,7 +127,7 @@ pub const KEY_LOCK_CLASS: i32 = 0x6F62_6B00;
 /// database's clock), written to `due_at` and to `held_until`: the row is
 /// out of the relay's claims until its release puts it back once due. Only
 /// inside a transaction carrying [`TX_MARK`]. No key lock: a scheduled row
-/// is ordered by its time, not by its id, and holds no row of its key back.
+/// is not ordered with its key's rows, and holds none of them back.
 const INSERT_SCHEDULED: &str = "\
 INSERT INTO outbox_event
     (event_id, aggregate_type, aggregate_id, event_type, event_version,
@@ -283,9 +283,10 @@ impl UnitOfWork {
     ///
     /// The event is written to the outbox at [`commit`](Self::commit), in
     /// the same transaction as everything else, and a relay publishes it
-    /// once its time has come (within about a second of it). It is ordered
-    /// by its time, not by when it was recorded: it does not hold back the
-    /// events of its key recorded after it. A time in the past means "as
+    /// once its time has come (within about a second of it). It is not
+    /// ordered with the events of its key: it does not hold back those
+    /// recorded after it (once due, it is claimed in id order with the rest,
+    /// so with a backlog it may go out before some of them). A time in the past means "as
     /// soon as possible". [`cancel_scheduled`](Self::cancel_scheduled)
     /// cancels it until then.
     ///

@@ -38,7 +38,7 @@
 //!
 //! Scheduled rows (`UnitOfWork::record_at`): written with `held_until` at
 //! their `due_at`, they are held rows until then and released like any
-//! other. They are ordered by their time, not their id: the probe leaves
+//! other. They are not ordered with their key's rows: the probe leaves
 //! rows with a `due_at` out (its gate and its index too), so a scheduled
 //! row never holds back its key's later rows, before or after it is due.
 //! An idle relay sleeps at most until the next hold ends ([`NEXT_HOLD`],
