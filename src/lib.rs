@@ -95,7 +95,7 @@ pub use outbox_core::{
     Aggregate, AggregateRoot, BoxError, CommandFuture, CommandHandler, CommandOutput, Committed,
     DomainEvent, Error, EventVersion, HandlerArg, HandlerContext, HandlerFuture, Headers,
     InboxHandler, InboxOutput, IncomingEvent, LockPolicy, MIGRATOR, OutboxMessage, PendingEvents,
-    Result, TraceParent, migrate, migrate_with, trace,
+    Result, TraceParent, cancel_scheduled, migrate, migrate_with, trace,
 };
 
 /// A domain change and its events, committed as one transaction: the

@@ -41,8 +41,40 @@ struct StepDone {
     step: i32,
 }
 
+/// A reminder scheduled by [`place_order_with_reminder`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, DomainEvent)]
+#[event(topic = "kit-reminders", aggregate_type = "Order")]
+struct PaymentReminder {
+    #[event(aggregate_id)]
+    order_id: Uuid,
+}
+
 struct PlaceOrder {
     amount_cents: i64,
+}
+
+/// Places an order with a payment reminder in 15 minutes (nothing
+/// charges it here); returns the order id and the reminder's event id.
+async fn place_order_with_reminder(pool: &PgPool) -> (Uuid, Uuid) {
+    let order_id = Uuid::now_v7();
+    let mut uow = UnitOfWork::begin(pool).await.unwrap();
+    sqlx::query("INSERT INTO orders (id, amount_cents, status) VALUES ($1, 100, 'pending')")
+        .bind(order_id)
+        .execute(&mut *uow)
+        .await
+        .unwrap();
+    let reminder = uow.record_after(Duration::from_secs(15 * 60), PaymentReminder { order_id });
+    uow.commit().await.unwrap();
+    (order_id, reminder)
+}
+
+#[inbox_handler]
+async fn remind(ctx: &mut HandlerContext<'_>, event: PaymentReminder) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE orders SET status = 'reminded' WHERE id = $1")
+        .bind(event.order_id)
+        .execute(&mut **ctx)
+        .await?;
+    Ok(())
 }
 
 #[command_handler]
@@ -659,4 +691,59 @@ async fn a_consumer_with_a_topic_prefix_gets_its_events_on_the_bus() {
     // Reported under the event's own topic.
     assert_eq!(delivery.delivered[0].topic, "kit-orders");
     assert_eq!(count(&pool, "SELECT count(*) FROM charges").await, 1);
+}
+
+/// Scheduled events wait for the bus's clock: `deliver_due` leaves a
+/// reminder due in 15 minutes until the clock has moved past it;
+/// `deliver` jumps the clock to it; a cancelled one is never delivered.
+#[tokio::test]
+async fn scheduled_events_are_delivered_when_the_test_clock_reaches_them() {
+    let db = TestDb::builder().sql(TABLES).create().await.unwrap();
+    let pool = db.pool().clone();
+    let status = async |order_id: Uuid| -> String {
+        sqlx::query_scalar("SELECT status FROM orders WHERE id = $1")
+            .bind(order_id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let mut bus = TestBus::new().service(
+        Consumer::builder(pool.clone())
+            .group("reminders")
+            .handler(remind),
+    );
+
+    let (order, _) = place_order_with_reminder(&pool).await;
+    let before = bus.deliver_due().await.unwrap();
+    assert!(before.published.is_empty(), "{before}");
+    assert_eq!(status(order).await, "pending");
+    bus.clock().advance(Duration::from_secs(14 * 60));
+    assert!(bus.deliver_due().await.unwrap().published.is_empty());
+    bus.clock().advance(Duration::from_secs(2 * 60));
+    let after = bus.deliver_due().await.unwrap();
+    after.assert_handled::<PaymentReminder>(|e| e.order_id == order);
+    assert_eq!(status(order).await, "reminded");
+
+    // `deliver` jumps to the next one; a cancelled one never comes. (A
+    // new bus: its clock's time is the database's again.)
+    let mut bus = TestBus::new().service(
+        Consumer::builder(pool.clone())
+            .group("reminders")
+            .handler(remind),
+    );
+    let started = Instant::now();
+    let (later, _) = place_order_with_reminder(&pool).await;
+    let (cancelled, reminder) = place_order_with_reminder(&pool).await;
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    assert!(uow.cancel_scheduled(reminder).await.unwrap());
+    uow.commit().await.unwrap();
+    let elapsed = bus.clock().elapsed();
+    let delivery = bus.deliver().await.unwrap();
+    delivery.assert_handled::<PaymentReminder>(|e| e.order_id == later);
+    assert_eq!(delivery.published.len(), 1, "{delivery}");
+    assert!(bus.clock().elapsed() >= elapsed + Duration::from_secs(14 * 60));
+    assert!(delivery.retry_waits.is_empty(), "a jump is no retry");
+    assert_eq!(status(later).await, "reminded");
+    assert_eq!(status(cancelled).await, "pending");
+    assert!(started.elapsed() < Duration::from_secs(60));
 }

@@ -657,3 +657,43 @@ async fn key_locks_serialize_writers_of_a_bucket_and_only_them(pool: PgPool) {
     first.commit().await.unwrap();
     assert!(hold_keys(&pool, &[&b], "2s").await.is_ok());
 }
+
+/// Scheduled events are written at commit with the other events (their
+/// ids last), with the Unit of Work's headers, `due_at` the time asked for
+/// (`record_after`: from the commit, by the database's clock) and held
+/// until then.
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn scheduled_events_carry_the_headers_and_their_due_time(pool: PgPool) {
+    use std::time::{Duration, SystemTime};
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let correlation = uow.headers().correlation_id.unwrap();
+    let after = uow.record_after(Duration::from_secs(90), placed(0));
+    let at = uow.record_at(SystemTime::now() + Duration::from_secs(3600), placed(1));
+    let now = uow.record(placed(2));
+    assert_eq!(uow.pending_events(), 3);
+    let committed = uow.commit().await.unwrap();
+    assert_eq!(committed.event_ids, [now, after, at]);
+
+    let rows: Vec<(Uuid, Option<String>, Option<f64>, bool)> = sqlx::query_as(
+        "SELECT event_id, headers->>'correlation_id',
+                EXTRACT(EPOCH FROM due_at - created_at)::float8,
+                held_until IS NOT DISTINCT FROM due_at
+         FROM outbox_event ORDER BY id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 3);
+    for (event_id, corr, due_in, held) in rows {
+        assert_eq!(corr, Some(correlation.to_string()), "{event_id}");
+        assert!(held, "{event_id}");
+        match due_in {
+            None => assert_eq!(event_id, now),
+            Some(secs) if event_id == after => assert!((secs - 90.0).abs() < 1.0, "{secs}"),
+            Some(secs) => {
+                assert_eq!(event_id, at);
+                assert!((secs - 3600.0).abs() < 5.0, "{secs}");
+            }
+        }
+    }
+}

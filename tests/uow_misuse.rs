@@ -77,6 +77,28 @@ async fn a_rollback_run_by_hand_never_lets_the_events_out(pool: PgPool) {
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_event").await, 0);
 }
 
+/// The same for a scheduled event alone (its insert is a statement of its
+/// own), and for one cancelled by hand-broken code: nothing written.
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn a_rollback_run_by_hand_never_lets_a_scheduled_event_out(pool: PgPool) {
+    setup(&pool).await;
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let id = Uuid::now_v7();
+    insert_order(&mut uow, id).await.unwrap();
+    sqlx::query("ROLLBACK").execute(&mut *uow).await.unwrap();
+    uow.record_after(
+        std::time::Duration::from_secs(60),
+        OrderPlaced { order_id: id },
+    );
+    let error = uow
+        .commit()
+        .await
+        .expect_err("the transaction was rolled back by hand");
+    assert!(error.to_string().contains("ended"), "{error}");
+    assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 0);
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_event").await, 0);
+}
+
 #[sqlx::test(migrator = "outbox::MIGRATOR")]
 async fn a_commit_run_by_hand_is_reported_at_commit(pool: PgPool) {
     setup(&pool).await;

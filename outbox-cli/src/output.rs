@@ -16,7 +16,7 @@ pub(crate) fn print_status(s: &ops::Status) {
     };
     let published = |n: i64| mark(s.estimated, n);
     let backlog = |n: i64| mark(s.backlog_estimated, n);
-    let rows: Vec<[String; 7]> = s
+    let rows: Vec<[String; 8]> = s
         .topics
         .iter()
         .map(|t| {
@@ -24,6 +24,7 @@ pub(crate) fn print_status(s: &ops::Status) {
                 t.topic.clone(),
                 backlog(t.unpublished),
                 backlog(t.held),
+                backlog(t.scheduled),
                 age(t.oldest_unpublished_secs),
                 backlog(t.parked),
                 backlog(t.discarded),
@@ -34,6 +35,7 @@ pub(crate) fn print_status(s: &ops::Status) {
             "TOTAL".to_owned(),
             backlog(s.unpublished),
             backlog(s.held),
+            backlog(s.scheduled.total),
             age(s.oldest_unpublished_secs),
             backlog(s.parked),
             backlog(s.discarded),
@@ -44,6 +46,7 @@ pub(crate) fn print_status(s: &ops::Status) {
         "TOPIC",
         "UNPUBLISHED",
         "HELD",
+        "SCHEDULED",
         "OLDEST UNPUBLISHED",
         "PARKED",
         "DROPPED",
@@ -58,6 +61,17 @@ pub(crate) fn print_status(s: &ops::Status) {
         );
     } else if s.estimated {
         println!("~ estimated from the table's statistics");
+    }
+    if let Some(next) = s.scheduled.next_due_secs {
+        // Scheduled rows wait for their time apart from the backlog.
+        if next >= 0.0 {
+            println!("scheduled: next due in {}", ops_age(next));
+        } else {
+            println!(
+                "scheduled: the next one is overdue by {} (no relay released it)",
+                ops_age(-next)
+            );
+        }
     }
     println!("outbox: schema {}", s.schema);
     println!(

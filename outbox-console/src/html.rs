@@ -166,6 +166,16 @@ pub fn age(secs: Option<f64>) -> String {
     }
 }
 
+/// When the next scheduled event is due, for people: `in 3m 20s`,
+/// `overdue 5s` (no relay released it yet), `–` (none scheduled).
+pub fn next_due(secs: Option<f64>) -> String {
+    match secs {
+        None => "–".into(),
+        Some(s) if s >= 0.0 => format!("in {}", age(Some(s))),
+        Some(s) => format!("overdue {}", age(Some(-s))),
+    }
+}
+
 /// The hidden field that carries the session's form token: every form
 /// that POSTs has it (a write without it is refused).
 pub fn csrf_field(session: Option<&Session>) -> Markup {
@@ -354,13 +364,14 @@ pub fn chart_script(url: &str) -> Markup {
   function tick() {{
     fetch(url, {{ headers: {{ 'Accept': 'application/json' }} }}).then(function (r) {{ return r.json(); }}).then(function (o) {{
       draw(o.points || []);
-      [['unpublished', o.unpublished], ['age', o.oldest_unpublished], ['held', o.held], ['parked', o.parked],
-       ['discarded', o.discarded], ['published', o.published], ['relays', o.relays]].forEach(function (f) {{
+      [['unpublished', o.unpublished], ['age', o.oldest_unpublished], ['held', o.held], ['scheduled', o.scheduled],
+       ['next_due', o.next_due], ['parked', o.parked], ['discarded', o.discarded], ['published', o.published], ['relays', o.relays]].forEach(function (f) {{
         var el = document.querySelector('[data-total="' + f[0] + '"]'); if (el) el.textContent = f[1];
       }});
       (o.topics || []).forEach(function (t) {{
         set(t.topic, 'unpublished', t.unpublished); set(t.topic, 'age', t.oldest_unpublished);
-        set(t.topic, 'held', t.held); set(t.topic, 'parked', t.parked);
+        set(t.topic, 'held', t.held); set(t.topic, 'scheduled', t.scheduled);
+        set(t.topic, 'parked', t.parked);
         set(t.topic, 'discarded', t.discarded); set(t.topic, 'published', t.published);
         set(t.topic, 'rate', t.published_per_sec == null ? '–' : t.published_per_sec.toFixed(1) + '/s');
       }});

@@ -14,7 +14,7 @@ use serde_json::json;
 
 use crate::auth::session;
 use crate::error::{ConsoleError, Page};
-use crate::html::{Nav, age, chart_script, page, query};
+use crate::html::{Nav, age, chart_script, next_due, page, query};
 use crate::lag::{MAX_GROUPS, Reading};
 use crate::{Console, Shared};
 
@@ -65,6 +65,10 @@ async fn overview_page(console: &Console, headers: &HeaderMap) -> Page {
             div.card { b data-total="unpublished" { (backlog(s.unpublished)) } span { "unpublished" } }
             div.card { b data-total="age" { (age(s.oldest_unpublished_secs)) } span { "oldest unpublished" } }
             div.card { b data-total="held" { (backlog(s.held)) } span { "held" } }
+            div.card {
+                b data-total="scheduled" { (backlog(s.scheduled.total)) }
+                span { "scheduled, next " span data-total="next_due" { (next_due(s.scheduled.next_due_secs)) } }
+            }
             div.card { b { a href=(console.link("/parked")) data-total="parked" { (backlog(s.parked)) } } span { "parked" } }
             div.card { b data-total="discarded" { (backlog(s.discarded)) } span { "dropped" } }
             div.card {
@@ -83,12 +87,13 @@ async fn overview_page(console: &Console, headers: &HeaderMap) -> Page {
         h2 { "Topics" }
         table #topics {
             thead { tr {
-                th { "topic" } th.num { "unpublished" } th.num { "held" } th.num { "oldest unpublished" }
+                th { "topic" } th.num { "unpublished" } th.num { "held" } th.num { "scheduled" }
+                th.num { "oldest unpublished" }
                 th.num { "published/s" } th.num { "parked" } th.num { "dropped" } th.num { "published" }
             } }
             tbody {
                 @if s.topics.is_empty() {
-                    tr { td.muted colspan="8" { "the outbox is empty" } }
+                    tr { td.muted colspan="9" { "the outbox is empty" } }
                 }
                 @for t in &s.topics {
                     @let topic = t.topic.as_str();
@@ -97,6 +102,7 @@ async fn overview_page(console: &Console, headers: &HeaderMap) -> Page {
                         td { (topic) }
                         td.num data-topic=(topic) data-field="unpublished" { (backlog(t.unpublished)) }
                         td.num data-topic=(topic) data-field="held" { (backlog(t.held)) }
+                        td.num data-topic=(topic) data-field="scheduled" { (backlog(t.scheduled)) }
                         td.num data-topic=(topic) data-field="age" { (age(t.oldest_unpublished_secs)) }
                         td.num data-topic=(topic) data-field="rate" { (rate) }
                         td.num {
@@ -141,6 +147,7 @@ pub async fn overview_json(State(console): State<Shared>) -> Response {
                         "topic": t.topic,
                         "unpublished": backlog(t.unpublished),
                         "held": backlog(t.held),
+                        "scheduled": backlog(t.scheduled),
                         "parked": backlog(t.parked),
                         "discarded": backlog(t.discarded),
                         "published": if snap.status.estimated { format!("~{}", t.published) } else { t.published.to_string() },
@@ -161,6 +168,9 @@ pub async fn overview_json(State(console): State<Shared>) -> Response {
             Json(json!({
                 "unpublished": backlog(s.unpublished),
                 "held": backlog(s.held),
+                "scheduled": backlog(s.scheduled.total),
+                "next_due_secs": s.scheduled.next_due_secs,
+                "next_due": next_due(s.scheduled.next_due_secs),
                 "parked": backlog(s.parked),
                 "discarded": backlog(s.discarded),
                 "backlog_estimated": s.backlog_estimated,

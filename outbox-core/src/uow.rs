@@ -3,6 +3,9 @@
 
 use std::ops::{Deref, DerefMut};
 
+use std::time::Duration;
+
+use sqlx::types::chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use tracing::Instrument;
 use uuid::Uuid;
@@ -117,6 +120,46 @@ FROM UNNEST($1::uuid[], $3::text[], $7::text[], $8::text[], $9::text[])
 /// partition key from their outbox insert to their commit.
 pub const KEY_LOCK_CLASS: i32 = 0x6F62_6B00;
 
+/// The insert of scheduled rows ([`UnitOfWork::record_at`],
+/// [`UnitOfWork::record_after`]), a statement of its own so that the
+/// batch inserts above stay as they are. Each row's due time is `$10` (an
+/// absolute time) or `$11` seconds from this statement's time (the
+/// database's clock), written to `due_at` and to `held_until`: the row is
+/// out of the relay's claims until its release puts it back once due. Only
+/// inside a transaction carrying [`TX_MARK`]. No key lock: a scheduled row
+/// is not ordered with its key's rows, and holds none of them back.
+const INSERT_SCHEDULED: &str = "\
+INSERT INTO outbox_event
+    (event_id, aggregate_type, aggregate_id, event_type, event_version,
+     topic, partition_key, payload, headers, due_at, held_until)
+SELECT e, at, ai, et, ev, t, pk, p::jsonb, h::jsonb, d, d
+FROM (SELECT u.*, coalesce(da, statement_timestamp() + make_interval(secs => ds)) AS d
+      FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int4[], $6::text[],
+                  $7::text[], $8::text[], $9::text[], $10::timestamptz[], $11::float8[])
+           WITH ORDINALITY AS u(e, at, ai, et, ev, t, pk, p, h, da, ds, n)) s
+WHERE current_setting('outbox.tx', true) IS NOT DISTINCT FROM 'on'
+ORDER BY n";
+
+/// Cancels the scheduled row of event id `$1` while it still waits for its
+/// time (not yet released by a relay, nor published: a relay in the
+/// progress mode publishes a due row without releasing it): it is parked
+/// and dropped (reason `cancelled`), out of the held rows. A relay
+/// releasing or publishing it right now holds its row lock: the update
+/// waits, then finds it released or published and changes nothing.
+const CANCEL_SCHEDULED: &str = "\
+UPDATE outbox_event
+SET parked_at = now(), discarded_at = now(), discard_reason = 'cancelled', held_until = NULL
+WHERE event_id = $1 AND held_until = due_at AND published_at IS NULL";
+
+/// When a scheduled event is due.
+#[derive(Debug, Clone, Copy)]
+enum Due {
+    /// At this time.
+    At(DateTime<Utc>),
+    /// This long after the row is written (the database's clock).
+    After(Duration),
+}
+
 /// One database transaction plus the events recorded during it.
 ///
 /// Run domain queries on it the usual sqlx way (it derefs to the
@@ -134,6 +177,8 @@ pub struct UnitOfWork {
     /// the application began gets it at commit).
     marked: bool,
     messages: Vec<OutboxMessage>,
+    /// Events recorded with a due time ([`record_at`](Self::record_at)).
+    scheduled: Vec<(OutboxMessage, Due)>,
     error: Option<Error>,
     headers: Headers,
     /// The `traceparent` the Unit of Work chose itself (not set by the
@@ -147,7 +192,8 @@ pub struct UnitOfWork {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Committed {
-    /// Ids of the events written, in record order.
+    /// Ids of the events written, in record order; those recorded with a
+    /// due time ([`UnitOfWork::record_at`]) come last.
     pub event_ids: Vec<Uuid>,
 }
 
@@ -155,6 +201,7 @@ impl std::fmt::Debug for UnitOfWork {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UnitOfWork")
             .field("pending_events", &self.messages.len())
+            .field("scheduled_events", &self.scheduled.len())
             .field("headers", &self.headers)
             .finish_non_exhaustive()
     }
@@ -195,6 +242,7 @@ impl UnitOfWork {
             tx,
             marked: false,
             messages: Vec::new(),
+            scheduled: Vec::new(),
             error: None,
             #[cfg(feature = "otel")]
             own_trace: Some(traceparent.clone()),
@@ -230,6 +278,105 @@ impl UnitOfWork {
         }
     }
 
+    /// Records `event` to be published at `at`, not before; returns its
+    /// event id.
+    ///
+    /// The event is written to the outbox at [`commit`](Self::commit), in
+    /// the same transaction as everything else, and a relay publishes it
+    /// once its time has come (within about a second of it). It is not
+    /// ordered with the events of its key: it does not hold back those
+    /// recorded after it (once due, it is claimed in id order with the rest,
+    /// so with a backlog it may go out before some of them). A time in the past means "as
+    /// soon as possible". [`cancel_scheduled`](Self::cancel_scheduled)
+    /// cancels it until then.
+    ///
+    /// `at` is a [`DateTime<Utc>`] or a [`SystemTime`](std::time::SystemTime).
+    ///
+    /// ```no_run
+    /// # use outbox_core::{DomainEvent, UnitOfWork};
+    /// # async fn example<E: DomainEvent>(pool: sqlx::PgPool, event: E) -> outbox_core::Result<()> {
+    /// let at = std::time::SystemTime::now() + std::time::Duration::from_secs(3600);
+    /// let mut uow = UnitOfWork::begin(&pool).await?;
+    /// let reminder = uow.record_at(at, event);
+    /// uow.commit().await?;
+    /// # let _ = reminder; Ok(()) }
+    /// ```
+    pub fn record_at<E: DomainEvent>(&mut self, at: impl Into<DateTime<Utc>>, event: E) -> Uuid {
+        self.schedule(Due::At(at.into()), &event)
+    }
+
+    /// Records `event` to be published `delay` after the commit writes it
+    /// (by the database's clock), not before; returns its event id. See
+    /// [`record_at`](Self::record_at).
+    ///
+    /// ```no_run
+    /// # use outbox_core::{DomainEvent, UnitOfWork};
+    /// # async fn example<E: DomainEvent>(pool: sqlx::PgPool, payment_due: E) -> outbox_core::Result<()> {
+    /// use std::time::Duration;
+    ///
+    /// let mut uow = UnitOfWork::begin(&pool).await?;
+    /// let timeout = uow.record_after(Duration::from_secs(15 * 60), payment_due);
+    /// uow.commit().await?;
+    /// // Later, in another transaction: the payment arrived in time.
+    /// let mut uow = UnitOfWork::begin(&pool).await?;
+    /// let cancelled = uow.cancel_scheduled(timeout).await?;
+    /// uow.commit().await?;
+    /// # let _ = cancelled; Ok(()) }
+    /// ```
+    pub fn record_after<E: DomainEvent>(&mut self, delay: Duration, event: E) -> Uuid {
+        self.schedule(Due::After(delay), &event)
+    }
+
+    /// [`record_message`](Self::record_message), published at `at`, not
+    /// before (see [`record_at`](Self::record_at)); returns its event id.
+    pub fn record_message_at(
+        &mut self,
+        at: impl Into<DateTime<Utc>>,
+        message: OutboxMessage,
+    ) -> Uuid {
+        let id = message.event_id;
+        self.scheduled.push((message, Due::At(at.into())));
+        id
+    }
+
+    fn schedule<E: DomainEvent>(&mut self, due: Due, event: &E) -> Uuid {
+        match OutboxMessage::from_event(event) {
+            Ok(message) => {
+                let id = message.event_id;
+                self.scheduled.push((message, due));
+                id
+            }
+            Err(error) => {
+                self.error.get_or_insert(error);
+                event.event_id().unwrap_or_else(Uuid::now_v7)
+            }
+        }
+    }
+
+    /// Cancels the scheduled event `event_id` ([`record_at`](Self::record_at),
+    /// [`record_after`](Self::record_after)) if it has not gone out: returns
+    /// `true` if it will now never be published, `false` if it is due
+    /// already (published, or on its way), was cancelled before, or is no
+    /// scheduled event at all (an event recorded with
+    /// [`record`](Self::record) is never cancelled).
+    ///
+    /// An event recorded in this Unit of Work is simply not written. One
+    /// committed earlier is cancelled in this transaction: the cancel
+    /// takes effect at [`commit`](Self::commit), and a rollback undoes it.
+    /// The row stays in the outbox, parked and dropped with the reason
+    /// `cancelled` (as `outbox parked drop` leaves a row).
+    pub async fn cancel_scheduled(&mut self, event_id: Uuid) -> Result<bool> {
+        if let Some(i) = self
+            .scheduled
+            .iter()
+            .position(|(m, _)| m.event_id == event_id)
+        {
+            self.scheduled.remove(i);
+            return Ok(true);
+        }
+        cancel_scheduled(&mut self.tx, event_id).await
+    }
+
     /// Records a message that is already serialized (e.g. built by a relay
     /// tool or forwarded from elsewhere); returns its event id.
     pub fn record_message(&mut self, message: OutboxMessage) -> Uuid {
@@ -247,9 +394,9 @@ impl UnitOfWork {
         }
     }
 
-    /// Number of events that `commit` will write.
+    /// Number of events that `commit` will write (scheduled ones included).
     pub fn pending_events(&self) -> usize {
-        self.messages.len()
+        self.messages.len() + self.scheduled.len()
     }
 
     /// The headers every recorded event inherits (entries an event sets
@@ -311,7 +458,7 @@ impl UnitOfWork {
     /// rows carry it as their `traceparent` (unless the application set the
     /// trace context itself), so a consumer's handling is its child.
     pub async fn commit(self) -> Result<Committed> {
-        let span = tracing::info_span!("outbox.commit", events = self.messages.len());
+        let span = tracing::info_span!("outbox.commit", events = self.pending_events());
         #[cfg(feature = "otel")]
         let uow = self.with_trace_of(&span);
         #[cfg(not(feature = "otel"))]
@@ -323,7 +470,7 @@ impl UnitOfWork {
     /// Unit of Work chose itself.
     #[cfg(feature = "otel")]
     fn with_trace_of(mut self, span: &tracing::Span) -> Self {
-        if self.messages.is_empty() || self.headers.traceparent != self.own_trace {
+        if self.pending_events() == 0 || self.headers.traceparent != self.own_trace {
             return self;
         }
         if let Some((parent, state)) = TraceParent::of_span(span) {
@@ -339,13 +486,16 @@ impl UnitOfWork {
             return Err(error);
         }
         check_headers(&self.messages, &self.headers)?;
+        for (message, _) in &self.scheduled {
+            message.headers.check()?;
+        }
         if !self.marked {
             sqlx::query(TX_MARK)
                 .execute(&mut *self.tx)
                 .await
                 .map_err(aborted)?;
         }
-        let event_ids = if self.messages.is_empty() {
+        let mut event_ids = if self.messages.is_empty() && self.scheduled.is_empty() {
             // Nothing to insert: the check is a statement of its own.
             let ours: bool = sqlx::query_scalar(CHECK_TX)
                 .fetch_one(&mut *self.tx)
@@ -354,6 +504,8 @@ impl UnitOfWork {
             if !ours {
                 return Err(Error::TransactionEnded);
             }
+            Vec::new()
+        } else if self.messages.is_empty() {
             Vec::new()
         } else {
             let (event_ids, inserted) = insert(&mut self.tx, &self.messages, &self.headers, true)
@@ -364,6 +516,15 @@ impl UnitOfWork {
             }
             event_ids
         };
+        if !self.scheduled.is_empty() {
+            let inserted = insert_scheduled(&mut self.tx, &self.scheduled, &self.headers)
+                .await
+                .map_err(aborted)?;
+            if inserted != self.scheduled.len() as u64 {
+                return Err(Error::TransactionEnded);
+            }
+            event_ids.extend(self.scheduled.iter().map(|(m, _)| m.event_id));
+        }
         self.tx.commit().await?;
         Ok(Committed { event_ids })
     }
@@ -401,6 +562,78 @@ pub async fn insert_messages(
 ) -> Result<Vec<Uuid>> {
     check_headers(messages, defaults)?;
     Ok(insert(conn, messages, defaults, false).await?.0)
+}
+
+/// Cancels the scheduled event `event_id` on `conn` (normally inside a
+/// transaction) while it still waits for its time; returns whether it did.
+/// See [`UnitOfWork::cancel_scheduled`].
+pub async fn cancel_scheduled(conn: &mut PgConnection, event_id: Uuid) -> Result<bool> {
+    let cancelled = sqlx::query(CANCEL_SCHEDULED)
+        .bind(event_id)
+        .execute(conn)
+        .await
+        .map_err(aborted)?
+        .rows_affected();
+    Ok(cancelled > 0)
+}
+
+/// Inserts the scheduled events ([`INSERT_SCHEDULED`]), only inside a
+/// transaction carrying [`TX_MARK`]; returns the number of rows inserted.
+async fn insert_scheduled(
+    conn: &mut PgConnection,
+    scheduled: &[(OutboxMessage, Due)],
+    defaults: &Headers,
+) -> std::result::Result<u64, sqlx::Error> {
+    let n = scheduled.len();
+    let mut event_ids = Vec::with_capacity(n);
+    let mut aggregate_types = Vec::with_capacity(n);
+    let mut aggregate_ids = Vec::with_capacity(n);
+    let mut event_types = Vec::with_capacity(n);
+    let mut versions = Vec::with_capacity(n);
+    let mut topics = Vec::with_capacity(n);
+    let mut keys = Vec::with_capacity(n);
+    let mut payloads = Vec::with_capacity(n);
+    let mut headers = Vec::with_capacity(n);
+    let mut at: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(n);
+    let mut after: Vec<Option<f64>> = Vec::with_capacity(n);
+    for (m, due) in scheduled {
+        event_ids.push(m.event_id);
+        aggregate_types.push(m.aggregate_type.as_str());
+        aggregate_ids.push(m.aggregate_id.as_str());
+        event_types.push(m.event_type.as_str());
+        versions.push(i32::try_from(m.event_version).unwrap_or(i32::MAX));
+        topics.push(m.topic.as_str());
+        keys.push(m.partition_key.as_str());
+        payloads.push(m.payload.as_str());
+        let mut own = m.headers.clone();
+        own.fill_from(defaults);
+        headers.push(own.to_json());
+        match due {
+            Due::At(time) => {
+                at.push(Some(*time));
+                after.push(None);
+            }
+            Due::After(delay) => {
+                at.push(None);
+                after.push(Some(delay.as_secs_f64()));
+            }
+        }
+    }
+    let result = sqlx::query(INSERT_SCHEDULED)
+        .bind(&event_ids)
+        .bind(&aggregate_types)
+        .bind(&aggregate_ids)
+        .bind(&event_types)
+        .bind(&versions)
+        .bind(&topics)
+        .bind(&keys)
+        .bind(&payloads)
+        .bind(&headers)
+        .bind(&at)
+        .bind(&after)
+        .execute(conn)
+        .await?;
+    Ok(result.rows_affected())
 }
 
 /// Refuses application headers named like the framework's own.

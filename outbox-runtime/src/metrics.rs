@@ -28,10 +28,12 @@
 //! | `outbox_relay_consecutive_failures` | gauge | | failed rounds in a row: batches with failed deliveries and none delivered, claims or marks the database refused; 0 once a batch delivers or nothing is left to publish |
 //! | `outbox_relay_refused` | gauge | | 1 while the database refuses a statement of the relay that retrying cannot cure (a missing privilege, table or column: see `RelayHealth::Refused`), else 0 |
 //! | `outbox_relay_lanes_owned` | gauge | | lanes this relay claims from |
-//! | `outbox_backlog_events` | gauge | | unpublished, not parked events |
+//! | `outbox_backlog_events` | gauge | | unpublished, not parked events (scheduled ones waiting for their time excluded) |
 //! | `outbox_held_events` | gauge | | of those, events held back for a while (a missing topic, a failing key) |
 //! | `outbox_oldest_unpublished_seconds` | gauge | | age of the oldest of them (0 when none) |
 //! | `outbox_parked_events` | gauge | | parked events (dropped ones excluded) |
+//! | `outbox_scheduled` | gauge | | scheduled events waiting for their time, not in the backlog (exact up to 10,000; 10,001: more) |
+//! | `outbox_scheduled_overdue_seconds` | gauge | | how long ago the earliest of them was due (0 when none is overdue; growing: no relay releases them) |
 //! | `outbox_consumer_received_total` | counter | `group` | messages received from Kafka |
 //! | `outbox_consumer_processed_total` | counter | `group` | events whose handlers ran and committed |
 //! | `outbox_consumer_duplicates_total` | counter | `group` | dedup hits: events skipped as already applied |
@@ -121,6 +123,7 @@ WITH q AS (SELECT count(*) AS n, min(id) AS first, max(id) AS upto
      h AS (SELECT count(*) AS n, min(id) AS first
            FROM (SELECT id FROM outbox_event
                  WHERE held_until IS NOT NULL AND published_at IS NULL
+                   AND held_until IS DISTINCT FROM due_at
                  ORDER BY held_until, id LIMIT 10001) s),
      p AS (SELECT count(*) AS n, count(*) FILTER (WHERE discarded_at IS NULL) AS kept
            FROM (SELECT discarded_at FROM outbox_event
@@ -154,6 +157,18 @@ SELECT e.queue + e.held,
        e.parked,
        e.held
 FROM q, h, e";
+
+/// Scheduled rows waiting for their time (held until their `due_at`, see
+/// `UnitOfWork::record_at`), which the backlog gauges leave out: how many
+/// (at most 10,001: more than 10,000), and how long ago the earliest was
+/// due (0 if none is overdue; more than a release interval or two: no relay
+/// releases them). Over the held rows' index, in its order.
+pub(crate) const SCHEDULED: &str = "\
+SELECT count(*)::int8,
+       coalesce(greatest(EXTRACT(EPOCH FROM now() - min(held_until)), 0), 0)::float8
+FROM (SELECT held_until FROM outbox_event
+      WHERE held_until IS NOT NULL AND published_at IS NULL AND held_until = due_at
+      ORDER BY held_until, id LIMIT 10001) s";
 
 /// [`BACKLOG`] in the progress mode (see [`crate::relay::progress`]): the
 /// queue is the rows in the windows after the slots' positions.
@@ -267,7 +282,8 @@ fn sample_begin() -> String {
 
 /// Samples the backlog gauges; returns the backlog.
 async fn sample_backlog(pool: PgPool) -> Result<i64, sqlx::Error> {
-    let row: Result<(i64, Option<f64>, i64, i64), sqlx::Error> = async {
+    type Backlog = (i64, Option<f64>, i64, i64);
+    let row: Result<(Backlog, (i64, f64)), sqlx::Error> = async {
         let mut tx = pool.begin_with(sample_begin()).await?;
         let progress: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM outbox_progress)")
             .fetch_one(&mut *tx)
@@ -278,12 +294,15 @@ async fn sample_backlog(pool: PgPool) -> Result<i64, sqlx::Error> {
             BACKLOG
         };
         let row = sqlx::query_as(sql).fetch_one(&mut *tx).await?;
+        let scheduled: (i64, f64) = sqlx::query_as(SCHEDULED).fetch_one(&mut *tx).await?;
         tx.commit().await?;
-        Ok(row)
+        Ok((row, scheduled))
     }
     .await;
     match row {
-        Ok((backlog, oldest, parked, held)) => {
+        Ok(((backlog, oldest, parked, held), (scheduled, overdue))) => {
+            gauge!("outbox_scheduled").set(scheduled as f64);
+            gauge!("outbox_scheduled_overdue_seconds").set(overdue);
             gauge!("outbox_held_events").set(held as f64);
             gauge!("outbox_backlog_events").set(backlog as f64);
             gauge!("outbox_oldest_unpublished_seconds").set(oldest.unwrap_or(0.0));

@@ -53,6 +53,20 @@ pub struct TopicStatus {
     pub discarded: i64,
     /// Published rows still kept (an estimate when [`Status::estimated`]).
     pub published: i64,
+    /// Scheduled rows waiting for their time (not in `unpublished`).
+    pub scheduled: i64,
+}
+
+/// Scheduled events (`UnitOfWork::record_at`) waiting for their time: not
+/// part of the backlog (`unpublished`, `held`) until they are due.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Scheduled {
+    /// Rows waiting (an estimate when [`Status::backlog_estimated`] and
+    /// more than [`BACKLOG_COUNTED_UP_TO`]).
+    pub total: i64,
+    /// Seconds until the next one is due; negative when it is overdue (no
+    /// relay has released it: none is running?).
+    pub next_due_secs: Option<f64>,
 }
 
 /// The outbox's backlog, in total and per topic.
@@ -66,10 +80,13 @@ pub struct Status {
     pub oldest_unpublished_secs: Option<f64>,
     /// Parked rows, dropped ones excluded.
     pub parked: i64,
-    /// Parked rows dropped by an operator.
+    /// Parked rows dropped by an operator (cancelled scheduled events
+    /// included).
     pub discarded: i64,
     /// Published rows still kept (an estimate when `estimated`).
     pub published: i64,
+    /// Scheduled rows waiting for their time, apart from the backlog.
+    pub scheduled: Scheduled,
     /// The published counts are estimates from the planner's statistics
     /// (the table holds [`EXACT_BELOW`] rows or more).
     pub estimated: bool,
@@ -211,7 +228,12 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
         .unwrap_or(false);
     let backlog = backlog::read(pool, oid, progress).await?;
     let mut topics: Vec<TopicStatus> = Vec::new();
-    for kind in [&backlog.queue, &backlog.held, &backlog.parked] {
+    for kind in [
+        &backlog.queue,
+        &backlog.held,
+        &backlog.parked,
+        &backlog.scheduled,
+    ] {
         for topic in kind.topics.keys() {
             if !topics.iter().any(|t| &t.topic == topic) {
                 let get = |k: &backlog::Kind| k.topics.get(topic).cloned().unwrap_or_default();
@@ -229,6 +251,7 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
                     parked: parked.rows - parked.discarded,
                     discarded: parked.discarded,
                     published: 0,
+                    scheduled: get(&backlog.scheduled).rows,
                 });
             }
         }
@@ -249,7 +272,7 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
                 let others = topics
                     .iter()
                     .find(|t| t.topic == topic)
-                    .map_or(0, |t| t.unpublished + t.parked + t.discarded);
+                    .map_or(0, |t| t.unpublished + t.parked + t.discarded + t.scheduled);
                 (topic.clone(), published_estimate(n, rows, others))
             })
             .collect()
@@ -280,6 +303,7 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
                 parked: 0,
                 discarded: 0,
                 published: n,
+                scheduled: 0,
             }),
             None => {}
         }
@@ -289,8 +313,12 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
     let held = backlog.held.total;
     let discarded = backlog.parked.discarded;
     let parked = backlog.parked.total - discarded;
+    let scheduled = Scheduled {
+        total: backlog.scheduled.total,
+        next_due_secs: backlog.next_due_secs,
+    };
     let published = if estimated {
-        (rows.round() as i64 - unpublished - parked - discarded).max(0)
+        (rows.round() as i64 - unpublished - parked - discarded - scheduled.total).max(0)
     } else {
         topics.iter().map(|t| t.published).sum()
     };
@@ -317,6 +345,7 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
         parked,
         discarded,
         published,
+        scheduled,
         estimated,
         backlog_estimated,
         notify_enabled: notify_enabled(pool).await?,

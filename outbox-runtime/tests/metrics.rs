@@ -1,5 +1,6 @@
 //! The Prometheus endpoint with a relay and a consumer running against the
-//! real broker: the published counter, the backlog gauges, the consumer's
+//! real broker: the published counter, the backlog gauges (scheduled
+//! events apart), the consumer's
 //! counters and lag, as scraped over HTTP. Its
 //! own test binary, so that no other relay in the process adds to the
 //! process-wide counters.
@@ -83,13 +84,19 @@ async fn the_metrics_endpoint_counts_published_events(pool: PgPool) {
         .spawn()
         .unwrap();
     assert!(wait_until_published(&pool, Duration::from_secs(60)).await);
+    // A scheduled event an hour ahead: counted apart from the backlog.
+    let mut uow = outbox_core::UnitOfWork::begin(&pool).await.unwrap();
+    let later = std::time::SystemTime::now() + Duration::from_secs(3600);
+    uow.record_message_at(later, message(topic, "k0", 120));
+    uow.commit().await.unwrap();
 
     // Counters are copied every second, the backlog sampled every 5 s.
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
     let (ok, body) = loop {
         let body = get(addr, "/metrics").await;
         let ok = sample(&body, "outbox_relay_published_total") == Some(120.0)
-            && sample(&body, "outbox_backlog_events") == Some(0.0);
+            && sample(&body, "outbox_backlog_events") == Some(0.0)
+            && sample(&body, "outbox_scheduled") == Some(1.0);
         if ok || std::time::Instant::now() > deadline {
             break (ok, body);
         }
@@ -102,6 +109,12 @@ async fn the_metrics_endpoint_counts_published_events(pool: PgPool) {
         "{body}"
     );
     assert_eq!(sample(&body, "outbox_parked_events"), Some(0.0), "{body}");
+    assert_eq!(sample(&body, "outbox_held_events"), Some(0.0), "{body}");
+    assert_eq!(
+        sample(&body, "outbox_scheduled_overdue_seconds"),
+        Some(0.0),
+        "{body}"
+    );
     assert!(
         sample(&body, "outbox_relay_batches_total").unwrap() >= 3.0,
         "{body}"

@@ -144,7 +144,9 @@ async fn app_relay_and_consumers_run_as_ordinary_roles(pool: PgPool) {
     assert!(refused(&relay_pool, "DELETE FROM outbox_event").await);
     assert!(refused(&relay_pool, "UPDATE outbox_event SET payload = '{}'").await);
     assert!(refused(&relay_pool, "SELECT count(*) FROM processed_event").await);
-    assert!(refused(&app, "SELECT count(*) FROM outbox_event").await);
+    // (It may read the columns that find a scheduled event to cancel.)
+    assert!(refused(&app, "SELECT payload FROM outbox_event").await);
+    assert!(refused(&app, "UPDATE outbox_event SET published_at = now()").await);
     assert!(refused(&app, "DELETE FROM outbox_event").await);
     let consumer_pool = roles.pool("outbox_consumer", 1);
     assert!(
@@ -420,7 +422,7 @@ fn consumer_refusal(consumer: &outbox_runtime::ConsumerHandle) -> Option<String>
 }
 
 /// The relay's failure paths, as the relay role: events of a topic the
-/// broker has, on four keys and on a key whose first event is too large
+/// broker has, on four keys (one of them scheduled a second ahead) and on a key whose first event is too large
 /// for the producer (it fails, is retried, then parked), and one of a topic
 /// the broker lacks (held, its hold extended while missing; released rows
 /// come back).
@@ -445,6 +447,9 @@ impl RelayRun {
         poison.payload = serde_json::json!({ "blob": "x".repeat(300_000) }).to_string();
         uow.record_message(poison);
         uow.record_message(message(&missing, "k0", 11));
+        // A scheduled event, due a second later: released and published.
+        let due = std::time::SystemTime::now() + Duration::from_secs(1);
+        good.push(uow.record_message_at(due, message(&topic, "k0", 12)));
         uow.commit().await.unwrap();
         app.close().await;
         Self {
@@ -480,7 +485,7 @@ impl RelayRun {
         .fetch_one(pool)
         .await
         .unwrap();
-        published == 10 && parked == 1 && attempts == 2 && held(pool, &self.missing).await
+        published == 11 && parked == 1 && attempts == 2 && held(pool, &self.missing).await
     }
 }
 
@@ -562,8 +567,9 @@ async fn the_relay_needs_each_of_its_grants_and_no_more(pool: PgPool) {
     roles.drop_all().await;
 }
 
-/// The application's Unit of Work as its role: commits (and rolls back);
-/// without either of its grants, its commit is refused.
+/// The application's Unit of Work as its role: commits (and rolls back),
+/// schedules an event and cancels it in a later transaction; without any
+/// one of its grants, that is refused.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn the_application_needs_each_of_its_grants_and_no_more(pool: PgPool) {
     let roles = Roles::create(&pool).await;
@@ -571,13 +577,21 @@ async fn the_application_needs_each_of_its_grants_and_no_more(pool: PgPool) {
     let commit = || async {
         let mut uow = UnitOfWork::begin(&app).await.unwrap();
         uow.record_message(message("roles-app", "k", 0));
-        uow.commit().await
+        let later = std::time::SystemTime::now() + Duration::from_secs(3600);
+        let scheduled = uow.record_message_at(later, message("roles-app", "k", 1));
+        uow.commit().await?;
+        let mut uow = UnitOfWork::begin(&app).await.unwrap();
+        let cancelled = uow.cancel_scheduled(scheduled).await?;
+        uow.commit().await?;
+        assert!(cancelled);
+        Ok::<_, outbox_core::Error>(())
     };
     commit().await.unwrap();
     let mut uow = UnitOfWork::begin(&app).await.unwrap();
     uow.record_message(message("roles-app", "k", 1));
     drop(uow);
-    assert_eq!(unpublished(&pool).await, 1);
+    // The event, and the scheduled one cancelled (parked, dropped).
+    assert_eq!(unpublished(&pool).await, 2);
     // (The sequences' grants are needed once partitioned: see below.)
     for grant in block()
         .into_iter()

@@ -35,7 +35,9 @@ impl TestClock {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// How far the clock has moved: the sum of the waits.
+    /// How far the clock has moved: the sum of the waits, and of the jumps
+    /// of [`TestBus::deliver`](crate::testing::TestBus::deliver) to
+    /// scheduled events.
     pub fn elapsed(&self) -> Duration {
         self.state().elapsed
     }
@@ -50,5 +52,11 @@ impl TestClock {
         let mut state = self.state();
         state.elapsed += d;
         state.waits.push(d);
+    }
+
+    /// Moves the clock forward by `d` without recording a wait (the test
+    /// bus jumping to the next scheduled event).
+    pub(crate) fn jump(&self, d: Duration) {
+        self.state().elapsed += d;
     }
 }

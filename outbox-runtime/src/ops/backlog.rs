@@ -1,5 +1,5 @@
 //! The backlog counts of [`status`](super::status): rows in the claim's
-//! queue, held rows and parked rows, each read over its partial index, at
+//! queue, held rows, parked rows and scheduled rows waiting for their time, each read over its partial index, at
 //! most [`BACKLOG_EXACT_UP_TO`] + 1 rows of each kind. Up to the bound the
 //! counts (in total and per topic) are exact; beyond, the kind's total is
 //! estimated and its per-topic split is that of the rows read, so that
@@ -80,12 +80,37 @@ SELECT topic, count(*)::int8, min(id), max(id), 0::int8 FROM s GROUP BY topic",
 /// unless published since).
 pub(super) const PROGRESS_QUEUE_LAST: &str = "SELECT id FROM outbox_event ORDER BY id DESC LIMIT 1";
 
-/// Held rows in the order of their index (the time they may go again).
+/// Held rows in the order of their index (the time they may go again),
+/// scheduled rows waiting for their time excluded (their hold ends at their
+/// `due_at`: [`SCHEDULED_SAMPLE`]).
 pub(super) const HELD_SAMPLE: &str = "\
 WITH s AS (SELECT id, topic FROM outbox_event
            WHERE held_until IS NOT NULL AND published_at IS NULL
+             AND held_until IS DISTINCT FROM due_at
            ORDER BY held_until, id LIMIT $1)
 SELECT topic, count(*)::int8, min(id), max(id), 0::int8 FROM s GROUP BY topic";
+
+/// Scheduled rows waiting for their time (held until their `due_at`, not
+/// yet released), in the order of the held rows' index.
+pub(super) const SCHEDULED_SAMPLE: &str = "\
+WITH s AS (SELECT id, topic FROM outbox_event
+           WHERE held_until IS NOT NULL AND published_at IS NULL AND held_until = due_at
+           ORDER BY held_until, id LIMIT $1)
+SELECT topic, count(*)::int8, min(id), max(id), 0::int8 FROM s GROUP BY topic";
+
+/// Scheduled rows counted over the held rows' index, at most `$1`.
+const SCHEDULED_COUNT: &str = "\
+SELECT count(*)::float8 FROM (SELECT 1 FROM outbox_event
+                              WHERE held_until IS NOT NULL AND published_at IS NULL
+                                AND held_until = due_at
+                              LIMIT $1) AS s";
+
+/// Seconds until the next scheduled row is due (negative: overdue, not yet
+/// released by a relay).
+const NEXT_DUE: &str = "\
+SELECT EXTRACT(EPOCH FROM held_until - now())::float8 FROM outbox_event
+WHERE held_until IS NOT NULL AND published_at IS NULL AND held_until = due_at
+ORDER BY held_until, id LIMIT 1";
 
 /// Parked rows in id order; the last column counts the dropped ones.
 pub(super) const PARKED_SAMPLE: &str = "\
@@ -110,6 +135,7 @@ WHERE i.indrelid = $1::int8::oid AND c.relkind = 'i'";
 const HELD_COUNT: &str = "\
 SELECT count(*)::float8 FROM (SELECT 1 FROM outbox_event
                               WHERE held_until IS NOT NULL AND published_at IS NULL
+                                AND held_until IS DISTINCT FROM due_at
                               LIMIT $1) AS s";
 
 /// Parked rows counted over their index, at most `$1`.
@@ -175,6 +201,10 @@ pub(super) struct Backlog {
     pub queue: Kind,
     pub held: Kind,
     pub parked: Kind,
+    /// Scheduled rows waiting for their time (not in `held`).
+    pub scheduled: Kind,
+    /// Seconds until the next scheduled row is due (negative: overdue).
+    pub next_due_secs: Option<f64>,
     /// Age in seconds of the rows of each topic's lowest id read (queue and
     /// held rows).
     pub ages: BTreeMap<i64, f64>,
@@ -183,7 +213,10 @@ pub(super) struct Backlog {
 impl Backlog {
     /// Whether any count is an estimate.
     pub fn estimated(&self) -> bool {
-        self.queue.estimated || self.held.estimated || self.parked.estimated
+        self.queue.estimated
+            || self.held.estimated
+            || self.parked.estimated
+            || self.scheduled.estimated
     }
 }
 
@@ -265,6 +298,13 @@ pub(super) async fn read(pool: &PgPool, oid: i64, progress: bool) -> Result<Back
         checked(pool, stats, read, HELD_COUNT).await
     })
     .await?;
+    // The held rows' index counts scheduled rows and held ones together:
+    // its statistics say nothing of either alone, so they are counted.
+    let scheduled = kind(pool, SCHEDULED_SAMPLE, async |read, _, _| {
+        checked(pool, 0.0, read, SCHEDULED_COUNT).await
+    })
+    .await?;
+    let next_due_secs: Option<f64> = sqlx::query_scalar(NEXT_DUE).fetch_optional(pool).await?;
     let parked = kind(pool, PARKED_SAMPLE, async |read, _, _| {
         let stats = index_entries(pool, oid, "ix_outbox_event_parked").await?;
         checked(pool, stats, read, PARKED_COUNT).await
@@ -285,6 +325,8 @@ pub(super) async fn read(pool: &PgPool, oid: i64, progress: bool) -> Result<Back
         queue,
         held,
         parked,
+        scheduled,
+        next_due_secs,
         ages: ages.into_iter().collect(),
     })
 }

@@ -67,7 +67,8 @@ pub struct Row {
     pub attempts: i32,
     /// An earlier row of the row's key on its topic is held (see the
     /// relay's `held` module): seconds until that hold ends (negative once it has, until the row is
-    /// released). The row must then wait too.
+    /// released). The row must then wait too. Scheduled rows (with a
+    /// `due_at`) are not among those probed: they hold no later row back.
     pub behind_held_secs: Option<f64>,
     /// The row version's physical address, stable while the claim's
     /// transaction holds the row lock: the mark finds the row by it.
@@ -103,10 +104,11 @@ SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version, cr
        partition_key, payload::text AS payload, headers::text AS headers, attempts,
        ctid::text AS tid,
        CASE WHEN (SELECT EXISTS (SELECT 1 FROM outbox_event
-                                 WHERE held_until IS NOT NULL AND published_at IS NULL))
+                                 WHERE held_until IS NOT NULL AND published_at IS NULL
+                                   AND due_at IS NULL))
             THEN (SELECT EXTRACT(EPOCH FROM h.held_until - statement_timestamp())::float8
                   FROM outbox_event h
-                  WHERE h.held_until IS NOT NULL AND h.published_at IS NULL
+                  WHERE h.held_until IS NOT NULL AND h.published_at IS NULL AND h.due_at IS NULL
                     AND h.topic = outbox_event.topic
                     AND h.partition_key = outbox_event.partition_key
                     AND h.id < outbox_event.id

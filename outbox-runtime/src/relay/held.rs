@@ -35,6 +35,15 @@
 //! come back in id order. The relay's in-memory view of blocked keys and
 //! topics is not needed for order: a relay that took a lane over, or
 //! restarted, finds the holds in the table.
+//!
+//! Scheduled rows (`UnitOfWork::record_at`): written with `held_until` at
+//! their `due_at`, they are held rows until then and released like any
+//! other. They are not ordered with their key's rows: the probe leaves
+//! rows with a `due_at` out (its gate and its index too), so a scheduled
+//! row never holds back its key's later rows, before or after it is due.
+//! An idle relay sleeps at most until the next hold ends ([`NEXT_HOLD`],
+//! asked by its waker), so that a row goes out within about a release
+//! interval of its time, however long the poll interval.
 
 use crate::refusal::{Statement, Trouble};
 
@@ -74,6 +83,13 @@ WHERE id IN (SELECT id FROM outbox_event
              WHERE held_until <= statement_timestamp() AND published_at IS NULL
              ORDER BY held_until, id LIMIT $1
              FOR UPDATE SKIP LOCKED)";
+
+/// Seconds until the earliest hold ends (negative if it has; NULL: no row
+/// is held): the first entry of `ix_outbox_event_held`.
+pub(crate) const NEXT_HOLD: &str = "\
+SELECT EXTRACT(EPOCH FROM held_until - statement_timestamp())::float8 FROM outbox_event
+WHERE held_until IS NOT NULL AND published_at IS NULL
+ORDER BY held_until, id LIMIT 1";
 
 /// How often a relay releases rows whose hold has ended (sooner while each
 /// release finds a full batch).
@@ -134,16 +150,22 @@ pub(crate) async fn release(
 /// Holds every held row of topic `$1` until `$2` seconds from now, those
 /// held for less (a missing topic still missing: see
 /// [`topics`](super::topics)), through `ix_outbox_event_held_key`.
+///
+/// Scheduled rows (with a `due_at`) are left alone, here and in
+/// [`RELEASE_TOPIC`]: one waiting for its time must not be released early
+/// (nor a million of them walked), and one that is due and met the missing
+/// topic comes back at the end of the hold the claim gave it.
 pub(crate) const EXTEND: &str = "\
 UPDATE outbox_event SET held_until = statement_timestamp() + make_interval(secs => $2)
-WHERE topic = $1 AND held_until IS NOT NULL AND published_at IS NULL
+WHERE topic = $1 AND held_until IS NOT NULL AND published_at IS NULL AND due_at IS NULL
   AND held_until < statement_timestamp() + make_interval(secs => $2)";
 
 /// Ends the holds of topic `$1`'s held rows (a missing topic created): one
 /// `held_until` for all, so they are released in id order.
 pub(crate) const RELEASE_TOPIC: &str = "\
 UPDATE outbox_event SET held_until = statement_timestamp()
-WHERE topic = $1 AND held_until > statement_timestamp() AND published_at IS NULL";
+WHERE topic = $1 AND held_until > statement_timestamp() AND published_at IS NULL
+  AND due_at IS NULL";
 
 /// Holds a topic's held rows longer, or ends their holds ([`EXTEND`],
 /// [`RELEASE_TOPIC`]), under the relay's `statement_timeout`; returns how
@@ -173,4 +195,85 @@ pub(crate) async fn topic_rows(
     }
     .await;
     result.map_err(|e| Trouble::from(e).during(TOPIC_ROWS))
+}
+
+#[cfg(test)]
+mod tests {
+    use sqlx::{Connection, PgPool};
+
+    use super::super::claim::{CLAIM_ANY, begin, claim};
+    use super::super::lanes::Claimable;
+    use crate::scope::{Lock, OutboxScope};
+
+    /// 20,000 scheduled rows a week ahead, earlier than 10 claimable rows of
+    /// the same keys and topic: the claim returns the 10, none behind a
+    /// held row, and its probe for held rows of their keys never runs (its
+    /// gate sees no held row that is not scheduled).
+    #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+    async fn scheduled_rows_neither_hold_back_nor_cost_the_claim(pool: PgPool) {
+        sqlx::query(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                       payload, topic, partition_key, due_at, held_until)
+             SELECT gen_random_uuid(), 'A', 'a', 'E', '{}', 't', 'k' || (g % 100),
+                    CASE WHEN g <= 20000 THEN now() + interval '7 days' END,
+                    CASE WHEN g <= 20000 THEN now() + interval '7 days' END
+             FROM generate_series(1, 20010) AS g",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        sqlx::query("ANALYZE outbox_event")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let scope = OutboxScope::of(&pool).await.unwrap();
+        let mut session = pool.acquire().await.unwrap();
+        let pid: i32 = sqlx::query_scalar(
+            "SELECT pg_backend_pid() FROM (SELECT pg_advisory_lock_shared($1)) AS l",
+        )
+        .bind(scope.key(Lock::Count, 0))
+        .fetch_one(&mut *session)
+        .await
+        .unwrap();
+        let claimable = Claimable {
+            scope,
+            count: 0,
+            lanes: Vec::new(),
+            pid,
+        };
+        let timeout = std::time::Duration::from_secs(10);
+        let begin = begin(timeout, timeout);
+        let batch = claim(&pool, &begin, 100, 1 << 20, &[], &claimable)
+            .await
+            .unwrap();
+        assert_eq!(batch.rows.len(), 10);
+        assert!(batch.rows.iter().all(|r| r.behind_held_secs.is_none()));
+        drop(batch);
+
+        let mut conn = pool.acquire().await.unwrap();
+        let mut tx = conn.begin().await.unwrap();
+        let plan: Vec<String> =
+            sqlx::query_scalar(&format!("EXPLAIN (ANALYZE, COSTS OFF) {}", *CLAIM_ANY))
+                .bind(100_i64)
+                .bind(Vec::<String>::new())
+                .bind(i64::from(scope.oid()))
+                .bind(OutboxScope::objid(Lock::Count))
+                .bind(pid)
+                .bind(1_i64 << 20)
+                .fetch_all(&mut *tx)
+                .await
+                .unwrap();
+        let plan = plan.join("\n");
+        // The gate reads an empty index; the probe never runs.
+        let gate = plan
+            .lines()
+            .find(|l| l.contains("Index Only Scan using ix_outbox_event_held_key"))
+            .unwrap_or_default();
+        assert!(gate.contains("rows=0 loops=1"), "{plan}");
+        let probe = plan
+            .lines()
+            .find(|l| l.contains("Index Scan using ix_outbox_event_held_key on outbox_event h"))
+            .unwrap_or_default();
+        assert!(probe.contains("never executed"), "{plan}");
+    }
 }

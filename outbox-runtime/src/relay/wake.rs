@@ -28,7 +28,8 @@ use crate::scope::OutboxScope;
 const WRITERS_IN_FLIGHT_RECHECK: Duration = Duration::from_millis(1);
 
 pub(crate) struct Waker {
-    /// A pool of one connection, for LISTEN alone: the listener never takes
+    /// A pool of one connection, for LISTEN (and, while there is no
+    /// listener, the look-up of the next hold's end): the waker never takes
     /// a connection from the relay's (or the application's) pool.
     pool: PgPool,
     /// The outbox's channel and wake-up lock.
@@ -139,8 +140,9 @@ impl Waker {
             }
         };
         let Some(listener) = self.listener.as_mut() else {
+            let wait = until_next_hold(&self.pool, self.poll).await;
             tokio::select! {
-                _ = sleep_or_shutdown(self.poll, shutdown) => {}
+                _ = sleep_or_shutdown(wait, shutdown) => {}
                 _ = gained => {}
             }
             return;
@@ -184,10 +186,10 @@ impl Waker {
                 }
             }
         }
-        let poll = self.poll;
         let Some(listener) = self.listener.as_mut() else {
             return;
         };
+        let poll = until_next_hold(&mut *listener, self.poll).await;
         tokio::select! {
             received = tokio::time::timeout(poll, listener.recv()) => {
                 match received {
@@ -202,6 +204,40 @@ impl Waker {
             _ = shutdown.cancelled() => {}
             _ = gained => {}
         }
+    }
+}
+
+/// The shortest wait for a hold to end: a row whose hold ends in less
+/// than this is waited for this long (the relay's release runs about once
+/// a [`RELEASE_INTERVAL`](super::held::RELEASE_INTERVAL) anyway); one whose
+/// hold has ended, that long at most.
+const MIN_HOLD_WAIT: Duration = Duration::from_millis(100);
+
+/// The poll interval, or less if a held row's hold (a scheduled row's due
+/// time, see [`held`](super::held)) ends sooner: an idle relay does not
+/// sleep past it. A failed look-up leaves the poll interval.
+async fn until_next_hold<'c, E>(executor: E, poll: Duration) -> Duration
+where
+    E: sqlx::PgExecutor<'c>,
+{
+    if poll <= MIN_HOLD_WAIT {
+        return poll;
+    }
+    let query = sqlx::query_scalar(super::held::NEXT_HOLD).fetch_optional(executor);
+    let next: Option<Option<f64>> = match tokio::time::timeout(poll, query).await {
+        Ok(Ok(next)) => next,
+        _ => None,
+    };
+    match next.flatten() {
+        // Ended already, not yet released (the release runs once a
+        // release interval, or was refused): no need to look more often.
+        Some(secs) if secs <= 0.0 => poll.min(super::held::RELEASE_INTERVAL),
+        Some(secs) if secs.is_finite() && secs < poll.as_secs_f64() => {
+            // A few milliseconds past the end: the release compares with
+            // its own statement's time.
+            Duration::from_secs_f64(secs + 0.005).clamp(MIN_HOLD_WAIT, poll)
+        }
+        _ => poll,
     }
 }
 

@@ -27,6 +27,15 @@
 //!
 //! Retry back-offs wait on the bus's [`TestClock`], which moves forward at
 //! once: a handler that fails until it is dead-lettered costs milliseconds.
+//! Scheduled events (`UnitOfWork::record_at`) wait for that clock too: the
+//! bus's time is the database's plus [`TestClock::elapsed`].
+//! [`TestBus::deliver`] delivers what is due, then jumps the clock to the
+//! next scheduled event and delivers it, until none is left (a cancelled
+//! one is never delivered); [`TestBus::deliver_due`] does not jump, so a
+//! test can see what happens before a timeout, then move the clock
+//! ([`TestClock::advance`]) past it. The clock moves the bus's time only,
+//! not the database's: an event scheduled once the clock has moved is due
+//! that much sooner on the bus (a new scenario: a new bus).
 //! [`TestBus::send`] adds a message of another producer ([`RawMessage`]: a
 //! CloudEvent of another system, a malformed message) to the next delivery.
 //! [`Faults`] make the bus misbehave as a broker and a crashing consumer
@@ -251,13 +260,42 @@ impl TestBus {
     }
 
     /// Delivers what the outboxes hold, then the follow-up events, until no
-    /// outbox holds a new event. See the module docs.
+    /// outbox holds a new event. See the module docs. Scheduled events are
+    /// delivered in the order of their times: once nothing else is left,
+    /// the bus's [`clock`](Self::clock) jumps to the next one's time.
     ///
     /// # Errors
     ///
     /// [`Error::Endless`] after [`max_rounds`](Self::max_rounds) rounds,
     /// [`Error::Database`] when a statement of the bus fails.
     pub async fn deliver(&mut self) -> Result<Delivery, Error> {
+        self.deliver_with(true).await
+    }
+
+    /// [`deliver`](Self::deliver), but scheduled events only once the bus's
+    /// time (the database's plus the [`clock`](Self::clock)'s elapsed
+    /// time) has reached theirs: the clock does not jump to them.
+    ///
+    /// ```no_run
+    /// # use outbox_runtime::testing::TestBus;
+    /// # async fn f(mut bus: TestBus) {
+    /// // A command recorded a timeout due in 15 minutes.
+    /// let before = bus.deliver_due().await.unwrap();
+    /// assert_eq!(before.published.len(), 0);
+    /// bus.clock().advance(std::time::Duration::from_secs(15 * 60));
+    /// let after = bus.deliver_due().await.unwrap();
+    /// assert_eq!(after.published.len(), 1);
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`deliver`](Self::deliver).
+    pub async fn deliver_due(&mut self) -> Result<Delivery, Error> {
+        self.deliver_with(false).await
+    }
+
+    async fn deliver_with(&mut self, jump: bool) -> Result<Delivery, Error> {
         let mut delivery = Delivery::default();
         let waits = self.clock.waits().len();
         let failures: u64 = self
@@ -272,7 +310,13 @@ impl TestBus {
                 messages.extend(self.take(i, &mut delivery).await?);
             }
             if messages.is_empty() {
-                break;
+                match self.next_due(jump).await? {
+                    Some(wait) => {
+                        self.clock.jump(wait);
+                        continue;
+                    }
+                    None => break,
+                }
             }
             rounds += 1;
             if rounds > self.max_rounds {
@@ -350,8 +394,38 @@ impl TestBus {
             .collect()
     }
 
-    /// Takes the unpublished rows of outbox `i` in id order, marks them
-    /// published, and returns them as messages (twice each with
+    /// With `jump`: how far the clock must move for the next scheduled
+    /// event of any outbox to be due (none: `None`).
+    async fn next_due(&self, jump: bool) -> Result<Option<std::time::Duration>, Error> {
+        if !jump {
+            return Ok(None);
+        }
+        let mut next: Option<f64> = None;
+        for outbox in &self.outboxes {
+            let secs: Option<f64> = sqlx::query_scalar(
+                "SELECT EXTRACT(EPOCH FROM min(due_at) - statement_timestamp())::float8
+                 FROM outbox_event
+                 WHERE due_at IS NOT NULL AND published_at IS NULL AND parked_at IS NULL",
+            )
+            .fetch_one(&outbox.pool)
+            .await?;
+            next = match (next, secs) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        // One due already was not taken (a relay holds it): no jump, or
+        // the bus would spin.
+        let wait = next.map(|secs| secs - self.clock.elapsed().as_secs_f64());
+        Ok(wait.filter(|w| *w > 0.0).map(|w| {
+            // A little past it: the next statement's time is compared.
+            std::time::Duration::from_secs_f64(w + 0.001)
+        }))
+    }
+
+    /// Takes the unpublished rows of outbox `i` in id order, scheduled ones
+    /// only once the bus's time has reached theirs, marks them published,
+    /// and returns them as messages (twice each with
     /// [`Faults::deliver_twice`], as a relay that resent them would).
     async fn take(&mut self, i: usize, delivery: &mut Delivery) -> Result<Vec<Message>, Error> {
         let outbox = &self.outboxes[i];
@@ -361,8 +435,11 @@ impl TestBus {
                     created_at, topic, partition_key, payload::text AS payload, headers::text AS headers, attempts,
                     NULL::float8 AS behind_held_secs, ctid::text AS tid
              FROM outbox_event WHERE published_at IS NULL AND parked_at IS NULL
+               AND (due_at IS NULL
+                    OR due_at <= statement_timestamp() + make_interval(secs => $1))
              ORDER BY id FOR UPDATE SKIP LOCKED",
         )
+        .bind(self.clock.elapsed().as_secs_f64())
         .fetch_all(&mut *tx)
         .await?;
         if rows.is_empty() {

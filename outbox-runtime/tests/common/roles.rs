@@ -17,8 +17,9 @@ use super::{TestMessage, brokers, create_topic, keyed_event, produce, unique_top
 /// The guide's block (docs/src/production.md), verbatim up to its closing fence (checked below).
 pub const GRANTS: &str = "\
 GRANT USAGE ON SCHEMA public TO outbox_app, outbox_relay, outbox_consumer;
--- the application: its Unit of Work inserts events
-GRANT INSERT ON outbox_event TO outbox_app;
+-- the application: its Unit of Work inserts events and cancels scheduled ones
+GRANT INSERT, SELECT (event_id, due_at, held_until, published_at),
+    UPDATE (parked_at, discarded_at, discard_reason, held_until) ON outbox_event TO outbox_app;
 -- the relay: reads the outbox, marks rows published, failed, held or parked
 GRANT SELECT, UPDATE (published_at, attempts, last_error, last_attempt_at, parked_at, held_until)
     ON outbox_event TO outbox_relay;
