@@ -517,3 +517,38 @@ async fn status_gauges_and_cleanup_follow_the_positions(pool: PgPool) {
     let all: Vec<uuid::Uuid> = committed.iter().chain(&later).copied().collect();
     assert_eq!(verify(&all, &received), 0);
 }
+
+/// Turning the mode on releases the rows held back after failures (the
+/// windows read them in id order with the rest), never a scheduled event
+/// still waiting for its time: recorded before `enable`, it goes out after
+/// its time, not at the relay's start.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_scheduled_event_keeps_its_time_across_enable(pool: PgPool) {
+    use sqlx::types::chrono;
+    let topic = unique_topic("progress-scheduled");
+    create_topic(&brokers(), &topic).await;
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let due = chrono::Utc::now() + Duration::from_secs(3);
+    let scheduled = uow.record_message_at(due, message(&topic, "k", 0));
+    let now = uow.record_message(message(&topic, "k", 1));
+    uow.commit().await.unwrap();
+    progress::enable(&pool).await.unwrap();
+    let handle = relay(&pool).spawn().unwrap();
+    let first = read_topic(&brokers(), &topic, 1, Duration::from_secs(30)).await;
+    assert_eq!(
+        first.iter().map(Received::event_id).collect::<Vec<_>>(),
+        vec![now]
+    );
+    assert!(chrono::Utc::now() < due, "the test outran its margin");
+    let both = read_topic(&brokers(), &topic, 2, Duration::from_secs(30)).await;
+    assert!(chrono::Utc::now() >= due);
+    assert!(both.iter().any(|r| r.event_id() == scheduled));
+    let published_at: Option<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT published_at FROM outbox_event WHERE event_id = $1")
+            .bind(scheduled)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    handle.shutdown().await.unwrap();
+    assert!(published_at.is_some_and(|at| at >= due), "{published_at:?}");
+}

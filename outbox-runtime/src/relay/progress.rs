@@ -429,7 +429,9 @@ impl Window {
 /// and parked ones stay parked. In the same transaction, on the first call
 /// only: rows written before the `txid` column existed and not published
 /// are given this transaction's id, and rows held back are released (the
-/// windows read them in id order with the rest). Calling it again changes
+/// windows read them in id order with the rest), but for scheduled rows
+/// still waiting for their time (`held_until = due_at`), read when due by
+/// the held rows' path. Calling it again changes
 /// nothing.
 pub async fn enable(pool: &sqlx::PgPool) -> Result<()> {
     create_index(pool).await?;
@@ -444,7 +446,8 @@ pub async fn enable(pool: &sqlx::PgPool) -> Result<()> {
         return Ok(());
     }
     sqlx::query(
-        "UPDATE outbox_event SET txid = coalesce(txid, pg_current_xact_id()), held_until = NULL
+        "UPDATE outbox_event SET txid = coalesce(txid, pg_current_xact_id()),
+                                 held_until = CASE WHEN held_until = due_at THEN held_until END
          WHERE (txid IS NULL OR held_until IS NOT NULL) AND published_at IS NULL",
     )
     .execute(&mut *tx)

@@ -116,7 +116,8 @@ WHERE locktype = 'advisory' AND granted AND objsubid = 1
 /// Held rows of slots `$1` whose hold has ended, not of the keys `$2`, in
 /// id order, at most `$3`, locked. With each, whether an earlier row of its
 /// key on its topic is held and not due yet (an earlier due one is in this
-/// claim, before it).
+/// claim, before it); scheduled rows hold back no key (the held-key index
+/// leaves them out).
 static DUE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         "{CLAIM_MARK} SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version,
@@ -125,7 +126,7 @@ static DUE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
        (SELECT EXTRACT(EPOCH FROM h.held_until - statement_timestamp())::float8
         FROM outbox_event h
         WHERE h.held_until > statement_timestamp() AND h.published_at IS NULL
-          AND h.topic = o.topic AND h.partition_key = o.partition_key AND h.id < o.id
+          AND h.due_at IS NULL AND h.topic = o.topic AND h.partition_key = o.partition_key AND h.id < o.id
         ORDER BY h.topic, h.partition_key, h.id LIMIT 1) AS behind_held_secs
 FROM outbox_event o
 WHERE held_until <= statement_timestamp() AND published_at IS NULL AND parked_at IS NULL
