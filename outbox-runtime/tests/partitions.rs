@@ -1000,3 +1000,81 @@ async fn a_partition_needed_soon_waits_longer_for_a_busy_table(pool: PgPool) {
         next.from
     );
 }
+
+/// In the progress mode nothing is marked published: retention drops an
+/// old partition whose rows the positions passed, and keeps one holding a
+/// row they have not (written after the relay stopped); once a relay
+/// passes it, that partition goes too. Nothing is deleted row by row.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn in_the_progress_mode_retention_drops_what_the_positions_passed(pool: PgPool) {
+    use outbox_runtime::relay::progress;
+    partition::enable(&pool, &PartitionPlan::default())
+        .await
+        .unwrap();
+    let outbox = past_partitions(&pool, "outbox_event", 40).await;
+    progress::enable(&pool).await.unwrap();
+    let topic = unique_topic("partitions-progress");
+    create_topic(&brokers(), &topic).await;
+    let at = |days_ago: usize| outbox[outbox.len() - days_ago].clone();
+    let insert_old = |days_ago: usize| {
+        let (pool, topic, (from, _)) = (pool.clone(), topic.clone(), at(days_ago));
+        async move {
+            let id = id_at(from + 1000 + (Uuid::new_v4().as_u128() % 1000) as i64);
+            insert_outbox(&pool, id, &topic).await;
+            sqlx::query("UPDATE outbox_event SET created_at = to_timestamp($2 / 1000.0) WHERE event_id = $1")
+                .bind(id)
+                .bind((from + 1000) as f64)
+                .execute(&pool)
+                .await
+                .unwrap();
+            id
+        }
+    };
+    let mut committed = vec![insert_old(40).await, insert_old(39).await];
+    let publish = || async {
+        let relay = Relay::builder(pool.clone())
+            .brokers(brokers())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while progress::pending(&pool).await.unwrap() > 0 {
+            assert!(std::time::Instant::now() < deadline, "not published");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        relay.shutdown().await.unwrap();
+    };
+    publish().await;
+    committed.push(insert_old(39).await);
+
+    let retention = Retention::new(Duration::from_secs(30 * 86_400));
+    let report = cleanup::cleanup(&pool, &retention).await.unwrap();
+    let left: Vec<String> = partition::list(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
+    assert!(!left.contains(&at(40).1), "passed: dropped ({report:?})");
+    assert!(
+        left.contains(&at(39).1),
+        "a row not passed: kept ({report:?})"
+    );
+    assert_eq!(report.outbox_events, 0, "no row deleted one by one");
+    assert_eq!(scalar(&pool, "SELECT count(*) FROM outbox_event").await, 2);
+
+    publish().await;
+    let report = cleanup::cleanup(&pool, &retention).await.unwrap();
+    let left: Vec<String> = partition::list(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
+    assert!(
+        !left.contains(&at(39).1),
+        "passed since: dropped ({report:?})"
+    );
+    assert_eq!(scalar(&pool, "SELECT count(*) FROM outbox_event").await, 0);
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(30)).await;
+    assert_eq!(verify(&committed, &received), 0);
+}

@@ -65,6 +65,43 @@ fn unfinished(table: &str, p: &str) -> Option<String> {
     })
 }
 
+/// [`needed`] for the outbox in the progress mode (see
+/// [`crate::relay::progress`]), a whole statement: rows are not marked
+/// there, so a row without a state of its own is needed while the newest
+/// position of its slot does not pass it (a read of the partition: it is
+/// past the window, no writer waits for it). Rows published by the rare
+/// paths within the window keep it too; those the positions passed are
+/// taken as published when they were written (the window counts from
+/// their creation).
+fn progress_needed(p: &str) -> String {
+    format!(
+        "WITH RECURSIVE {positions}
+SELECT EXISTS (SELECT 1 FROM {p} e
+               WHERE num_nulls(e.published_at, e.parked_at, e.held_until) = 3
+                 AND NOT EXISTS (SELECT 1 FROM pos WHERE pos.slot = e.lane_slot
+                                 AND e.txid IS NOT NULL AND {passed}))
+    OR EXISTS (SELECT 1 FROM {p} WHERE held_until IS NOT NULL AND published_at IS NULL)
+    OR EXISTS (SELECT 1 FROM {p} WHERE parked_at IS NOT NULL AND published_at IS NULL)
+    OR EXISTS (SELECT 1 FROM {p} WHERE published_at >= $1)",
+        positions = crate::relay::progress::POSITIONS,
+        passed = crate::relay::progress::passed("e"),
+    )
+}
+
+/// [`written_since`] for the outbox in the progress mode, a whole
+/// statement, through indexes only: a row becomes needed by an insert (the
+/// BRIN index on `created_at`), a hold or a parking (their partial
+/// indexes); no write makes a row the positions passed unpassed (the
+/// positions only move on, and the default mode's index of unpublished
+/// rows holds every row in this mode: it cannot tell).
+fn progress_written_since(p: &str) -> String {
+    format!(
+        "SELECT EXISTS (SELECT 1 FROM {p} WHERE held_until IS NOT NULL AND published_at IS NULL)
+    OR EXISTS (SELECT 1 FROM {p} WHERE parked_at IS NOT NULL AND published_at IS NULL)
+    OR EXISTS (SELECT 1 FROM {p} WHERE created_at >= $1)"
+    )
+}
+
 /// What may have made a partition needed since [`needed`] found nothing
 /// in it, checked under the parent's exclusive lock, through indexes only
 /// (`$1`: the cutoff): an unfinished row (partial indexes), a row written
@@ -137,14 +174,25 @@ pub(crate) async fn drop_expired(
     };
     // Left by a pass that stopped between the detach and the drop.
     drop_retired(conn, &schema, table).await?;
+    let progress = table == "outbox_event"
+        && sqlx::query_scalar::<_, bool>("SELECT EXISTS (SELECT 1 FROM outbox_progress)")
+            .fetch_one(&mut *conn)
+            .await?;
     let cutoff_ms = cutoff.timestamp_millis();
     for part in partitions_of(conn, table).await? {
         let Some(to_ms) = part.to_ms() else { continue };
         if to_ms > cutoff_ms {
             continue;
         }
-        let outcome = match keep_or_detach(conn, &schema, table, &part.name, cutoff, lock_timeout)
-            .await
+        let outcome = match keep_or_detach(
+            conn,
+            &schema,
+            (table, progress),
+            &part.name,
+            cutoff,
+            lock_timeout,
+        )
+        .await
         {
             Err(error) if is_busy(&error) => {
                 report.busy += 1;
@@ -189,7 +237,7 @@ async fn index_scans_only(conn: &mut PgConnection) -> Result<()> {
 async fn keep_or_detach(
     conn: &mut PgConnection,
     schema: &str,
-    table: &str,
+    (table, progress): (&str, bool),
     name: &str,
     cutoff: sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc>,
     lock_timeout: Duration,
@@ -198,11 +246,15 @@ async fn keep_or_detach(
     // The whole check, as any reader: writers and relays go on.
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
     set_lock_timeout(&mut tx, lock_timeout).await?;
-    let keep: bool =
-        sqlx::query_scalar(&format!("SELECT {}", needed(table, &p).unwrap_or_default()))
-            .bind(cutoff)
-            .fetch_one(&mut *tx)
-            .await?;
+    let check = if progress {
+        progress_needed(&p)
+    } else {
+        format!("SELECT {}", needed(table, &p).unwrap_or_default())
+    };
+    let keep: bool = sqlx::query_scalar(&check)
+        .bind(cutoff)
+        .fetch_one(&mut *tx)
+        .await?;
     tx.commit().await?;
     if keep {
         return Ok(None);
@@ -222,13 +274,15 @@ async fn keep_or_detach(
     ))
     .execute(&mut *tx)
     .await?;
-    let written: bool = sqlx::query_scalar(&format!(
-        "SELECT {}",
-        written_since(table, &p).unwrap_or_default()
-    ))
-    .bind(cutoff)
-    .fetch_one(&mut *tx)
-    .await?;
+    let check = if progress {
+        progress_written_since(&p)
+    } else {
+        format!("SELECT {}", written_since(table, &p).unwrap_or_default())
+    };
+    let written: bool = sqlx::query_scalar(&check)
+        .bind(cutoff)
+        .fetch_one(&mut *tx)
+        .await?;
     if written {
         tx.rollback().await?;
         return Ok(None);
