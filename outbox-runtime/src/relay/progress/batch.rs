@@ -106,12 +106,13 @@ impl Windows {
 
 /// The lanes of this outbox (`$1` oid) the lane session (pid `$2`) owns,
 /// lane 0's `objid` `$3`, `$4` lanes.
-const OWNED: &str = "
-SELECT coalesce(array_agg((objid::int8 - $3)::int4), '{}') FROM pg_locks
-WHERE locktype = 'advisory' AND granted AND objsubid = 1
-  AND classid = $1::int8::oid
-  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND pid = $2 AND objid::int8 >= $3 AND objid::int8 < $3 + $4";
+static OWNED: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "SELECT coalesce(array_agg((objid::int8 - $3)::int4), '{{}}') FROM pg_locks
+WHERE {} AND pid = $2 AND objid::int8 >= $3 AND objid::int8 < $3 + $4",
+        lanes::SCOPE_LOCKS
+    )
+});
 
 /// Held rows of slots `$1` whose hold has ended, not of the keys `$2`, in
 /// id order, at most `$3`, locked. With each, whether an earlier row of its
@@ -188,7 +189,7 @@ pub(crate) async fn claim(
             progress: Some(read),
         });
     }
-    let owned: Vec<i32> = sqlx::query_scalar(OWNED)
+    let owned: Vec<i32> = sqlx::query_scalar(&OWNED)
         .bind(i64::from(lanes.scope.oid()))
         .bind(lanes.pid)
         .bind(OutboxScope::objid(Lock::Lane))
