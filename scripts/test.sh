@@ -3,7 +3,8 @@
 # the consumer-groups scenario alone; then a subset of the reliability
 # scenarios again in the production
 # profile (every process as the README's role, 10-second partitions created
-# and dropped by a maintainer meanwhile: outbox-cli/tests/reliability/profile.rs).
+# and dropped by a maintainer meanwhile: outbox-cli/tests/reliability/profile.rs);
+# then the relay's scenarios in the progress mode, in that profile.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -20,5 +21,9 @@ cargo test -p outbox-cli --test reliability -- groups::consumer_groups_killed_an
 echo "== the reliability scenarios' production-profile subset"
 OUTBOX_TEST_PROFILE=production cargo test -p outbox-cli --test reliability -- \
     relay_sigkilled_repeatedly consumer_killed_between long_transaction
+echo "== the relay's reliability scenarios in the progress mode (production profile)"
+OUTBOX_TEST_RELAY_MODE=progress OUTBOX_TEST_PROFILE=production cargo test -p outbox-cli --test reliability -- \
+    relay_sigkilled_repeatedly three_relays_one_killed broker_killed_and_restarted \
+    broker_paused long_transaction
 echo "== the guide builds (mdBook; its Rust snippets were compiled by the doc tests above)"
 mdbook build docs -d "$(mktemp -d)"

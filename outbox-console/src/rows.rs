@@ -216,6 +216,9 @@ async fn parked_detail_page(console: &Console, headers: &HeaderMap, id: &str) ->
             tr { th { "partition key" } td { code { (row.partition_key) } } }
             tr { th { "attempts" } td { (row.attempts) } }
             tr { th { "created" } td { (row.created_at) } }
+            @if row.passed {
+                tr { th { "published" } td #passed { "yes: its lane's position passed it (the progress mode keeps no time per event)" } }
+            }
             @for (label, value) in [
                 ("published", &row.published_at),
                 ("parked", &row.parked_at),

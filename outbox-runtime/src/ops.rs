@@ -574,12 +574,15 @@ pub struct OutboxRow {
     pub discarded_at: Option<String>,
     /// Why it was dropped.
     pub discard_reason: Option<String>,
+    /// Published in the progress mode: its lane's position passed it (the
+    /// relay writes no time per row there; `published_at` stays empty).
+    pub passed: bool,
 }
 
 impl OutboxRow {
     /// Where the row stands.
     pub fn state(&self) -> RowState {
-        if self.published_at.is_some() {
+        if self.published_at.is_some() || self.passed {
             RowState::Published
         } else if self.discarded_at.is_some() {
             RowState::Discarded
@@ -597,16 +600,19 @@ impl OutboxRow {
 pub async fn outbox_row(pool: &PgPool, id: i64) -> Result<Option<OutboxRow>> {
     const TS: &str = r#"'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"'"#;
     let ts = |c: &str| format!("to_char({c} AT TIME ZONE 'UTC', {TS}) AS {c}");
+    let published = crate::relay::progress::Published::of(pool).await?;
     let sql = format!(
-        "SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version, topic,
+        "{}SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version, topic,
                 partition_key, payload, headers, attempts, last_error, {}, {}, {}, {}, {},
-                discard_reason
+                discard_reason, published_at IS NULL AND {} AS passed
          FROM outbox_event WHERE id = $1",
+        published.with,
         ts("created_at"),
         ts("published_at"),
         ts("parked_at"),
         ts("held_until"),
         ts("discarded_at"),
+        published.condition,
     );
     Ok(sqlx::query_as(&sql).bind(id).fetch_optional(pool).await?)
 }

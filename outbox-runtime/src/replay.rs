@@ -7,7 +7,11 @@
 //!   replay starts: unpublished ones are the relay's (it publishes them
 //!   anyway), parked ones wait for an operator. The
 //!   outbox is only read — no row is changed or locked — so a replay is safe
-//!   while relays run and leaves the audit trail as it was.
+//!   while relays run and leaves the audit trail as it was. In the progress
+//!   mode a published row is one its lane's position passed (the relay
+//!   writes no time per row there): its creation time then stands for its
+//!   publication in the dedup window's check below, which refuses more, not
+//!   less.
 //! - Each message is the original one — same key, payload, event id and
 //!   headers — plus a `replay_id` header naming the replay run. Consumers
 //!   deduplicate by event id, so a replayed event they already applied is a
@@ -48,6 +52,7 @@ use crate::error::{Error, Result};
 use crate::kafka;
 use crate::ops::format_duration;
 use crate::relay::claim::Row;
+use crate::relay::progress::Published;
 use crate::relay::publish::{self, FailureKind, Outcome, Publisher};
 
 /// The Kafka header that marks a replayed message; its value is the replay
@@ -202,8 +207,8 @@ pub struct ReplayReport {
 /// `$1` from id … `$7` aggregate id are always bound), so that the plan is
 /// a range scan of the primary key (ids) and, for a time range alone, of
 /// the BRIN index on `created_at` (see [`narrowed`]).
-fn filter_sql(f: &ReplayFilter) -> String {
-    let mut sql = String::from("published_at IS NOT NULL AND id >= $1");
+fn filter_sql(f: &ReplayFilter, published: &Published) -> String {
+    let mut sql = format!("{} AND id >= $1", published.condition);
     for (set, clause) in [
         (f.to_id.is_some(), " AND id <= $2"),
         (f.since.is_some(), " AND created_at >= $3"),
@@ -257,10 +262,11 @@ async fn narrowed(pool: &PgPool, filter: &ReplayFilter) -> Result<ReplayFilter> 
     Ok(f)
 }
 
-fn page_sql(filter: &ReplayFilter) -> String {
-    let filter = filter_sql(filter);
+fn page_sql(filter: &ReplayFilter, published: &Published) -> String {
+    let with = &published.with;
+    let filter = filter_sql(filter, published);
     format!(
-        "SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version, created_at,
+        "{with}SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version, created_at,
                 COALESCE($8, topic) AS topic, partition_key, payload::text AS payload,
                 (headers || jsonb_build_object('{REPLAY_HEADER}', $9::text))::text AS headers,
                 attempts, NULL::float8 AS behind_held_secs, ctid::text AS tid
@@ -333,21 +339,31 @@ pub async fn selection(
     filter: &ReplayFilter,
     window: Duration,
 ) -> Result<Selection> {
-    let selected = filter_sql(filter);
+    let published = Published::of(pool).await?;
+    let with = &published.with;
+    let selected = filter_sql(filter, &published);
+    // When it was published: in the progress mode, a row the positions
+    // passed has no time of its own; its creation stands for it (earlier:
+    // such a row counts as beyond the window if it was created before it).
+    let at = if published.progress {
+        "coalesce(published_at, created_at)"
+    } else {
+        "published_at"
+    };
     // An event is published after it was created, both times from the
     // database's clock: only events created before the window (less an hour
     // for a clock step) can have been published before it, and the BRIN
     // index on `created_at` skips the rest (a recent selection has none).
     let beyond = format!(
-        "{selected} AND published_at < now() - make_interval(secs => $8)
+        "{selected} AND {at} < now() - make_interval(secs => $8)
          AND created_at < now() - make_interval(secs => $8) + interval '1 hour'"
     );
     // The first rows of the selection, and how many of them are beyond the
     // window. When they are all it selects, or all beyond the window, that
     // is the whole answer (one read of the selection's index).
     let sample = format!(
-        "SELECT count(*), count(*) FILTER (WHERE old), min(id) FILTER (WHERE old)
-         FROM (SELECT id, published_at < now() - make_interval(secs => $8) AS old
+        "{with}SELECT count(*), count(*) FILTER (WHERE old), min(id) FILTER (WHERE old)
+         FROM (SELECT id, {at} < now() - make_interval(secs => $8) AS old
                FROM outbox_event WHERE {selected} LIMIT $9) AS s"
     );
     let (mut matched, mut old, mut example): (i64, i64, Option<i64>) =
@@ -360,7 +376,7 @@ pub async fn selection(
         // are looked for on their own.
         (old, example) = bind_selection!(
             sqlx::query_as(&format!(
-                "SELECT count(*), min(id) FROM (SELECT id FROM outbox_event
+                "{with}SELECT count(*), min(id) FROM (SELECT id FROM outbox_event
                  WHERE {beyond} LIMIT $9) AS s"
             )),
             filter,
@@ -377,7 +393,7 @@ pub async fn selection(
             // A statement of its own, planned with these values (not a
             // cached generic plan, whose estimate ignores them).
             let sql = format!(
-                "EXPLAIN (FORMAT JSON) SELECT id FROM outbox_event
+                "EXPLAIN (FORMAT JSON) {with}SELECT id FROM outbox_event
                  WHERE {condition} AND $8::float8 IS NOT NULL"
             );
             let plan: sqlx::types::Json<serde_json::Value> =
@@ -399,9 +415,11 @@ pub async fn selection(
 /// How many published events `filter` selects (a dry run).
 pub async fn count(pool: &PgPool, filter: &ReplayFilter) -> Result<u64> {
     // One pass over the selection, exact.
+    let published = Published::of(pool).await?;
     let sql = format!(
-        "SELECT count(*) FROM outbox_event WHERE {}",
-        filter_sql(filter)
+        "{}SELECT count(*) FROM outbox_event WHERE {}",
+        published.with,
+        filter_sql(filter, &published)
     );
     let n: i64 = bind_filter!(sqlx::query_scalar(&sql), filter)
         .fetch_one(pool)
@@ -454,7 +472,7 @@ pub async fn replay(pool: &PgPool, options: &ReplayOptions) -> Result<ReplayRepo
     };
     tracing::info!(%replay_id, filter = ?options.filter, to_topic = ?options.to_topic, "replay started");
     let f = &narrowed(pool, &options.filter).await?;
-    let sql = page_sql(f);
+    let sql = page_sql(f, &Published::of(pool).await?);
     let mut from = f.from_id.unwrap_or(i64::MIN);
     // What the outbox holds now: rows committed during the replay are the
     // relay's business.

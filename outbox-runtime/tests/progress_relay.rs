@@ -552,3 +552,135 @@ async fn a_scheduled_event_keeps_its_time_across_enable(pool: PgPool) {
     handle.shutdown().await.unwrap();
     assert!(published_at.is_some_and(|at| at >= due), "{published_at:?}");
 }
+
+/// A replay and an event's page tell what the positions passed as
+/// published: the rows the relay published without writing them, and
+/// those the rare path marked; never the parked one. The dedup window's
+/// check counts a passed row by its creation time (the mode keeps no
+/// publication time per row): more refused, never fewer.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn replay_and_the_event_page_see_what_the_positions_passed(pool: PgPool) {
+    use outbox_runtime::replay::{self, ReplayFilter, ReplayOptions};
+
+    let topic = unique_topic("progress-replay");
+    let again = unique_topic("progress-replayed");
+    create_topic(&brokers(), &topic).await;
+    create_topic(&brokers(), &again).await;
+    progress::enable(&pool).await.unwrap();
+    let mut committed = Vec::new();
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let mut poison = message(&topic, "k0", 0);
+    poison.payload = serde_json::json!({ "seq": 0, "blob": "x".repeat(300_000) }).to_string();
+    let poison_id = uow.record_message(poison);
+    for seq in 1..30 {
+        committed.push(uow.record_message(message(&topic, &format!("k{}", seq % 3), seq)));
+    }
+    uow.commit().await.unwrap();
+    let handle = relay(&pool)
+        .kafka_setting("message.max.bytes", "100000")
+        .max_attempts(2)
+        .retry_backoff(Duration::from_millis(100), Duration::from_millis(200))
+        .batch_size(10)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !(ops::status(&pool).await.unwrap().parked == 1
+        && progress::pending(&pool).await.unwrap() == 0)
+    {
+        assert!(Instant::now() < deadline, "poison parked, the rest drained");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    handle.shutdown().await.unwrap();
+    let (by_position, marked): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE published_at IS NULL AND parked_at IS NULL),
+                count(*) FILTER (WHERE published_at IS NOT NULL)
+         FROM outbox_event",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(by_position > 0, "some rows published without a write");
+    assert!(marked > 0, "the poison's key: published by the rare path");
+
+    // The event page.
+    let id_of = |event_id: uuid::Uuid| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT id FROM outbox_event WHERE event_id = $1")
+                .bind(event_id)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let poison_row = ops::outbox_row(&pool, id_of(poison_id).await)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(poison_row.state(), ops::RowState::Parked);
+    assert!(!poison_row.passed);
+    let mut states = std::collections::HashMap::new();
+    for &event_id in &committed {
+        let row = ops::outbox_row(&pool, id_of(event_id).await)
+            .await
+            .unwrap()
+            .unwrap();
+        *states
+            .entry((row.state().as_str(), row.passed, row.published_at.is_some()))
+            .or_insert(0) += 1;
+    }
+    assert_eq!(
+        states
+            .get(&("published", true, false))
+            .copied()
+            .unwrap_or(0),
+        by_position
+    );
+    assert_eq!(
+        states
+            .get(&("published", false, true))
+            .copied()
+            .unwrap_or(0),
+        marked
+    );
+
+    // The selection: every published row, the parked one left out.
+    let all = ReplayFilter::default();
+    assert_eq!(
+        replay::count(&pool, &all).await.unwrap(),
+        committed.len() as u64
+    );
+    let window = Duration::from_secs(24 * 3600);
+    let selected = replay::selection(&pool, &all, window).await.unwrap();
+    assert_eq!(
+        (selected.matched, selected.beyond_window),
+        (committed.len() as u64, 0)
+    );
+    // Rows created two days ago: a passed row counts as published then.
+    let aged: i64 = sqlx::query_scalar(
+        "WITH a AS (UPDATE outbox_event SET created_at = created_at - interval '2 days'
+                    WHERE published_at IS NULL AND parked_at IS NULL RETURNING 1)
+         SELECT count(*) FROM a",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(aged, by_position);
+    let selected = replay::selection(&pool, &all, window).await.unwrap();
+    assert_eq!(selected.beyond_window, by_position as u64);
+    let mut options = ReplayOptions::new(brokers(), all);
+    options.to_topic = Some(again.clone());
+    options.batch_size = 7;
+    options.dedup_window = window;
+    let refused = replay::replay(&pool, &options).await.unwrap_err();
+    assert!(
+        refused.to_string().contains("refusing to replay"),
+        "{refused}"
+    );
+    options.force = true;
+    let report = replay::replay(&pool, &options).await.unwrap();
+    assert_eq!(report.replayed, committed.len() as u64);
+    let received = read_topic(&brokers(), &again, committed.len(), Duration::from_secs(30)).await;
+    assert_eq!(verify(&committed, &received), 0);
+    assert!(received.iter().all(|r| r.event_id() != poison_id));
+}

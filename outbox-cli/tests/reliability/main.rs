@@ -83,13 +83,20 @@ async fn consumer<H: InboxHandler>(pool: &PgPool, brokers: &str, handler: H) -> 
         .expect("consumer")
 }
 
+/// The events published so far, in either relay mode.
 async fn published_ids(pool: &PgPool) -> HashSet<Uuid> {
-    sqlx::query_scalar("SELECT event_id FROM outbox_event WHERE published_at IS NOT NULL")
-        .fetch_all(pool)
+    let published = outbox_runtime::relay::progress::Published::of(pool)
         .await
-        .expect("published ids")
-        .into_iter()
-        .collect()
+        .expect("the relay mode");
+    sqlx::query_scalar(&format!(
+        "{}SELECT event_id FROM outbox_event WHERE {}",
+        published.with, published.condition
+    ))
+    .fetch_all(pool)
+    .await
+    .expect("published ids")
+    .into_iter()
+    .collect()
 }
 
 /// A small deterministic spread of waits (no RNG dependency).
@@ -119,6 +126,7 @@ async fn broker_killed_and_restarted(pool: PgPool) {
     let topic = BrokerKillEvent::TOPIC;
     create_topic(&brokers, topic).await;
     effect_table(&pool).await;
+    profile::relay_mode(&pool).await;
     let relay_before = relay(&pool, &brokers).await.spawn().unwrap();
     let first = consumer(&pool, &brokers, Effect::<BrokerKillEvent>::new()).await;
     let writers = Writers::start(&pool, topic, Load::default()).await;
@@ -212,6 +220,7 @@ async fn broker_paused_longer_than_the_delivery_timeout(pool: PgPool) {
     let topic = BrokerPauseEvent::TOPIC;
     create_topic(&brokers, topic).await;
     effect_table(&pool).await;
+    profile::relay_mode(&pool).await;
     let relay = relay(&pool, &brokers).await.spawn().unwrap();
     let consumer = consumer(&pool, &brokers, Effect::<BrokerPauseEvent>::new()).await;
     let writers = Writers::start(&pool, topic, Load::default()).await;
@@ -269,6 +278,7 @@ async fn connections_cut_and_delayed_by_a_proxy(pool: PgPool) {
     let topic = ProxyEvent::TOPIC;
     create_topic(&brokers, topic).await;
     effect_table(&pool).await;
+    profile::relay_mode(&pool).await;
     let relay = relay(&pool, &brokers).await.spawn().unwrap();
     let consumer = consumer(&pool, &brokers, Effect::<ProxyEvent>::new()).await;
     let writers = Writers::start(&pool, topic, Load::default()).await;
@@ -384,6 +394,7 @@ async fn three_relays_one_killed(pool: PgPool) {
     // lost (or shown late) a fresh partition's first records written so.
     reset_warm_topic(&brokers, topic).await;
     effect_table(&pool).await;
+    profile::relay_mode(&pool).await;
     let consumer = consumer(&pool, &brokers, Effect::<ThreeRelaysEvent>::new()).await;
     let writers = Writers::start(&pool, topic, Load::default()).await;
     let url = database_url(&pool);
@@ -440,6 +451,7 @@ async fn postgres_restarted_under_load() {
         .expect("connect to the private server");
     outbox_core::migrate(&pool).await.expect("migrate");
     effect_table(&pool).await;
+    profile::relay_mode(&pool).await;
     let brokers = brokers();
     let topic = PostgresRestartEvent::TOPIC;
     reset_topic(&brokers, topic).await;
@@ -822,6 +834,12 @@ async fn long_transaction_holding_the_xmin_horizon(pool: PgPool) {
     let mut figures = checker::check("long transaction holding xmin", &evidence);
     figures.recovery_ms = ms(recovered.await.unwrap());
     figures.note("holding xid", xid);
+    if profile::progress_mode() {
+        figures.note(
+            "publication latency",
+            "not recorded in the progress mode (no time per row): see end-to-end",
+        );
+    }
     figures.note("latency before (3 s)", latency(&pool, t0, t1).await);
     figures.note("latency while held", latency(&pool, t2, t3).await);
     figures.note("latency after release (3 s)", latency(&pool, t4, t5).await);

@@ -33,6 +33,24 @@ pub fn production() -> bool {
     std::env::var("OUTBOX_TEST_PROFILE").as_deref() == Ok("production")
 }
 
+/// Whether `OUTBOX_TEST_RELAY_MODE=progress`: the scenarios that call
+/// [`relay_mode`] (all that run relays) put their outbox in the progress
+/// mode (positions per batch, no row written to publish it) before any
+/// relay starts.
+pub fn progress_mode() -> bool {
+    std::env::var("OUTBOX_TEST_RELAY_MODE").as_deref() == Ok("progress")
+}
+
+/// Puts the outbox of `pool` in the relay mode the environment asks for
+/// ([`progress_mode`]); nothing in the default mode.
+pub async fn relay_mode(pool: &PgPool) {
+    if progress_mode() {
+        outbox_runtime::relay::progress::enable(pool)
+            .await
+            .expect("the progress mode");
+    }
+}
+
 /// A scenario's tables and, in the production profile, its roles,
 /// partitions and maintainer.
 pub struct Setup {
@@ -69,6 +87,7 @@ impl Setup {
             maintainer: None,
         };
         if !production {
+            relay_mode(pool).await;
             return setup;
         }
         let plan = PartitionPlan {
@@ -77,7 +96,14 @@ impl Setup {
             lock_timeout: Duration::from_millis(500),
         };
         partition::enable(pool, &plan).await.expect("partitions");
+        relay_mode(pool).await;
         setup.roles = Some(Roles::create(pool).await);
+        if progress_mode() {
+            // What the production chapter adds to its block for this mode.
+            setup
+                .grant("INSERT ON outbox_progress", "outbox_relay")
+                .await;
+        }
         let retention = Retention::new(retention)
             .dedup_window(retention)
             .dead_letters(Duration::from_secs(3600));

@@ -501,6 +501,59 @@ pub(crate) fn passed(e: &str) -> String {
     )
 }
 
+/// How readers of published rows (a replay, an event's page) tell a
+/// published row in either mode: a statement's prefix and a condition on
+/// an unaliased `outbox_event`. In the default mode a published row has
+/// `published_at`; in the progress mode the common path writes nothing per
+/// row, so a row is also published once the newest position of its slot
+/// passes it and no rare path holds or parked it.
+///
+/// ```text
+/// let p = Published::of(&pool).await?;
+/// let sql = format!("{}SELECT count(*) FROM outbox_event WHERE {}", p.with, p.condition);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Published {
+    /// `WITH RECURSIVE …` (the positions) or nothing; the statement follows.
+    pub with: String,
+    /// True for a published row.
+    pub condition: String,
+    /// Whether the outbox is in the progress mode.
+    pub progress: bool,
+}
+
+impl Published {
+    /// The view of the outbox's mode (read with `enabled`; a schema without
+    /// the positions table is in the default mode).
+    pub async fn of(pool: &sqlx::PgPool) -> Result<Self> {
+        let progress = batch::enabled(pool).await?.unwrap_or(false);
+        Ok(Self::in_mode(progress))
+    }
+
+    /// The view of the given mode.
+    pub fn in_mode(progress: bool) -> Self {
+        if !progress {
+            return Self {
+                with: String::new(),
+                condition: "published_at IS NOT NULL".into(),
+                progress,
+            };
+        }
+        Self {
+            with: format!("WITH RECURSIVE {POSITIONS} "),
+            condition: format!(
+                "(published_at IS NOT NULL
+                  OR (held_until IS NULL AND parked_at IS NULL AND txid IS NOT NULL
+                      AND EXISTS (SELECT 1 FROM pos WHERE pos.slot = outbox_event.lane_slot
+                                  AND {})))",
+                passed("outbox_event")
+            ),
+            progress,
+        }
+    }
+}
+
 /// Rows not published yet in the progress mode: those of each slot its
 /// newest position does not pass, those held (a hold to end, or due) and
 /// not published, none parked. A scan of the table: for tests and reports.
