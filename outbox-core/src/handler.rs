@@ -81,6 +81,9 @@ pub struct HandlerContext<'c> {
     recorded: Vec<OutboxMessage>,
     error: Option<crate::Error>,
     trace: Option<(TraceParent, Option<String>)>,
+    /// The handler was given the connection (mutably): it may have run a
+    /// statement. See [`touched`](Self::touched).
+    touched: bool,
 }
 
 impl std::fmt::Debug for HandlerContext<'_> {
@@ -103,7 +106,18 @@ impl<'c> HandlerContext<'c> {
             recorded: Vec::new(),
             error: None,
             trace: None,
+            touched: false,
         }
+    }
+
+    /// Whether the handler was given the transaction's connection to run
+    /// statements on (through `&mut **ctx`, [`connection`](Self::connection)
+    /// or a flush). A handler that failed without it changed nothing in the
+    /// transaction: the consumer runtime then skips its event without
+    /// taking the transaction back.
+    #[doc(hidden)]
+    pub fn touched(&self) -> bool {
+        self.touched
     }
 
     /// The event being handled.
@@ -113,6 +127,7 @@ impl<'c> HandlerContext<'c> {
 
     /// The transaction's connection, for the handler's queries.
     pub fn connection(&mut self) -> &mut PgConnection {
+        self.touched = true;
         self.conn
     }
 
@@ -183,6 +198,7 @@ impl<'c> HandlerContext<'c> {
     #[doc(hidden)]
     pub async fn flush(&mut self) -> Result<Vec<Uuid>> {
         let messages = self.take_follow_ups()?;
+        self.touched = true;
         crate::uow::insert_messages(self.conn, &messages, &Headers::default()).await
     }
 
@@ -232,6 +248,7 @@ impl Deref for HandlerContext<'_> {
 
 impl DerefMut for HandlerContext<'_> {
     fn deref_mut(&mut self) -> &mut PgConnection {
+        self.touched = true;
         self.conn
     }
 }

@@ -593,6 +593,168 @@ async fn failures_in_a_claimed_batch_rerun_each_good_event_at_most_once(pool: Pg
     assert_eq!(waiting, 5);
 }
 
+/// Refuses events marked `fail` (while `failing` is on) before it touches
+/// the transaction, as a validation error does; records the others in
+/// `effect`. Counts its calls per event.
+struct Refuser<E> {
+    failing: Arc<AtomicBool>,
+    calls: Arc<std::sync::Mutex<std::collections::HashMap<Uuid, usize>>>,
+    _event: PhantomData<fn() -> E>,
+}
+
+impl<E: TestEvent> InboxHandler for Refuser<E> {
+    type Event = E;
+    const NAME: &'static str = "refuse_or_record";
+
+    fn handle<'a, 'c>(&'a self, ctx: &'a mut HandlerContext<'c>, event: E) -> HandlerFuture<'a>
+    where
+        'c: 'a,
+    {
+        Box::pin(async move {
+            let event_id = ctx.incoming().event_id;
+            *self.calls.lock().unwrap().entry(event_id).or_default() += 1;
+            if event.fail() && self.failing.load(Ordering::SeqCst) {
+                return Err(format!("order {} refused", event.key()).into());
+            }
+            sqlx::query("INSERT INTO effect (event_id, key, seq) VALUES ($1, $2, $3)")
+                .bind(event_id)
+                .bind(event.key())
+                .bind(event.seq() as i64)
+                .execute(&mut **ctx)
+                .await?;
+            Ok(())
+        })
+    }
+}
+
+test_event!(RefusedDedupEvent, "consumer-test-refused-dedup");
+test_event!(RefusedInboxEvent, "consumer-test-refused-inbox");
+
+/// A handler that fails before it touches the transaction (a refusal)
+/// costs no rollback, in either mode: every other event of the batch runs
+/// once, not again after a savepoint; the refused events and the later
+/// events of their keys wait (their dedup rows taken out again), and are
+/// applied once, in key order, when the handler accepts them.
+async fn a_refusal_costs_the_other_events_nothing<E: TestEvent>(pool: PgPool, mode: Mode) {
+    init_tracing();
+    let topic = E::TOPIC;
+    reset_topic(&brokers(), topic).await;
+    effect_table(&pool).await;
+    let mut messages = Vec::new();
+    let (mut good, mut waiting) = (Vec::new(), Vec::new());
+    let mut event = |key: &str, seq: usize, fail: bool| {
+        let id = Uuid::now_v7();
+        messages.push(
+            TestMessage::event(
+                id,
+                "OrderPlaced",
+                key,
+                serde_json::json!({ "key": key, "seq": seq, "fail": fail }),
+            )
+            .on_partition(0),
+        );
+        id
+    };
+    for seq in 0..10 {
+        good.push(event("k0", seq, false));
+    }
+    for k in 1..=5 {
+        waiting.push(event(&format!("k{k}"), 0, true));
+    }
+    for seq in 10..20 {
+        good.push(event("k0", seq, false));
+        // Behind the refused first event of k1: waits with it.
+        waiting.push(event("k1", seq, false));
+    }
+    produce(&brokers(), topic, &messages).await;
+
+    let group = unique_topic("refusals");
+    let refuser = Refuser::<E> {
+        failing: Arc::new(AtomicBool::new(true)),
+        calls: Arc::default(),
+        _event: PhantomData,
+    };
+    let (failing, calls) = (refuser.failing.clone(), refuser.calls.clone());
+    let handle = consumer(&pool, &group)
+        .mode(mode)
+        .handler(refuser)
+        .max_attempts(100)
+        .retry_backoff(Duration::from_secs(120), Duration::from_secs(120))
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            effects_of(&pool, &good).await.iter().all(|n| *n == 1)
+                && handle.counts().handler_failures >= 5
+        })
+        .await,
+        "{:?}",
+        handle.counts()
+    );
+    let counts = handle.counts();
+    assert_eq!(counts.handler_failures, 5, "{counts:?}");
+    {
+        let calls = calls.lock().unwrap();
+        let twice: Vec<usize> = good
+            .iter()
+            .filter_map(|id| calls.get(id).copied())
+            .filter(|n| *n != 1)
+            .collect();
+        assert!(
+            twice.is_empty(),
+            "each good event's handler ran once: {twice:?}"
+        );
+        for id in &waiting[5..] {
+            assert!(!calls.contains_key(id), "an event behind a refusal waits");
+        }
+    }
+    let dedup_rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM processed_event WHERE event_id = ANY($1)")
+            .bind(&waiting)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(dedup_rows, 0, "no dedup row for an event not applied");
+
+    // Accepted now: the waiting events are applied once, each key in order.
+    failing.store(false, Ordering::SeqCst);
+    let retry_now =
+        "UPDATE inbox_event SET next_attempt_at = now() WHERE consumer = $1 AND NOT processed";
+    sqlx::query(retry_now)
+        .bind(&group)
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            effects_of(&pool, &waiting).await.iter().all(|n| *n == 1)
+        })
+        .await,
+        "the waiting events applied: {:?}",
+        handle.counts()
+    );
+    handle.shutdown().await.unwrap();
+    assert!(effects_of(&pool, &good).await.iter().all(|n| *n == 1));
+    let k1: Vec<i64> = sqlx::query_scalar("SELECT seq FROM effect WHERE key = 'k1' ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let mut sorted = k1.clone();
+    sorted.sort();
+    assert_eq!(k1, sorted, "k1 in order");
+    assert_eq!(k1.len(), 11);
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_refusal_costs_the_other_events_nothing_in_dedup_mode(pool: PgPool) {
+    a_refusal_costs_the_other_events_nothing::<RefusedDedupEvent>(pool, Mode::Dedup).await;
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_refusal_costs_the_other_events_nothing_in_inbox_mode(pool: PgPool) {
+    a_refusal_costs_the_other_events_nothing::<RefusedInboxEvent>(pool, Mode::Inbox).await;
+}
+
 test_event!(FailEvent, "consumer-test-failing-handler");
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]

@@ -30,11 +30,16 @@ pub(crate) enum Failure {
     /// never the event's fault.
     Outage(Trouble),
     /// A handler failed on the event at index `at` of the transaction's
-    /// range: counts as an attempt of that event.
+    /// range: counts as an attempt of that event. `clean`: no handler of
+    /// the event was given the connection (see
+    /// [`HandlerContext::touched`]), so the transaction holds nothing of
+    /// the event's but its dedup row: the caller may skip the event without
+    /// taking the transaction back.
     Handler {
         at: usize,
         handler: &'static str,
         error: String,
+        clean: bool,
     },
     /// The event at `at` turned out not to decode (dead-letter it).
     Rejected { at: usize, rejected: Box<Rejected> },
@@ -49,7 +54,17 @@ impl Failure {
     /// The same failure, located at index `at`.
     pub fn at(self, at: usize) -> Self {
         match self {
-            Self::Handler { handler, error, .. } => Self::Handler { at, handler, error },
+            Self::Handler {
+                handler,
+                error,
+                clean,
+                ..
+            } => Self::Handler {
+                at,
+                handler,
+                error,
+                clean,
+            },
             Self::Rejected { rejected, .. } => Self::Rejected { at, rejected },
             other => other,
         }
@@ -101,6 +116,15 @@ impl FollowUps {
     pub fn append(&mut self, other: Self) {
         self.messages.extend(other.messages);
         self.owners.extend(other.owners);
+    }
+
+    /// Forgets the events recorded for the event at `at` (its handlers
+    /// failed after an earlier one of them recorded some).
+    pub fn forget(&mut self, at: usize) {
+        let mut owners = self.owners.iter();
+        self.messages
+            .retain(|_| owners.next().is_some_and(|(owner, _)| *owner != at));
+        self.owners.retain(|(owner, _)| *owner != at);
     }
 
     fn push(&mut self, handler: &'static str, messages: Vec<OutboxMessage>) {
@@ -159,6 +183,7 @@ impl FollowUps {
                         at,
                         handler,
                         error: format!("writing the handler's follow-up events failed: {error}"),
+                        clean: false,
                     });
                 }
             }
@@ -281,21 +306,26 @@ async fn run_handlers_inner(
     follow_ups: &mut FollowUps,
 ) -> Result<(), Failure> {
     let registry = handling.registry;
+    // Whether a handler of the event was given the connection so far.
+    let mut touched = false;
     for i in 0..event.handlers.len() {
         let value = event
             .take_decoded(i, registry)
             .map_err(|rejected| Failure::Rejected { at: 0, rejected })?;
         let handler = registry.handler(event.handlers[i]);
-        let fail = |error: String| Failure::Handler {
-            at: 0,
-            handler: handler.name(),
-            error,
-        };
         let mut ctx = HandlerContext::new(&mut *conn, &event.incoming);
         // A handler that panics is a failing handler: retried, then
         // dead-lettered; the consumer goes on.
         let call = AssertUnwindSafe(handler.handle(&mut ctx, value)).catch_unwind();
-        let outcome = match within(handling.timeout, call).await {
+        let outcome = within(handling.timeout, call).await;
+        touched |= ctx.touched();
+        let fail = |error: String| Failure::Handler {
+            at: 0,
+            handler: handler.name(),
+            error,
+            clean: !touched,
+        };
+        let outcome = match outcome {
             Ok(Ok(result)) => result,
             Ok(Err(panic)) => Err(format!("handler panicked: {}", panic_message(&*panic)).into()),
             Err(_) => {
@@ -325,7 +355,14 @@ async fn run_handlers_inner(
             match txn::probe(&mut *conn).await {
                 Ok(()) => {}
                 Err(Broken::Outage(error)) => return Err(Failure::Outage(error.into())),
-                Err(broken) => return Err(fail(broken.blame())),
+                Err(broken) => {
+                    return Err(Failure::Handler {
+                        at: 0,
+                        handler: handler.name(),
+                        error: broken.blame(),
+                        clean: false,
+                    });
+                }
             }
         }
         match follow_up_messages {

@@ -46,6 +46,12 @@ use super::{ConsumerConfig, Stats};
 use crate::backoff::Health;
 use crate::refusal::{Statement, Trouble};
 
+/// Takes out the dedup rows of events a segment did not apply after all
+/// (a handler's failure that changed nothing in the transaction, on them or
+/// on an earlier event of their key).
+pub(crate) const UNDO_PROCESSED: &str = "\
+DELETE FROM processed_event WHERE consumer = $1 AND event_id = ANY($2)";
+
 const INSERT_PROCESSED: &str = "\
 INSERT INTO processed_event (consumer, event_id)
 SELECT $1, e FROM UNNEST($2::uuid[]) AS u(e)
@@ -224,7 +230,9 @@ impl Applier<'_> {
                 Err(Failure::Rejected { at, rejected }) => {
                     batch[start + at].body = Body::Rejected(rejected);
                 }
-                Err(Failure::Handler { at, handler, error }) => {
+                Err(Failure::Handler {
+                    at, handler, error, ..
+                }) => {
                     careful = false;
                     self.stats.handler_failures.fetch_add(1, Ordering::Relaxed);
                     let i = start + at;
@@ -677,6 +685,8 @@ async fn run_segments(
         let mut part_follow_ups = apply::FollowUps::default();
         let mut part_time = std::time::Duration::ZERO;
         let mut failed = None;
+        // Dedup rows of this segment's events set aside after all.
+        let mut undone = Vec::new();
         for i in start..stop {
             match &mut records[i].body {
                 Body::Event(_) if set_aside[i] => {}
@@ -689,6 +699,27 @@ async fn run_segments(
                     part_follow_ups.at = i;
                     match apply::run_handlers(&mut *tx, handling, e, &mut part_follow_ups).await {
                         Ok(()) => {}
+                        // The handler changed nothing in the transaction:
+                        // set its key aside here, and go on.
+                        Err(Failure::Handler {
+                            handler,
+                            error,
+                            clean: true,
+                            ..
+                        }) if config.max_attempts > 1 => {
+                            undone.push(e.incoming.event_id);
+                            part_follow_ups.forget(i);
+                            stats.handler_failures.fetch_add(1, Ordering::Relaxed);
+                            for j in set_key_aside(records, aside, set_aside, i, handler, error) {
+                                if let Body::Event(later) = &records[j].body
+                                    && j < stop
+                                    && fresh.remove(&later.incoming.event_id)
+                                {
+                                    undone.push(later.incoming.event_id);
+                                }
+                            }
+                            continue;
+                        }
                         Err(Failure::Handler { handler, error, .. })
                             if config.max_attempts > 1 && segments < apply::MAX_SEGMENTS =>
                         {
@@ -705,6 +736,14 @@ async fn run_segments(
             }
         }
         let Some((i, handler, error)) = failed else {
+            if !undone.is_empty() {
+                sqlx::query(UNDO_PROCESSED)
+                    .bind(&config.group)
+                    .bind(&undone)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| apply::bookkeeping(e, PROCESSED))?;
+            }
             restore = part.processed > 0;
             report.processed += part.processed;
             report.duplicates += part.duplicates;
@@ -723,33 +762,50 @@ async fn run_segments(
                     at: i,
                     handler,
                     error,
+                    clean: false,
                 },
                 other => other,
             });
         }
         restore = false;
         stats.handler_failures.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!(
-            offset = records[i].offset,
-            partition = records[i].partition,
-            handler,
-            %error,
-            "handler failed: setting its key aside for the inbox processor to retry"
-        );
-        aside[i] = Some(Aside::Failed { handler, error });
-        set_aside[i] = true;
-        let key = key_of(&records[i]).map(|(t, k)| (t.to_owned(), k.to_owned()));
-        for j in i + 1..n {
-            if !set_aside[j]
-                && key_of(&records[j])
-                    .is_some_and(|(t, k)| key.as_ref().is_some_and(|key| key.0 == t && key.1 == k))
-            {
-                aside[j] = Some(Aside::Behind);
-                set_aside[j] = true;
-            }
-        }
+        set_key_aside(records, aside, set_aside, i, handler, error);
         // The events before it again, then the rest.
         stop = if i > start { i } else { n };
     }
     Ok((report, follow_ups, handler_time))
+}
+
+/// Sets the event at `i` aside after its handler's failure, with the later
+/// events of its key; returns the indexes of those later events.
+fn set_key_aside(
+    records: &[Record],
+    aside: &mut [Option<Aside>],
+    set_aside: &mut [bool],
+    i: usize,
+    handler: &'static str,
+    error: String,
+) -> Vec<usize> {
+    tracing::debug!(
+        offset = records[i].offset,
+        partition = records[i].partition,
+        handler,
+        %error,
+        "handler failed: setting its key aside for the inbox processor to retry"
+    );
+    aside[i] = Some(Aside::Failed { handler, error });
+    set_aside[i] = true;
+    let key = key_of(&records[i]).map(|(t, k)| (t.to_owned(), k.to_owned()));
+    let mut behind = Vec::new();
+    for j in i + 1..records.len() {
+        if !set_aside[j]
+            && key_of(&records[j])
+                .is_some_and(|(t, k)| key.as_ref().is_some_and(|key| key.0 == t && key.1 == k))
+        {
+            aside[j] = Some(Aside::Behind);
+            set_aside[j] = true;
+            behind.push(j);
+        }
+    }
+    behind
 }

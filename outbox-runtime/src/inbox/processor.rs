@@ -528,7 +528,9 @@ impl Processor {
             // savepoint (a careful run found a handler that ended it, or
             // the follow-up events of a handler are refused): the whole
             // transaction rolls back and the failure is settled alone.
-            Err(Failure::Handler { at, handler, error }) => {
+            Err(Failure::Handler {
+                at, handler, error, ..
+            }) => {
                 drop(tx);
                 conn.settle().await;
                 self.stats.handler_failures.fetch_add(1, Ordering::Relaxed);
@@ -606,10 +608,21 @@ impl Processor {
         // Whether handlers ran since the session was last put back.
         let mut restore = false;
         let mut segments = 0;
+        // Failures that left the transaction untouched (see `segment`),
+        // settled after the last segment.
+        let mut declined = Vec::new();
         while start < end && segments < apply::MAX_SEGMENTS {
             segments += 1;
             let result = self
-                .segment(tx, rows, items, &left, start..end, careful, restore)
+                .segment(
+                    tx,
+                    rows,
+                    items,
+                    (&mut left, &mut declined),
+                    start..end,
+                    careful,
+                    restore,
+                )
                 .await;
             match result {
                 Ok(segment) => {
@@ -620,7 +633,9 @@ impl Processor {
                         end = n;
                     }
                 }
-                Err(Failure::Handler { at, handler, error }) => {
+                Err(Failure::Handler {
+                    at, handler, error, ..
+                }) => {
                     apply::undo(tx, SETTLE).await.map_err(|f| match f {
                         // The savepoint is gone (the handler ended the
                         // transaction): settle it alone.
@@ -628,6 +643,7 @@ impl Processor {
                             at,
                             handler,
                             error: error.clone(),
+                            clean: false,
                         },
                         other => other,
                     })?;
@@ -656,6 +672,12 @@ impl Processor {
         }
         // Rows from `start` on were not reached this round.
         let reached = start;
+        for (at, handler, error) in declined {
+            let failed = self
+                .settle_failure(tx, &rows[at], &items[at], handler, error)
+                .await?;
+            work.failed.push(Failed { at, ..failed });
+        }
         apply::seal(tx).await?;
         follow_ups.write(tx).await?;
         sqlx::query(MARK_PROCESSED)
@@ -709,13 +731,21 @@ impl Processor {
     }
 
     /// Runs the handlers of `range`'s rows (not `left`) after a savepoint.
+    ///
+    /// A handler that fails without having been given the connection
+    /// (`clean`: it changed nothing in the transaction) costs no rollback:
+    /// its row and the later rows of its key are left, their dedup rows
+    /// taken out again, the failure added to `declined` (settled after the
+    /// last segment), and the segment goes on. Most business refusals (a
+    /// validation error before any write) fail so; each would otherwise take
+    /// its segment back and run the rows before it again.
     #[allow(clippy::too_many_arguments)]
     async fn segment(
         &self,
         tx: &mut PgConnection,
         rows: &[Row],
         items: &mut [Item],
-        left: &[bool],
+        (left, declined): (&mut [bool], &mut Vec<(usize, &'static str, String)>),
         range: std::ops::Range<usize>,
         careful: bool,
         restore: bool,
@@ -749,11 +779,11 @@ impl Processor {
                 .unwrap_or(range.end)
         };
         let range = range.start..end;
-        let ids: Vec<Uuid> = range
+        let inserted: Vec<usize> = range
             .clone()
             .filter(|&i| !left[i] && matches!(items[i], Item::Event(_)))
-            .map(|i| rows[i].event_id)
             .collect();
+        let ids: Vec<Uuid> = inserted.iter().map(|&i| rows[i].event_id).collect();
         let fresh: HashSet<Uuid> = if ids.is_empty() {
             HashSet::new()
         } else {
@@ -780,9 +810,28 @@ impl Processor {
                     if fresh.contains(&row.event_id) {
                         let t = std::time::Instant::now();
                         segment.follow_ups.at = i;
-                        apply::run_handlers(tx, handling, event, &mut segment.follow_ups)
+                        match apply::run_handlers(tx, handling, event, &mut segment.follow_ups)
                             .await
-                            .map_err(|f| f.at(i))?;
+                        {
+                            Ok(()) => {}
+                            Err(Failure::Handler {
+                                handler,
+                                error,
+                                clean: true,
+                                ..
+                            }) => {
+                                let key = (&row.topic, &row.partition_key);
+                                for (j, later) in rows.iter().enumerate().skip(i) {
+                                    if (&later.topic, &later.partition_key) == key {
+                                        left[j] = true;
+                                    }
+                                }
+                                segment.follow_ups.forget(i);
+                                declined.push((i, handler, error));
+                                continue;
+                            }
+                            Err(failure) => return Err(failure.at(i)),
+                        }
                         segment.batch.handler_time += t.elapsed();
                         segment.batch.processed += 1;
                     } else {
@@ -796,6 +845,21 @@ impl Processor {
                 }
                 Item::Rejected(_) => {}
             }
+        }
+        // The dedup rows of the rows left meanwhile go again.
+        let undone: Vec<Uuid> = inserted
+            .iter()
+            .map(|&i| (i, rows[i].event_id))
+            .filter(|(i, id)| left[*i] && fresh.contains(id))
+            .map(|(_, id)| id)
+            .collect();
+        if !undone.is_empty() {
+            sqlx::query(super::dedup::UNDO_PROCESSED)
+                .bind(group)
+                .bind(&undone)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| apply::bookkeeping(e, super::dedup::PROCESSED))?;
         }
         Ok(segment)
     }
