@@ -155,7 +155,7 @@ impl Retention {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct CleanupReport {
-    /// Published `outbox_event` rows.
+    /// Published `outbox_event` rows (and cancelled scheduled ones).
     pub outbox_events: u64,
     /// `processed_event` rows.
     pub processed_events: u64,
@@ -183,10 +183,11 @@ fn outbox_probe(table: &str) -> String {
     format!("SELECT created_at FROM {table} WHERE id >= $1 ORDER BY id LIMIT 1")
 }
 
-/// A batch of the rows to delete: published before the cutoff `$3` or, in
-/// the progress mode, created before it and passed by their slot's
-/// position (see [`crate::relay::progress`]); ids after `$1` and before
-/// `$2`, at most `$4`.
+/// A batch of the rows to delete: published before the cutoff `$3`,
+/// scheduled events cancelled before it, or, in the progress mode, rows
+/// created before it and passed by their slot's position (see
+/// [`crate::relay::progress`]); ids after `$1` and before `$2`, at most
+/// `$4`. Rows an operator dropped stay (for the record).
 fn outbox_batch(table: &str) -> String {
     format!(
         "\
@@ -195,6 +196,8 @@ batch AS (
     SELECT o.id FROM {table} o LEFT JOIN pos ON pos.slot = o.lane_slot
     WHERE o.id > $1 AND o.id < $2
       AND (o.published_at < $3
+           OR (o.discard_reason = 'cancelled' AND o.discarded_at < $3
+               AND o.published_at IS NULL)
            OR (pos.slot IS NOT NULL AND o.created_at < $3 AND o.txid IS NOT NULL
                AND o.published_at IS NULL AND o.parked_at IS NULL AND o.held_until IS NULL
                AND {passed}))

@@ -21,6 +21,7 @@ const ALERTS: &[&str] = &[
     "OutboxConsumerDown",
     "OutboxStatementRefused",
     "OutboxConsumerStalled",
+    "OutboxScheduledOverdue",
 ];
 
 fn promtool(args: &[&str]) -> Output {

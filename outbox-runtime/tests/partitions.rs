@@ -1078,3 +1078,53 @@ async fn in_the_progress_mode_retention_drops_what_the_positions_passed(pool: Pg
     let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(30)).await;
     assert_eq!(verify(&committed, &received), 0);
 }
+
+/// A scheduled event cancelled before the window is routine: it does not
+/// keep its old partition (nor, on a plain table, its row: see
+/// `scheduled.rs`). A row an operator dropped is kept for the record, and
+/// keeps its partition.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_cancelled_scheduled_event_does_not_keep_its_partition(pool: PgPool) {
+    partition::enable(&pool, &PartitionPlan::default())
+        .await
+        .unwrap();
+    let outbox = past_partitions(&pool, "outbox_event", 40).await;
+    let at = |days_ago: usize| outbox[outbox.len() - days_ago].clone();
+    for (days_ago, reason) in [(40, "cancelled"), (39, "dropped by an operator")] {
+        let (from, _) = at(days_ago);
+        let id = id_at(from + 1000);
+        insert_outbox(&pool, id, "t").await;
+        sqlx::query(
+            "UPDATE outbox_event
+             SET due_at = to_timestamp($2 / 1000.0) + interval '1 day',
+                 parked_at = now() - interval '35 days', discarded_at = now() - interval '35 days',
+                 discard_reason = $3, created_at = to_timestamp($2 / 1000.0)
+             WHERE event_id = $1",
+        )
+        .bind(id)
+        .bind((from + 1000) as f64)
+        .bind(reason)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let retention = Retention::new(Duration::from_secs(30 * 86_400));
+    let report = cleanup::cleanup(&pool, &retention).await.unwrap();
+    let left: Vec<String> = partition::list(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
+    assert!(
+        !left.contains(&at(40).1),
+        "the cancelled event's partition dropped"
+    );
+    assert!(left.contains(&at(39).1), "the dropped row's partition kept");
+    assert_eq!(report.partitions_kept, 1, "{report:?}");
+    let reasons: Vec<String> = sqlx::query_scalar("SELECT discard_reason FROM outbox_event")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(reasons, ["dropped by an operator"]);
+}

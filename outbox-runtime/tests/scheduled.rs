@@ -222,6 +222,39 @@ async fn cancelled_scheduled_events_are_never_published(pool: PgPool) {
     assert!(!published);
     let status = ops::status(&pool).await.unwrap();
     assert_eq!(status.scheduled.total, 0);
+
+    // Past the retention window, the cleanup deletes a cancelled event as
+    // it deletes a published one; a row an operator dropped stays.
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let dropped = uow.record(reminder(&key, 5));
+    uow.commit().await.unwrap();
+    sqlx::query(
+        "UPDATE outbox_event SET parked_at = now(), discarded_at = now(),
+                                 discard_reason = 'no longer needed'
+         WHERE event_id = $1",
+    )
+    .bind(dropped)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE outbox_event SET created_at = created_at - interval '40 days',
+                                 published_at = published_at - interval '40 days',
+                                 discarded_at = discarded_at - interval '40 days'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let retention = outbox_runtime::cleanup::Retention::new(Duration::from_secs(30 * 86_400));
+    let report = outbox_runtime::cleanup::cleanup(&pool, &retention)
+        .await
+        .unwrap();
+    assert_eq!(report.outbox_events, 4, "{report:?}");
+    let left: Vec<Uuid> = sqlx::query_scalar("SELECT event_id FROM outbox_event")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, [dropped]);
 }
 
 /// `outbox status` counts scheduled rows apart from held ones, with the

@@ -31,8 +31,9 @@
 //!
 //! **Retention** (`retention::drop_expired`): a partition whose whole
 //! range is older than the retention is dropped once it holds no row still
-//! needed: no unpublished or parked outbox row (a discarded row is parked:
-//! it keeps its partition), no unprocessed inbox row, no row younger than
+//! needed: no unpublished or parked outbox row (a row an operator dropped
+//! is parked: it keeps its partition; a scheduled event cancelled before
+//! the window does not), no unprocessed inbox row, no row younger than
 //! the retention by its own timestamps (`published_at`, `processed_at`,
 //! and `created_at` for an outbox row: an id that is not a UUIDv7 may sit
 //! in an old range). Otherwise it is kept, reported, and tried again at the

@@ -51,6 +51,13 @@ fn needed(table: &str, p: &str) -> Option<String> {
     })
 }
 
+/// A parked outbox row that keeps its partition (over the partial index of
+/// parked rows; `$1`: the cutoff): any but a scheduled event cancelled
+/// before the window (`discard_reason = 'cancelled'`: routine, unlike an
+/// operator's drop, which is kept for the record).
+const PARKED_KEPT: &str = "parked_at IS NOT NULL AND published_at IS NULL
+                     AND (discard_reason IS DISTINCT FROM 'cancelled' OR discarded_at >= $1)";
+
 /// The outbox's and the inbox's unfinished rows (over partial indexes).
 fn unfinished(table: &str, p: &str) -> Option<String> {
     Some(match table {
@@ -58,7 +65,7 @@ fn unfinished(table: &str, p: &str) -> Option<String> {
             "EXISTS (SELECT 1 FROM {p}
                      WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL)
              OR EXISTS (SELECT 1 FROM {p} WHERE held_until IS NOT NULL AND published_at IS NULL)
-             OR EXISTS (SELECT 1 FROM {p} WHERE parked_at IS NOT NULL AND published_at IS NULL)"
+             OR EXISTS (SELECT 1 FROM {p} WHERE {PARKED_KEPT})"
         ),
         "inbox_event" => format!("EXISTS (SELECT 1 FROM {p} WHERE NOT processed)"),
         _ => return None,
@@ -81,7 +88,7 @@ SELECT EXISTS (SELECT 1 FROM {p} e
                  AND NOT EXISTS (SELECT 1 FROM pos WHERE pos.slot = e.lane_slot
                                  AND e.txid IS NOT NULL AND {passed}))
     OR EXISTS (SELECT 1 FROM {p} WHERE held_until IS NOT NULL AND published_at IS NULL)
-    OR EXISTS (SELECT 1 FROM {p} WHERE parked_at IS NOT NULL AND published_at IS NULL)
+    OR EXISTS (SELECT 1 FROM {p} WHERE {PARKED_KEPT})
     OR EXISTS (SELECT 1 FROM {p} WHERE published_at >= $1)",
         positions = crate::relay::progress::POSITIONS,
         passed = crate::relay::progress::passed("e"),
@@ -97,7 +104,7 @@ SELECT EXISTS (SELECT 1 FROM {p} e
 fn progress_written_since(p: &str) -> String {
     format!(
         "SELECT EXISTS (SELECT 1 FROM {p} WHERE held_until IS NOT NULL AND published_at IS NULL)
-    OR EXISTS (SELECT 1 FROM {p} WHERE parked_at IS NOT NULL AND published_at IS NULL)
+    OR EXISTS (SELECT 1 FROM {p} WHERE {PARKED_KEPT})
     OR EXISTS (SELECT 1 FROM {p} WHERE created_at >= $1)"
     )
 }
