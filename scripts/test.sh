@@ -4,7 +4,8 @@
 # scenarios again in the production
 # profile (every process as the README's role, 10-second partitions created
 # and dropped by a maintainer meanwhile: outbox-cli/tests/reliability/profile.rs);
-# then the relay's scenarios in the progress mode, in that profile.
+# then the relay's tests and scenarios in the progress mode (the scenarios in
+# that profile).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -21,6 +22,12 @@ cargo test -p outbox-cli --test reliability -- groups::consumer_groups_killed_an
 echo "== the reliability scenarios' production-profile subset"
 OUTBOX_TEST_PROFILE=production cargo test -p outbox-cli --test reliability -- \
     relay_sigkilled_repeatedly consumer_killed_between long_transaction
+echo "== the relay's and the lanes' tests in the relay's progress mode"
+OUTBOX_TEST_RELAY_MODE=progress cargo test -p outbox-runtime --test relay --test lanes -- \
+    committed_events_arrive_once notify_ three_relays_over_fifty_thousand \
+    relays_on_a_small_shared_pool rows_held_back_keep_their_keys the_relay_survives_a_database_outage \
+    relays_share_the_lanes writers_of_one_key a_relay_task_aborted a_relay_aborted_inside \
+    a_silent_relay
 echo "== the relay's reliability scenarios in the progress mode (production profile)"
 OUTBOX_TEST_RELAY_MODE=progress OUTBOX_TEST_PROFILE=production cargo test -p outbox-cli --test reliability -- \
     relay_sigkilled_repeatedly three_relays_one_killed broker_killed_and_restarted \

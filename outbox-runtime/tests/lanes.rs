@@ -5,7 +5,9 @@
 //! relay task releases its lanes; a relay whose connections go silent loses
 //! its lanes within bounded times; writers of one key publish in commit
 //! order. (Relay processes killed and restarted: the `outbox-cli` package's
-//! `lanes_processes` test.)
+//! `lanes_processes` test.) The tests of relays with lanes run in the
+//! progress mode too (`OUTBOX_TEST_RELAY_MODE=progress`, in the test
+//! command).
 
 mod common;
 
@@ -50,6 +52,7 @@ fn split(handles: &[&RelayHandle]) -> Option<Vec<usize>> {
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn relays_share_the_lanes_and_take_over_a_stopped_relays_lanes(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("lanes-share");
     create_warm_topic(&brokers(), &topic).await;
     let a = relay(&pool).spawn().unwrap();
@@ -154,6 +157,7 @@ async fn a_relay_with_another_lane_count_is_refused(pool: PgPool) {
 /// the relay only claims after both committed (it claims in id order).
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn writers_of_one_key_publish_in_commit_order(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("lanes-commit-order");
     create_topic(&brokers(), &topic).await;
     sqlx::raw_sql(
@@ -324,6 +328,7 @@ async fn idle_in_transaction(pool: &PgPool) -> i64 {
 /// pool inside the transaction, holding the lanes' "in use" locks.)
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_relay_task_aborted_or_panicking_releases_its_lanes(pool: PgPool) {
+    relay_mode(&pool).await;
     let cases = [
         ("aborted", 0),
         ("aborted", 1),
@@ -415,6 +420,7 @@ async fn a_relay_task_aborted_or_panicking_releases_its_lanes(pool: PgPool) {
 /// transaction to the application's next query).
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_relay_aborted_inside_a_claim_leaves_no_transaction_open(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("lanes-abort-claim");
     let victim = Relay::builder(pool.clone())
         .brokers(brokers())
@@ -486,6 +492,7 @@ async fn a_relay_aborted_inside_a_claim_leaves_no_transaction_open(pool: PgPool)
 /// rejoins.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_silent_relay_loses_its_lanes_and_rows_within_bounded_times(pool: PgPool) {
+    relay_mode(&pool).await;
     init_tracing();
     let topic = unique_topic("lanes-frozen");
     create_warm_topic(&brokers(), &topic).await;

@@ -1,5 +1,7 @@
 //! The relay against a real PostgreSQL (fresh database per test) and a real
-//! Kafka-protocol broker.
+//! Kafka-protocol broker. The tests that call `relay_mode` run in the
+//! progress mode too (`OUTBOX_TEST_RELAY_MODE=progress`, in the test
+//! command).
 
 mod common;
 
@@ -19,6 +21,7 @@ fn relay(pool: &PgPool) -> outbox_runtime::RelayBuilder {
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn committed_events_arrive_once_with_key_headers_payload_and_order(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("relay-basic");
     create_topic(&brokers(), &topic).await;
     let committed = commit_messages(&pool, &topic, 3_000, 50, 100).await;
@@ -75,16 +78,17 @@ async fn committed_events_arrive_once_with_key_headers_payload_and_order(pool: P
         );
     }
     // Published rows stay in the table.
-    let kept: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE published_at IS NOT NULL")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_event")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
     assert_eq!(kept as usize, all.len());
+    assert_eq!(unpublished(&pool).await, 0);
 }
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn notify_wakes_an_idle_relay_in_milliseconds(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("relay-notify");
     create_topic(&brokers(), &topic).await;
     // A poll interval far longer than the assertion: only NOTIFY can be fast.
@@ -111,6 +115,7 @@ async fn notify_wakes_an_idle_relay_in_milliseconds(pool: PgPool) {
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn notify_can_be_switched_off_and_polling_still_delivers(pool: PgPool) {
+    relay_mode(&pool).await;
     assert!(ops::notify_enabled(&pool).await.unwrap());
     ops::set_notify(&pool, false).await.unwrap();
     assert!(!ops::notify_enabled(&pool).await.unwrap());
@@ -131,6 +136,7 @@ async fn notify_can_be_switched_off_and_polling_still_delivers(pool: PgPool) {
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn three_relays_over_fifty_thousand_events_lose_nothing(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("relay-three");
     create_topic(&brokers(), &topic).await;
     let committed = commit_messages(&pool, &topic, 50_000, 1_000, 1_000).await;
@@ -171,6 +177,7 @@ async fn three_relays_over_fifty_thousand_events_lose_nothing(pool: PgPool) {
 /// arrives.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn relays_on_a_small_shared_pool_never_starve_themselves(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("relay-small-pool");
     create_topic(&brokers(), &topic).await;
     let small = |n| {
@@ -335,6 +342,7 @@ async fn a_poison_event_is_parked_and_holds_back_only_its_key(pool: PgPool) {
 /// must not send later rows of their keys in the meantime.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn rows_held_back_keep_their_keys_in_order(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("relay-held");
     create_topic(&brokers(), &topic).await;
     let committed = commit_messages(&pool, &topic, 3_000, 5, 100).await;
@@ -430,6 +438,7 @@ async fn a_missing_topic_is_reported_on_its_rows_and_does_not_stall_others(pool:
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn the_relay_survives_a_database_outage(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("relay-dbdown");
     create_topic(&brokers(), &topic).await;
     let options = pool.connect_options().as_ref().clone();

@@ -46,6 +46,13 @@ use super::{ConsumerConfig, Stats};
 use crate::backoff::Health;
 use crate::refusal::{Statement, Trouble};
 
+/// Taking back the dedup rows of events not applied after all, as a
+/// refusal names it.
+pub(crate) const UNDO: Statement = Statement {
+    name: "consumer: take back the dedup rows of events not applied",
+    needs: "SELECT, DELETE ON processed_event",
+};
+
 /// Takes out the dedup rows of events a segment did not apply after all
 /// (a handler's failure that changed nothing in the transaction, on them or
 /// on an earlier event of their key).
@@ -706,7 +713,12 @@ async fn run_segments(
                             error,
                             clean: true,
                             ..
-                        }) if config.max_attempts > 1 => {
+                        }) if config.max_attempts > 1
+                            && stats
+                                .may_undo_dedup(&mut *tx)
+                                .await
+                                .map_err(|e| apply::bookkeeping(e, UNDO))? =>
+                        {
                             undone.push(e.incoming.event_id);
                             part_follow_ups.forget(i);
                             stats.handler_failures.fetch_add(1, Ordering::Relaxed);
@@ -742,7 +754,7 @@ async fn run_segments(
                     .bind(&undone)
                     .execute(&mut *tx)
                     .await
-                    .map_err(|e| apply::bookkeeping(e, PROCESSED))?;
+                    .map_err(|e| apply::bookkeeping(e, UNDO))?;
             }
             restore = part.processed > 0;
             report.processed += part.processed;

@@ -577,6 +577,9 @@ pub struct ConsumerStats {
     problems: crate::backoff::Problems,
     /// How the consumer ended: `Some(None)` stopped, `Some(Some(e))` failed.
     ended: std::sync::Mutex<Option<Option<String>>>,
+    /// Whether its role may delete its dedup rows, and when that was asked
+    /// (see [`ConsumerStats::may_undo_dedup`]).
+    undo_dedup: std::sync::Mutex<Option<(bool, std::time::Instant)>>,
 }
 
 /// What a consumer's handle reports about it ([`ConsumerHandle::health`]).
@@ -647,6 +650,40 @@ pub struct ConsumerCounts {
 }
 
 impl ConsumerStats {
+    /// Whether the consumer's role may take back the dedup rows of events it
+    /// did not apply after all (`DELETE ON processed_event`), which skipping
+    /// a handler's clean failure in place needs (see `apply::Failure`):
+    /// asked in `conn`'s transaction at most every ten minutes. Without the
+    /// grant (a role set up before it was needed), failures take their
+    /// segment back, as they did; a warning says so once per answer.
+    pub(crate) async fn may_undo_dedup(
+        &self,
+        conn: &mut sqlx::PgConnection,
+    ) -> std::result::Result<bool, sqlx::Error> {
+        const ASK_EVERY: std::time::Duration = std::time::Duration::from_secs(600);
+        let known = *self.undo_dedup.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((may, at)) = known
+            && at.elapsed() < ASK_EVERY
+        {
+            return Ok(may);
+        }
+        let may: bool =
+            sqlx::query_scalar("SELECT has_table_privilege('processed_event', 'DELETE')")
+                .fetch_one(conn)
+                .await?;
+        if !may && known.is_none_or(|(before, _)| before) {
+            tracing::warn!(
+                "the consumer's role may not delete from processed_event: a handler that fails \
+                 without touching the transaction takes its batch's segment back (the events \
+                 before it run again); grant `DELETE ON processed_event` (the guide's \
+                 \"Roles and privileges\") to skip it in place"
+            );
+        }
+        *self.undo_dedup.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((may, std::time::Instant::now()));
+        Ok(may)
+    }
+
     /// How the consumer is doing.
     pub fn health(&self) -> ConsumerHealth {
         let ended = self.ended.lock().unwrap_or_else(|p| p.into_inner()).clone();

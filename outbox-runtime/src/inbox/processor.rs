@@ -44,6 +44,7 @@ use super::apply::{self, Failure};
 use super::backoff;
 use super::db::pg_text;
 use super::dead_letter::{self, DeadLetterReason, NewDeadLetter};
+use super::dedup::UNDO;
 use super::dispatch::{Registry, Route};
 use super::record::{Event, Rejected};
 use super::txn::{self, Broken, GuardedConn};
@@ -819,7 +820,12 @@ impl Processor {
                                 error,
                                 clean: true,
                                 ..
-                            }) => {
+                            }) if self
+                                .stats
+                                .may_undo_dedup(&mut *tx)
+                                .await
+                                .map_err(|e| apply::bookkeeping(e, UNDO))? =>
+                            {
                                 let key = (&row.topic, &row.partition_key);
                                 for (j, later) in rows.iter().enumerate().skip(i) {
                                     if (&later.topic, &later.partition_key) == key {
@@ -859,7 +865,7 @@ impl Processor {
                 .bind(&undone)
                 .execute(&mut *tx)
                 .await
-                .map_err(|e| apply::bookkeeping(e, super::dedup::PROCESSED))?;
+                .map_err(|e| apply::bookkeeping(e, UNDO))?;
         }
         Ok(segment)
     }

@@ -323,10 +323,27 @@ pub fn verify(committed: &[Uuid], received: &[Received]) -> usize {
 }
 
 pub async fn unpublished(pool: &PgPool) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE published_at IS NULL")
-        .fetch_one(pool)
+    let published = outbox_runtime::relay::progress::Published::of(pool)
         .await
-        .expect("count")
+        .expect("the relay mode");
+    sqlx::query_scalar(&format!(
+        "{}SELECT count(*) FROM outbox_event WHERE NOT {}",
+        published.with, published.condition
+    ))
+    .fetch_one(pool)
+    .await
+    .expect("count")
+}
+
+/// Puts the outbox of `pool` in the progress mode when
+/// `OUTBOX_TEST_RELAY_MODE=progress` (the suites that run in both modes
+/// call it before their relays start).
+pub async fn relay_mode(pool: &PgPool) {
+    if std::env::var("OUTBOX_TEST_RELAY_MODE").as_deref() == Ok("progress") {
+        outbox_runtime::relay::progress::enable(pool)
+            .await
+            .expect("the progress mode");
+    }
 }
 
 /// Rows of one topic not yet marked published.
