@@ -84,6 +84,14 @@ async fn committed_events_arrive_once_with_key_headers_payload_and_order(pool: P
         .unwrap();
     assert_eq!(kept as usize, all.len());
     assert_eq!(unpublished(&pool).await, 0);
+    // Marked one by one, or (the progress mode) none written.
+    let marked: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE published_at IS NOT NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let expected = if progress_mode() { 0 } else { all.len() };
+    assert_eq!(marked as usize, expected);
 }
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]

@@ -335,11 +335,17 @@ pub async fn unpublished(pool: &PgPool) -> i64 {
     .expect("count")
 }
 
+/// Whether the suites that run in both modes run in the progress mode
+/// (`OUTBOX_TEST_RELAY_MODE=progress`).
+pub fn progress_mode() -> bool {
+    std::env::var("OUTBOX_TEST_RELAY_MODE").as_deref() == Ok("progress")
+}
+
 /// Puts the outbox of `pool` in the progress mode when
 /// `OUTBOX_TEST_RELAY_MODE=progress` (the suites that run in both modes
 /// call it before their relays start).
 pub async fn relay_mode(pool: &PgPool) {
-    if std::env::var("OUTBOX_TEST_RELAY_MODE").as_deref() == Ok("progress") {
+    if progress_mode() {
         outbox_runtime::relay::progress::enable(pool)
             .await
             .expect("the progress mode");
