@@ -150,6 +150,12 @@ pub(crate) async fn run(ctx: Ctx, command: Command) -> Result<(), Error> {
         Command::Progress(ProgressCommand::Status { json }) => {
             let pool = ctx.pool(2).await?;
             let positions = outbox_runtime::relay::progress::positions(&pool).await?;
+            // Topics held as missing (in `outbox status` as held rows too).
+            let held = if positions.is_empty() || json {
+                Vec::new()
+            } else {
+                outbox_runtime::relay::progress::held_topics(&pool).await?
+            };
             if json {
                 println!(
                     "{}",
@@ -170,6 +176,12 @@ pub(crate) async fn run(ctx: Ctx, command: Command) -> Result<(), Error> {
                         p.recorded_secs_ago,
                         p.done,
                         p.upto.as_deref().unwrap_or("(next)")
+                    );
+                }
+                for h in held {
+                    println!(
+                        "held topic `{}`: {} rows passed over, held {:.0}s ago: {}",
+                        h.topic, h.rows, h.held_secs_ago, h.reason
                     );
                 }
             }

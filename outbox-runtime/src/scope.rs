@@ -34,6 +34,10 @@ pub(crate) enum Lock {
     Wake = 5,
     /// The cleanup leader.
     Cleanup = 6,
+    /// Topics held as missing in the progress mode: read under it held
+    /// shared, released under it held exclusively (see
+    /// `relay::progress::Skip`).
+    HeldTopics = 7,
 }
 
 /// One outbox table, by oid. See the module docs.

@@ -684,3 +684,143 @@ async fn replay_and_the_event_page_see_what_the_positions_passed(pool: PgPool) {
     assert_eq!(verify(&committed, &received), 0);
     assert!(received.iter().all(|r| r.event_id() != poison_id));
 }
+
+/// A topic missing on the broker is held as one row, not row by row: its
+/// events are passed over by the windows without being written, the other
+/// topic drains, `status`, the gauges and the cleanup still count them as
+/// waiting. Once the topic exists (created while a writer keeps committing
+/// events to it), every event goes out, each key in commit order, and the
+/// hold is gone.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_missing_topic_is_held_as_one_row_and_its_events_follow_once_it_exists(pool: PgPool) {
+    use outbox_runtime::cleanup::{self, Retention};
+    let good = unique_topic("progress-good");
+    let missing = unique_topic("progress-missing");
+    create_topic(&brokers(), &good).await;
+    progress::enable(&pool).await.unwrap();
+    let mut committed_missing = commit_messages(&pool, &missing, 2_000, 20, 100).await;
+    let committed_good = commit_messages(&pool, &good, 500, 10, 100).await;
+
+    let handle = relay(&pool)
+        .missing_topic_hold(Duration::from_secs(1), Duration::from_secs(2))
+        .batch_size(200)
+        .spawn()
+        .unwrap();
+    let received = read_topic(
+        &brokers(),
+        &good,
+        committed_good.len(),
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(verify(&committed_good, &received), 0);
+    let passed_over = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT coalesce(sum(rows), 0)::int8 FROM outbox_held_topic WHERE topic = $1",
+        )
+        .bind(&missing)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            passed_over().await >= 2_000
+        })
+        .await,
+        "every event of the missing topic passed over: {}",
+        passed_over().await
+    );
+    let holds: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_held_topic")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(holds, 1, "one row for the topic");
+    let written: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox_event WHERE topic = $1
+         AND (held_until IS NOT NULL OR last_error IS NOT NULL OR xmax::text <> '0')",
+    )
+    .bind(&missing)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        written, 0,
+        "no event of the missing topic written or locked"
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            progress::pending(&pool).await.unwrap() == 2_000
+        })
+        .await,
+        "only the missing topic's events wait: {}",
+        progress::pending(&pool).await.unwrap()
+    );
+    let status = ops::status(&pool).await.unwrap();
+    assert!(status.unpublished >= 2_000, "{status:?}");
+    let (backlog, _, _, held): (i64, Option<f64>, i64, i64) =
+        sqlx::query_as(ops::progress_gauges_sql())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(backlog >= 2_000 && held >= 2_000, "{backlog} {held}");
+    // Made old, the waiting events are not deleted.
+    sqlx::query("UPDATE outbox_event SET created_at = created_at - interval '40 days'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let report = cleanup::cleanup(&pool, &Retention::new(Duration::from_secs(30 * 86_400)))
+        .await
+        .unwrap();
+    assert_eq!(
+        report.outbox_events, 500,
+        "only the good topic's: {report:?}"
+    );
+    assert_eq!(progress::pending(&pool).await.unwrap(), 2_000);
+
+    // A writer keeps committing events of the missing topic (the same
+    // keys, one transaction after another) while it is created.
+    let writing = Arc::new(AtomicBool::new(true));
+    let writer = {
+        let (pool, topic, writing) = (pool.clone(), missing.clone(), writing.clone());
+        tokio::spawn(async move {
+            let mut ids = Vec::new();
+            let mut seq = 10_000;
+            while writing.load(Ordering::Relaxed) {
+                let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+                for _ in 0..10 {
+                    ids.push(uow.record_message(message(&topic, &format!("k{}", seq % 20), seq)));
+                    seq += 1;
+                }
+                uow.commit().await.unwrap();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            ids
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    create_topic(&brokers(), &missing).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    writing.store(false, Ordering::Relaxed);
+    committed_missing.extend(writer.await.unwrap());
+    assert!(
+        wait_until_done(&pool, Duration::from_secs(60)).await,
+        "pending: {}",
+        progress::pending(&pool).await.unwrap()
+    );
+    handle.shutdown().await.unwrap();
+    assert_eq!(
+        passed_over().await,
+        0,
+        "the hold is gone once the topic exists"
+    );
+    let received = read_topic(
+        &brokers(),
+        &missing,
+        committed_missing.len(),
+        Duration::from_secs(60),
+    )
+    .await;
+    report_holes(&committed_missing, &received);
+    verify(&committed_missing, &received);
+}

@@ -103,6 +103,12 @@ impl Setup {
             setup
                 .grant("INSERT ON outbox_progress", "outbox_relay")
                 .await;
+            setup
+                .grant(
+                    "INSERT, UPDATE, DELETE ON outbox_held_topic",
+                    "outbox_relay",
+                )
+                .await;
         }
         let retention = Retention::new(retention)
             .dedup_window(retention)

@@ -298,6 +298,19 @@ pub(super) async fn read(pool: &PgPool, oid: i64, progress: bool) -> Result<Back
         checked(pool, stats, read, HELD_COUNT).await
     })
     .await?;
+    let mut held = held;
+    if progress {
+        // Topics held as missing: their rows, passed over by the windows,
+        // are counted when passed (`outbox_held_topic.rows`).
+        let topics: Vec<(String, i64)> =
+            sqlx::query_as("SELECT topic, rows FROM outbox_held_topic ORDER BY topic")
+                .fetch_all(pool)
+                .await?;
+        for (topic, rows) in topics {
+            held.total += rows;
+            held.topics.entry(topic).or_default().rows += rows;
+        }
+    }
     // The held rows' index counts scheduled rows and held ones together:
     // its statistics say nothing of either alone, so they are counted.
     let scheduled = kind(pool, SCHEDULED_SAMPLE, async |read, _, _| {

@@ -305,6 +305,13 @@ impl Loop<'_> {
                                         batch::record_carried(&pool, &work, statement_timeout)
                                             .await?;
                                     }
+                                    let skip = if claimable.any() && claimable.count > 0 {
+                                        batch::held_topics(&pool, claimable.scope).await.map_err(
+                                            |e| Trouble::from(e).during(batch::HELD_TOPICS),
+                                        )?
+                                    } else {
+                                        Default::default()
+                                    };
                                     batch::claim(
                                         &pool,
                                         &begin,
@@ -315,6 +322,7 @@ impl Loop<'_> {
                                         windows,
                                         &generations,
                                         record_idle,
+                                        skip,
                                     )
                                     .await
                                     .map_err(|e| Trouble::from(e).during(claim::CLAIM))
@@ -408,6 +416,9 @@ impl Loop<'_> {
             if let Some(Ok(_)) = &claimed {
                 self.database.answered();
                 self.database.permitted(claim::CLAIM);
+                if self.progress.is_some() {
+                    self.database.permitted(batch::HELD_TOPICS);
+                }
                 if !unrecorded.is_empty() {
                     for (id, _) in &unrecorded {
                         self.unrecorded.remove(id);
@@ -419,9 +430,30 @@ impl Loop<'_> {
                     );
                 }
             }
+            if let Some(Ok(batch)) = &claimed
+                && let Some(read) = batch.progress.as_ref()
+            {
+                // Topics held in the table: asked about at the next lookup.
+                self.topics.adopt(&read.held_topics);
+            }
             match claimed {
-                Some(Ok(batch)) if batch.rows.is_empty() => {
+                Some(Ok(mut batch)) if batch.rows.is_empty() => {
                     idle = true;
+                    // Rows of held topics passed over: counted with the
+                    // next finish.
+                    if let (Some(read), Some(mode)) =
+                        (batch.progress.as_mut(), self.progress.as_mut())
+                        && !read.skipped.is_empty()
+                    {
+                        let skipped = batch::Work {
+                            skipped: std::mem::take(&mut read.skipped),
+                            ..batch::Work::default()
+                        };
+                        match mode.carry.as_mut() {
+                            Some(carry) => carry.then(skipped),
+                            None => mode.carry = Some(skipped),
+                        }
+                    }
                     if batch.progress.as_ref().is_some_and(|p| p.commit) {
                         // Idle lanes' positions, recorded by the claim.
                         if let Err(error) = batch.tx.commit().await {
@@ -572,10 +604,11 @@ impl Loop<'_> {
         let due_again = due.clone();
         match publisher.lookup(due, topics::LOOKUP_TIMEOUT).await {
             Ok(answers) => {
+                let scope = self.progress.as_ref().map(|_| self.lanes.claimable().scope);
                 for action in self.topics.record(answers) {
                     let (pool, timeout) = (self.pool.clone(), self.config.statement_timeout);
                     self.topic_updates.push(tokio::spawn(async move {
-                        held::topic_rows(&pool, &action, timeout).await
+                        held::topic_rows(&pool, &action, timeout, scope).await
                     }));
                 }
             }
@@ -617,6 +650,10 @@ impl Loop<'_> {
                 || self.held.contains_key(&row.partition_key)
                 || self.blocked.deadline(row).is_some()
                 || self.topics.held(&row.topic).is_some()
+                || batch
+                    .progress
+                    .as_ref()
+                    .is_some_and(|p| p.held_topics.contains(&row.topic))
                 || row.behind_held_secs.is_some()
                 || withheld.contains(&topic_key)
             {

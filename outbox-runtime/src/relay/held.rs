@@ -65,7 +65,8 @@ pub(crate) const RELEASING: Statement = Statement {
 /// [`EXTEND`] and [`RELEASE_TOPIC`].
 pub(crate) const TOPIC_ROWS: Statement = Statement {
     name: "relay: hold or release a missing topic's rows",
-    needs: "UPDATE (held_until) ON outbox_event",
+    needs: "UPDATE (held_until) ON outbox_event (and, in the progress mode, \
+            SELECT, DELETE ON outbox_held_topic)",
 };
 
 /// Holds claimed rows (`$1` ids) for `$2` seconds each, in the claim's
@@ -167,14 +168,39 @@ UPDATE outbox_event SET held_until = statement_timestamp()
 WHERE topic = $1 AND held_until > statement_timestamp() AND published_at IS NULL
   AND due_at IS NULL";
 
+/// In the progress mode, ends the hold of topic `$1` (a row of
+/// `outbox_held_topic`), returning its `since`.
+const END_TOPIC_HOLD: &str = "DELETE FROM outbox_held_topic WHERE topic = $1 RETURNING since::text";
+
+/// In the progress mode, gives the rows of topic `$1` that the hold's
+/// `since` (`$2`) does not see and that have no state of their own a hold
+/// that has ended: the windows passed over them while the topic was held;
+/// the held rows' path publishes them now, in id order, each key's later
+/// rows behind them. Read over the progress index, from `since`'s `xmin`
+/// in every slot.
+const RELEASE_PASSED: &str = "\
+UPDATE outbox_event SET held_until = statement_timestamp()
+WHERE lane_slot = ANY(ARRAY(SELECT generate_series(0, 63))::int2[])
+  AND txid >= pg_snapshot_xmin($2::pg_snapshot) AND txid IS NOT NULL AND topic = $1
+  AND NOT pg_visible_in_snapshot(txid, $2::pg_snapshot)
+  AND num_nulls(published_at, parked_at, held_until) = 3";
+
 /// Holds a topic's held rows longer, or ends their holds ([`EXTEND`],
 /// [`RELEASE_TOPIC`]), under the relay's `statement_timeout`; returns how
 /// many rows. Rows a claim holds right now are not among them (their hold
 /// is cleared): the claim holds them itself.
+///
+/// In the progress mode (`progress`: the outbox), a release also ends the
+/// topic's hold in `outbox_held_topic` and holds the rows the windows
+/// passed over until now ([`RELEASE_PASSED`]), in one transaction, under
+/// the held topics' lock taken exclusively: every claim that read the hold
+/// has let go of it, so this statement's snapshot sees every row a window
+/// passed over (see `progress::Skip`). Claims wait for it meanwhile.
 pub(crate) async fn topic_rows(
     pool: &sqlx::PgPool,
     action: &super::topics::Action,
     statement_timeout: std::time::Duration,
+    progress: Option<crate::scope::OutboxScope>,
 ) -> Result<u64, Trouble> {
     use super::topics::Action;
     let result = async {
@@ -185,11 +211,31 @@ pub(crate) async fn topic_rows(
         ))
         .execute(&mut *tx)
         .await?;
+        let mut rows = 0;
+        if let (Action::Release { topic }, Some(scope)) = (action, progress) {
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(scope.key(crate::scope::Lock::HeldTopics, 0))
+                .execute(&mut *tx)
+                .await?;
+            let since: Option<String> = sqlx::query_scalar(END_TOPIC_HOLD)
+                .bind(topic)
+                .fetch_optional(&mut *tx)
+                .await?;
+            if let Some(since) = since {
+                rows += sqlx::query(RELEASE_PASSED)
+                    .bind(topic)
+                    .bind(&since)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                tracing::info!(%topic, rows, "a held topic's events passed over are released");
+            }
+        }
         let query = match action {
             Action::Extend { topic, secs } => sqlx::query(EXTEND).bind(topic).bind(*secs),
             Action::Release { topic } => sqlx::query(RELEASE_TOPIC).bind(topic),
         };
-        let rows = query.execute(&mut *tx).await?.rows_affected();
+        rows += query.execute(&mut *tx).await?.rows_affected();
         tx.commit().await?;
         Ok::<_, sqlx::Error>(rows)
     }

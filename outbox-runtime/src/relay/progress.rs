@@ -200,24 +200,35 @@ pub async fn load(conn: &mut PgConnection, slots: &[i16]) -> Result<Window> {
     })
 }
 
-/// A window's rows after the id `$4` (id, event id, `ctid`), in id order, at
-/// most `$5`: the rows of slots `$1` whose transaction is visible in `$3` (`upto`) and not
-/// in `$2` (`done`), without a state of their own. That condition is written
+/// A window's rows after the id `$4` (id, event id, `ctid`, and the topic
+/// of a row passed over), in id order, at most `$5`: the rows of slots `$1`
+/// whose transaction is visible in `$3` (`upto`) and not in `$2` (`done`),
+/// without a state of their own. That condition is written
 /// with `num_nulls`: the default mode's partial indexes of unpublished rows
 /// (whose predicates a `coalesce(…) IS NULL` or `… IS NULL AND …` would
 /// match) hold every row of the table in this mode, and a window read
 /// through them reads all of the lane's rows (measured: a claim of 2,000
 /// rows went from 20 to 200 ms within a backlog of 20,000); only [`INDEX`]
 /// serves this condition.
+///
+/// A row of a held topic (`$6`, each with its `since` in `$7`) is passed
+/// over, its topic returned, if its transaction is not visible in the
+/// topic's `since` and is visible in the fence `$8` (see [`Skip`]).
 const LIST: &str = "
-SELECT w.id, w.event_id, w.tid FROM (
-    SELECT e.id, e.event_id, e.ctid::text AS tid FROM outbox_event e
+SELECT w.id, w.event_id, w.tid,
+       CASE WHEN EXISTS (SELECT 1 FROM unnest($6::text[], $7::text[]) AS h(topic, since)
+                         WHERE h.topic = w.topic
+                           AND NOT pg_visible_in_snapshot(w.txid, h.since::pg_snapshot)
+                           AND pg_visible_in_snapshot(w.txid, $8::pg_snapshot))
+            THEN w.topic END AS skipped
+FROM (
+    SELECT e.id, e.event_id, e.ctid::text AS tid, e.topic, e.txid FROM outbox_event e
     WHERE e.lane_slot = ANY($1::int2[])
       AND e.txid = ANY(ARRAY(SELECT pg_snapshot_xip($2::pg_snapshot)))
       AND pg_visible_in_snapshot(e.txid, $3::pg_snapshot)
       AND e.id > $4 AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3
     UNION ALL
-    SELECT e.id, e.event_id, e.ctid::text AS tid FROM outbox_event e
+    SELECT e.id, e.event_id, e.ctid::text AS tid, e.topic, e.txid FROM outbox_event e
     WHERE e.lane_slot = ANY($1::int2[])
       AND e.txid >= pg_snapshot_xmax($2::pg_snapshot)
       AND e.txid < pg_snapshot_xmax($3::pg_snapshot)
@@ -225,6 +236,26 @@ SELECT w.id, w.event_id, w.tid FROM (
       AND e.id > $4 AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3
 ) w
 ORDER BY w.id LIMIT $5";
+
+/// Topics whose rows a claim's windows pass over: those held as missing on
+/// the broker (`outbox_held_topic`), read under a shared lock that the
+/// release of a held topic takes exclusively, with a snapshot taken under
+/// it, the fence. A window passes over only the rows of a held topic that
+/// its `since` does not see and the fence does: the release, which ends the
+/// hold and gives a hold to every row of the topic that `since` does not
+/// see in one transaction, takes its snapshot after every reader of the
+/// hold let go of the lock, so it sees every row a window passed over.
+/// Rows the fence does not see are read as any row (the relay then holds
+/// them itself, or, the topic created meanwhile, reads them again).
+#[derive(Debug, Clone, Default)]
+pub struct Skip {
+    /// The held topics.
+    pub topics: Vec<String>,
+    /// Each topic's `since` snapshot.
+    pub since: Vec<String>,
+    /// The snapshot taken when they were read.
+    pub fence: Option<String>,
+}
 
 /// The rows at the places `$1` (`ctid`s, as listed) that are still the
 /// events `$3` (between `$4` and `$5`: the partitions they can be in) without
@@ -277,9 +308,9 @@ pub struct Window {
     pub upto: Option<String>,
     /// Rows of the window up to this id are handed over.
     pub after_id: i64,
-    /// Rows listed and not handed over yet (id, event id, `ctid`), in id
-    /// order.
-    listed: VecDeque<(i64, Uuid, String)>,
+    /// Rows listed and not handed over yet (id, event id, `ctid`, the
+    /// topic of a row passed over), in id order.
+    listed: VecDeque<(i64, Uuid, String, Option<String>)>,
     /// Whether `listed` holds every remaining row of the window.
     complete: bool,
 }
@@ -316,6 +347,27 @@ impl Window {
         limit: usize,
         budget: i64,
     ) -> Result<Chunk> {
+        self.next_skipping(
+            conn,
+            limit,
+            budget,
+            &Skip::default(),
+            &mut Default::default(),
+        )
+        .await
+    }
+
+    /// [`Window::next`], passing over the rows of held topics that `skip`
+    /// names: they are not handed over, but counted per topic in `skipped`,
+    /// and the position moves past them.
+    pub async fn next_skipping(
+        &mut self,
+        conn: &mut PgConnection,
+        limit: usize,
+        budget: i64,
+        skip: &Skip,
+        skipped: &mut std::collections::HashMap<String, i64>,
+    ) -> Result<Chunk> {
         let upto = match &self.upto {
             Some(upto) => upto.clone(),
             None => {
@@ -331,22 +383,40 @@ impl Window {
                 if self.complete {
                     return Ok(Chunk::Finished);
                 }
-                let ids: Vec<(i64, Uuid, String)> = sqlx::query_as(LIST)
+                let ids: Vec<(i64, Uuid, String, Option<String>)> = sqlx::query_as(LIST)
                     .bind(&self.slots)
                     .bind(&self.done)
                     .bind(&upto)
                     .bind(self.after_id)
                     .bind(LIST_CAP)
+                    .bind(&skip.topics)
+                    .bind(&skip.since)
+                    .bind(skip.fence.as_deref().unwrap_or(upto.as_str()))
                     .fetch_all(&mut *conn)
                     .await?;
                 self.complete = (ids.len() as i64) < LIST_CAP;
                 self.listed = ids.into();
                 continue;
             }
-            let take = self.listed.len().min(limit.max(1));
-            let wanted: Vec<&(i64, Uuid, String)> = self.listed.iter().take(take).collect();
-            let tids: Vec<&str> = wanted.iter().map(|(_, _, t)| t.as_str()).collect();
-            let ids: Vec<Uuid> = wanted.iter().map(|(_, e, _)| *e).collect();
+            // Rows passed over lead the list: the position moves past them.
+            if let Some((id, _, _, Some(_))) = self.listed.front() {
+                let id = *id;
+                if let Some((_, _, _, Some(topic))) = self.listed.pop_front() {
+                    *skipped.entry(topic).or_default() += 1;
+                }
+                self.after_id = id;
+                continue;
+            }
+            // Up to `limit` rows, up to the next row passed over.
+            let take = self
+                .listed
+                .iter()
+                .take(limit.max(1))
+                .take_while(|(_, _, _, skipped)| skipped.is_none())
+                .count();
+            let wanted: Vec<_> = self.listed.iter().take(take).collect();
+            let tids: Vec<&str> = wanted.iter().map(|(_, _, t, _)| t.as_str()).collect();
+            let ids: Vec<Uuid> = wanted.iter().map(|(_, e, _, _)| *e).collect();
             let (low, high) = (ids.iter().min(), ids.iter().max());
             let mut rows: Vec<Row> = sqlx::query_as(&FETCH_AT)
                 .bind(&tids)
@@ -388,7 +458,11 @@ impl Window {
                 self.listed[take - 1].0
             };
             rows.truncate(cut);
-            while self.listed.front().is_some_and(|(id, _, _)| *id <= through) {
+            while self
+                .listed
+                .front()
+                .is_some_and(|(id, _, _, _)| *id <= through)
+            {
                 self.listed.pop_front();
             }
             self.after_id = through;
@@ -493,11 +567,17 @@ pos AS MATERIALIZED (
 /// Whether the row `e` (joined to its slot's `pos`) is passed by that
 /// position: its transaction visible in `done`, or in the window up to
 /// `after_id`.
+///
+/// A row of a topic held as missing on the broker that the hold's `since`
+/// does not see is never passed: the windows passed over it without
+/// publishing it (see [`Skip`]).
 pub(crate) fn passed(e: &str) -> String {
     format!(
-        "(pg_visible_in_snapshot({e}.txid, pos.done)
-          OR (pos.upto IS NOT NULL AND pg_visible_in_snapshot({e}.txid, pos.upto)
-              AND {e}.id <= pos.after_id))"
+        "((pg_visible_in_snapshot({e}.txid, pos.done)
+           OR (pos.upto IS NOT NULL AND pg_visible_in_snapshot({e}.txid, pos.upto)
+               AND {e}.id <= pos.after_id))
+          AND NOT EXISTS (SELECT 1 FROM outbox_held_topic ht WHERE ht.topic = {e}.topic
+                          AND NOT pg_visible_in_snapshot({e}.txid, ht.since)))"
     )
 }
 
@@ -600,6 +680,34 @@ SELECT p.slots::text AS slots, p.done::text AS done, p.upto::text AS upto, p.aft
        EXTRACT(EPOCH FROM now() - p.recorded_at)::float8 AS recorded_secs_ago
 FROM outbox_progress p WHERE p.id IN (SELECT id FROM pos) ORDER BY p.slots"
     ))
+    .fetch_all(pool)
+    .await?)
+}
+
+/// A topic held as missing on the broker (see [`Skip`]).
+#[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
+pub struct HeldTopic {
+    /// The topic.
+    pub topic: String,
+    /// Every row of the topic its transaction visible in this snapshot is
+    /// published; the others wait.
+    pub since: String,
+    /// Why, as the broker said.
+    pub reason: String,
+    /// Rows the relays passed over while it was held (a row read again
+    /// after a restart counts again).
+    pub rows: i64,
+    /// Seconds since it was first held.
+    pub held_secs_ago: f64,
+}
+
+/// The topics held as missing on the broker in the progress mode.
+pub async fn held_topics(pool: &sqlx::PgPool) -> Result<Vec<HeldTopic>> {
+    Ok(sqlx::query_as(
+        "SELECT topic, since::text AS since, reason, rows,
+                EXTRACT(EPOCH FROM now() - held_at)::float8 AS held_secs_ago
+         FROM outbox_held_topic ORDER BY topic",
+    )
     .fetch_all(pool)
     .await?)
 }

@@ -236,6 +236,39 @@ impl Topics {
         self.present.remove(topic);
     }
 
+    /// Topics another relay (or this one, before a restart) holds as
+    /// missing in the table (the progress mode's `outbox_held_topic`):
+    /// asked about at the next lookup, their rows held meanwhile.
+    pub fn adopt(&mut self, topics: &[String]) {
+        let now = Instant::now();
+        for topic in topics {
+            if self.missing.get(topic).is_some_and(|m| !m.unconfirmed) {
+                continue;
+            }
+            self.present.remove(topic);
+            self.missing.insert(
+                topic.clone(),
+                Missing {
+                    until: now + self.max * 2,
+                    recheck_at: now,
+                    hold: Backoff::jittered(self.first, self.max),
+                    reason: format!(
+                        "topic `{topic}` is held as missing on the broker: its events wait"
+                    ),
+                    unconfirmed: false,
+                },
+            );
+        }
+    }
+
+    /// Why `topic` is missing, if the broker said it is (not only held
+    /// while a lookup got no answer).
+    pub fn confirmed(&self, topic: &str) -> Option<&str> {
+        self.held(topic)?;
+        let missing = self.missing.get(topic)?;
+        (!missing.unconfirmed).then_some(missing.reason.as_str())
+    }
+
     /// Until when `topic`'s rows are held, and why, if it is missing.
     pub fn held(&self, topic: &str) -> Option<(Instant, &str)> {
         let missing = self.missing.get(topic)?;

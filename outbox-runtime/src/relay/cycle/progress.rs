@@ -22,7 +22,8 @@
 use std::collections::{HashMap, HashSet};
 
 use super::super::claim::Batch;
-use super::super::progress::batch::{Stand, Windows, Work};
+use super::super::progress::Snapshot;
+use super::super::progress::batch::{Stand, TopicHold, Windows, Work};
 use super::Loop;
 use super::evaluate::Evaluated;
 
@@ -73,16 +74,40 @@ impl Loop<'_> {
     /// What finishing `batch` writes, from its evaluation `e`; rewinds the
     /// lanes whose positions must stop short.
     pub(super) fn progress_work(&mut self, batch: &Batch, e: Evaluated) -> Work {
-        let Some(mode) = self.progress.as_mut() else {
+        if self.progress.is_none() {
             return Work::default();
-        };
+        }
         let read = batch.progress.as_ref();
         let lane_of = |i: usize| read.and_then(|r| r.lanes.get(i).copied().flatten());
         let published: HashSet<i64> = e.published.iter().copied().collect();
         let mut failures: HashMap<i64, super::super::claim::Failure> =
             e.failures.into_iter().map(|f| (f.id, f)).collect();
         let mut holds: HashMap<i64, f64> = e.holds.into_iter().collect();
-        let mut work = Work::default();
+        // A window's rows of a topic the broker said is missing get no hold
+        // of their own: the topic is held, once (see `progress::Skip`).
+        let mut topic_held: HashMap<i64, (String, String)> = HashMap::new();
+        for (i, row) in batch.rows.iter().enumerate() {
+            if lane_of(i).is_none() {
+                continue;
+            }
+            let Some(reason) = self.topics.confirmed(&row.topic) else {
+                continue;
+            };
+            if failures
+                .get(&row.id)
+                .is_some_and(|f| !f.counted && !f.park && f.hold.is_some())
+            {
+                failures.remove(&row.id);
+                topic_held.insert(row.id, (row.topic.clone(), reason.to_owned()));
+            }
+        }
+        let Some(mode) = self.progress.as_mut() else {
+            return Work::default();
+        };
+        let mut work = Work {
+            skipped: read.map(|r| r.skipped.clone()).unwrap_or_default(),
+            ..Work::default()
+        };
         // A held row keeps a state of its own until it is published: one
         // that failed without a hold stays due.
         for (i, row) in batch.rows.iter().enumerate() {
@@ -100,9 +125,11 @@ impl Loop<'_> {
         }
         let state = |id: i64,
                      failures: &HashMap<i64, super::super::claim::Failure>,
-                     holds: &HashMap<i64, f64>| {
+                     holds: &HashMap<i64, f64>,
+                     topic_held: &HashMap<i64, (String, String)>| {
             published.contains(&id)
                 || holds.contains_key(&id)
+                || topic_held.contains_key(&id)
                 || failures
                     .get(&id)
                     .is_some_and(|f| f.park || f.hold.is_some())
@@ -122,8 +149,34 @@ impl Loop<'_> {
             } else {
                 rows.iter()
                     .copied()
-                    .find(|id| !state(*id, &failures, &holds))
+                    .find(|id| !state(*id, &failures, &holds, &topic_held))
             };
+            // The lane's rows of held topics before the first undone: their
+            // topic's hold starts at most at the lane's position.
+            for id in rows
+                .iter()
+                .filter(|id| first_undone.is_none_or(|undone| **id < undone))
+            {
+                if let Some((topic, reason)) = topic_held.remove(id) {
+                    let hold = TopicHold {
+                        since: Snapshot::parse(&stand.done).unwrap_or(Snapshot {
+                            xmin: 0,
+                            xmax: 0,
+                            xip: Vec::new(),
+                        }),
+                        reason,
+                        rows: 1,
+                    };
+                    match work.topics.entry(topic) {
+                        std::collections::hash_map::Entry::Occupied(mut e) => {
+                            e.get_mut().merge(hold)
+                        }
+                        std::collections::hash_map::Entry::Vacant(e) => {
+                            e.insert(hold);
+                        }
+                    }
+                }
+            }
             let Some(undone) = first_undone else {
                 work.stands.push(stand.clone());
                 continue;
@@ -132,6 +185,7 @@ impl Loop<'_> {
             for id in rows.iter().filter(|id| **id >= undone) {
                 failures.remove(id);
                 holds.remove(id);
+                topic_held.remove(id);
             }
             if stale {
                 continue;

@@ -19,7 +19,7 @@ use uuid::Uuid;
 
 use super::super::claim::{self, Batch, CLAIM_MARK, Failure, Row};
 use super::super::lanes::{self, Claimable};
-use super::{Chunk, Window, load};
+use super::{Chunk, Skip, Window, load};
 use crate::error::{Error, Result};
 use crate::refusal::{Statement, Trouble};
 use crate::scope::{Lock, OutboxScope};
@@ -76,6 +76,54 @@ pub(crate) struct Read {
     /// Positions of idle lanes were written in the claim's transaction: it
     /// is committed even without rows.
     pub commit: bool,
+    /// The topics held as missing when the batch was claimed (see
+    /// [`Skip`]): their rows in the batch are not sent.
+    pub held_topics: Vec<String>,
+    /// Rows of held topics the windows passed over, per topic.
+    pub skipped: HashMap<String, i64>,
+}
+
+/// Reading the held topics.
+pub(crate) const HELD_TOPICS: Statement = Statement {
+    name: "relay: read the topics held as missing",
+    needs: "SELECT ON outbox_held_topic",
+};
+
+/// Recording and releasing held topics.
+pub(crate) const HOLD_TOPICS: Statement = Statement {
+    name: "relay: hold or release a topic missing on the broker",
+    needs: "SELECT, INSERT, UPDATE, DELETE ON outbox_held_topic",
+};
+
+/// The topics held as missing on the broker, their `since` and a fence
+/// (see [`Skip`]), read under the shared lock their release takes
+/// exclusively. An empty table (the usual case) costs one probe.
+pub(crate) async fn held_topics(pool: &PgPool, scope: OutboxScope) -> Result<Skip> {
+    let any: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM outbox_held_topic)")
+        .fetch_one(pool)
+        .await?;
+    if !any {
+        return Ok(Skip::default());
+    }
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock_shared($1)")
+        .bind(scope.key(Lock::HeldTopics, 0))
+        .execute(&mut *tx)
+        .await?;
+    let held: Vec<(String, String, String)> = sqlx::query_as(
+        "SELECT topic, since::text, pg_current_snapshot()::text FROM outbox_held_topic
+         ORDER BY topic",
+    )
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    let fence = held.first().map(|h| h.2.clone());
+    let (topics, since) = held.into_iter().map(|(t, s, _)| (t, s)).unzip();
+    Ok(Skip {
+        topics,
+        since,
+        fence,
+    })
 }
 
 /// A lane's window and when its position was last recorded.
@@ -155,7 +203,8 @@ pub(crate) async fn enabled(pool: &PgPool) -> std::result::Result<Option<bool>, 
     }
 }
 
-/// Claims a batch in the progress mode: held rows of the owned lanes whose
+/// Claims a batch in the progress mode (`skip`: the held topics, read
+/// before with [`held_topics`]): held rows of the owned lanes whose
 /// hold has ended (locked, up to `limit` and the byte budget), then the
 /// next rows of each owned lane's window, lanes in turn, up to `limit` and
 /// `max_bytes` in all. `generations` stamps the lanes' positions. With
@@ -172,6 +221,7 @@ pub(crate) async fn claim(
     windows: &mut Windows,
     generations: &HashMap<i32, u64>,
     record_idle: bool,
+    skip: Skip,
 ) -> Result<Batch> {
     let begin = if lanes.count > 0 && !lanes.lanes.is_empty() {
         format!("{begin}; {}", claim::hold_in_use(lanes.scope, &lanes.lanes))
@@ -179,7 +229,10 @@ pub(crate) async fn claim(
         begin.to_owned()
     };
     let mut tx = pool.begin_with(begin).await?;
-    let mut read = Read::default();
+    let mut read = Read {
+        held_topics: skip.topics.clone(),
+        ..Read::default()
+    };
     if !lanes.any() || lanes.count == 0 {
         windows.lanes.clear();
         return Ok(Batch {
@@ -267,7 +320,13 @@ pub(crate) async fn claim(
             };
             match entry
                 .window
-                .next(&mut tx, limit_rows - rows.len(), budget)
+                .next_skipping(
+                    &mut tx,
+                    limit_rows - rows.len(),
+                    budget,
+                    &skip,
+                    &mut read.skipped,
+                )
                 .await?
             {
                 Chunk::Rows(more) => {
@@ -367,7 +426,54 @@ pub(crate) struct Work {
     pub holds: Vec<(i64, f64)>,
     /// The lanes' positions, in order.
     pub stands: Vec<Stand>,
+    /// Topics found missing, by topic: their rows in the batch are passed
+    /// by the positions without a hold of their own.
+    pub topics: HashMap<String, TopicHold>,
+    /// Rows of held topics the windows passed over, per topic.
+    pub skipped: HashMap<String, i64>,
 }
+
+/// A topic held as missing on the broker (a row of `outbox_held_topic`).
+#[derive(Debug, Clone)]
+pub(crate) struct TopicHold {
+    /// Every row of the topic not visible in it waits: at most the `done`
+    /// of each lane whose rows of the topic the batch passed.
+    pub since: super::Snapshot,
+    pub reason: String,
+    /// Rows of the batch passed.
+    pub rows: i64,
+}
+
+impl TopicHold {
+    /// Adds another lane's or batch's hold of the same topic.
+    pub fn merge(&mut self, other: TopicHold) {
+        self.since = self.since.intersect(&other.since);
+        self.reason = other.reason;
+        self.rows += other.rows;
+    }
+}
+
+/// Records held topics (`$1` topics, `$2` `since` snapshots, `$3` reasons,
+/// `$4` rows): a new row, or one whose `since` becomes the intersection of
+/// both (the lowest position of the lanes that met it).
+const HOLD_TOPIC: &str = "
+INSERT INTO outbox_held_topic AS h (topic, since, reason, rows)
+SELECT t, s::pg_snapshot, r, n
+FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[]) AS u(t, s, r, n)
+ON CONFLICT (topic) DO UPDATE SET
+  since = (SELECT (m.lo::text || ':' || m.hi::text || ':' || coalesce((
+              SELECT string_agg(d.x::text, ',' ORDER BY d.x) FROM (
+                SELECT pg_snapshot_xip(h.since) UNION SELECT pg_snapshot_xip(excluded.since)) AS d(x)
+              WHERE d.x >= m.lo AND d.x < m.hi), ''))::pg_snapshot
+           FROM (SELECT least(pg_snapshot_xmin(h.since), pg_snapshot_xmin(excluded.since)) AS lo,
+                        least(pg_snapshot_xmax(h.since), pg_snapshot_xmax(excluded.since)) AS hi) AS m),
+  reason = excluded.reason, rows = h.rows + excluded.rows, updated_at = now()";
+
+/// Counts rows passed over (`$1` topics, `$2` rows) on the held topics
+/// still held.
+const COUNT_SKIPPED: &str = "
+UPDATE outbox_held_topic h SET rows = h.rows + u.n, updated_at = now()
+FROM unnest($1::text[], $2::int8[]) AS u(t, n) WHERE h.topic = u.t";
 
 impl Work {
     /// Adds a later batch's work after this one's.
@@ -376,6 +482,17 @@ impl Work {
         self.failures.extend(later.failures);
         self.holds.extend(later.holds);
         self.stands.extend(later.stands);
+        for (topic, hold) in later.topics {
+            match self.topics.entry(topic) {
+                std::collections::hash_map::Entry::Occupied(mut e) => e.get_mut().merge(hold),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(hold);
+                }
+            }
+        }
+        for (topic, n) in later.skipped {
+            *self.skipped.entry(topic).or_default() += n;
+        }
     }
 
     /// Writes it in `tx`, adding the statements that went through to `ran`.
@@ -393,6 +510,36 @@ impl Work {
             ran.push(claim::MARK);
         }
         claim::record(tx, &self.failures, &self.holds, ran).await?;
+        if !self.topics.is_empty() || !self.skipped.is_empty() {
+            // In topic order: two finishes lock the rows in the same order.
+            let mut held: Vec<(&String, &TopicHold)> = self.topics.iter().collect();
+            held.sort_by(|a, b| a.0.cmp(b.0));
+            if !held.is_empty() {
+                sqlx::query(HOLD_TOPIC)
+                    .bind(held.iter().map(|h| h.0.as_str()).collect::<Vec<_>>())
+                    .bind(
+                        held.iter()
+                            .map(|h| h.1.since.to_string())
+                            .collect::<Vec<_>>(),
+                    )
+                    .bind(held.iter().map(|h| h.1.reason.as_str()).collect::<Vec<_>>())
+                    .bind(held.iter().map(|h| h.1.rows).collect::<Vec<_>>())
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(|e| Trouble::from(e).during(HOLD_TOPICS))?;
+            }
+            let mut skipped: Vec<(&String, &i64)> = self.skipped.iter().collect();
+            skipped.sort();
+            if !skipped.is_empty() {
+                sqlx::query(COUNT_SKIPPED)
+                    .bind(skipped.iter().map(|s| s.0.as_str()).collect::<Vec<_>>())
+                    .bind(skipped.iter().map(|s| *s.1).collect::<Vec<_>>())
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(|e| Trouble::from(e).during(HOLD_TOPICS))?;
+            }
+            ran.push(HOLD_TOPICS);
+        }
         if !self.stands.is_empty() {
             insert_stands(tx, &self.stands)
                 .await
