@@ -102,6 +102,10 @@ struct Args {
     /// Only the relay's drains (without and behind held rows).
     #[arg(long)]
     only_drains: bool,
+    /// Runs the relay's drains in the progress mode (`outbox progress
+    /// enable` before the first).
+    #[arg(long)]
+    progress: bool,
     /// Only the operations' latencies (status, the gauges' query, replay's
     /// dry run, an idle cleanup pass), without a broker: with an empty
     /// backlog, then with `--ops-backlog` rows waiting (half of them held).
@@ -311,6 +315,10 @@ async fn history_rows(pool: &PgPool, last: i64) -> Result<i64, sqlx::Error> {
 async fn reset(pool: &PgPool, last: i64) -> Result<(), sqlx::Error> {
     sqlx::query("DELETE FROM outbox_event WHERE id > $1")
         .bind(last)
+        .execute(pool)
+        .await?;
+    // A missing topic held in the progress mode.
+    sqlx::query("DELETE FROM outbox_held_topic")
         .execute(pool)
         .await?;
     sqlx::query("TRUNCATE growth_order").execute(pool).await?;
@@ -975,6 +983,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
 
         // The relay's drain.
+        if a.progress {
+            outbox_runtime::relay::progress::enable(&pool).await?;
+        }
         backlog(&pool, a.backlog, &topic).await?;
         let (drain_rate, claim_p99, drained, _) =
             drain(&db.url, &brokers, a.backlog as u64, &claims, timeout).await?;
@@ -1007,6 +1018,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         if a.only_drains {
             results.push(json!({
                 "history": history,
+                "mode": if a.progress { "progress" } else { "marks" },
                 "relay_drain_events_per_s": round(drain_rate, 0),
                 "claim_p99_ms": round(claim_p99, 2),
                 "held_relay_drain_events_per_s": round(held_rate, 0),
