@@ -46,16 +46,22 @@ ORDER BY id DESC LIMIT 1";
 /// `limit` (a parameter or a number) per slot and in all, lowest ids first.
 /// Each slot's rows are read over the progress index from its position's
 /// snapshot on (the transactions in flight then, and those after), as the
-/// relay reads them. Written after `WITH RECURSIVE` [`POSITIONS`]`,`.
+/// relay reads them (the transactions of the `xip` list probed one by one:
+/// see the relay's window list). Written after `WITH RECURSIVE`
+/// [`POSITIONS`]`,`.
 ///
 /// [`POSITIONS`]: crate::relay::progress::POSITIONS
 pub(crate) fn progress_queue_rows(limit: &str) -> String {
     let passed = crate::relay::progress::passed("e");
     format!(
         "SELECT e.id, e.topic FROM pos CROSS JOIN LATERAL (
-    (SELECT e.id, e.topic FROM outbox_event e
-     WHERE e.lane_slot = pos.slot AND e.txid = ANY(ARRAY(SELECT pg_snapshot_xip(pos.done)))
-       AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3 AND NOT {passed})
+    (SELECT e.id, e.topic FROM pg_snapshot_xip(pos.done) AS x(txid)
+     CROSS JOIN LATERAL (
+         SELECT e.id, e.topic, e.txid, e.lane_slot FROM outbox_event e
+         WHERE e.lane_slot = pos.slot AND e.txid = x.txid
+           AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3
+         OFFSET 0) e
+     WHERE NOT {passed})
     UNION ALL
     (SELECT e.id, e.topic FROM outbox_event e
      WHERE e.lane_slot = pos.slot AND e.txid >= pg_snapshot_xmax(pos.done)

@@ -415,6 +415,9 @@ pub(crate) struct Finished {
     /// to before them, the marks committed; the rows they were about go back
     /// to the claim's queue as they were.
     pub refused: Option<Trouble>,
+    /// In the progress mode, after such a refusal: the lanes whose positions
+    /// stopped before a row that needed a state (read again from there).
+    pub short: Vec<super::progress::batch::Stand>,
 }
 
 /// A batch whose marks did not commit: its delivered rows stay unpublished

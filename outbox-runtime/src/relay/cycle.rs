@@ -678,11 +678,22 @@ impl Loop<'_> {
         super::trace_links::link_events(&span, &batch.rows, &go);
         let pending = span.in_scope(|| publisher.send(&batch.rows, go, &mut outcomes));
         // Rows held back now (here, or by the producer: a full queue, an
-        // earlier row of their key refused) keep their keys held.
-        for (row, outcome) in batch.rows.iter().zip(&outcomes) {
-            if outcome
-                .as_ref()
-                .is_some_and(|o| !matches!(o, Outcome::Unrecorded))
+        // earlier row of their key refused) keep their keys held. Not, in
+        // the progress mode, a window's rows of a missing topic: they are
+        // not locked, the topic's later rows are held back by the topic,
+        // and the key's rows of other topics need not wait (they would be
+        // read again and again).
+        let read = batch.progress.as_ref();
+        for (i, (row, outcome)) in batch.rows.iter().zip(&outcomes).enumerate() {
+            let topic_held = read.is_some_and(|r| {
+                r.lanes.get(i).copied().flatten().is_some()
+                    && (r.held_topics.contains(&row.topic)
+                        || self.topics.held(&row.topic).is_some())
+            });
+            if !topic_held
+                && outcome
+                    .as_ref()
+                    .is_some_and(|o| !matches!(o, Outcome::Unrecorded))
             {
                 self.held.insert(row.partition_key.clone(), seq);
             }
@@ -758,6 +769,11 @@ impl Loop<'_> {
                     }
                     for statement in finished.ran {
                         self.database.permitted(statement);
+                    }
+                    if let Some(mode) = self.progress.as_mut()
+                        && !finished.short.is_empty()
+                    {
+                        mode.stopped_short(finished.short);
                     }
                     if let Some(refused) = finished.refused {
                         // Its rows come back as they were: not before the

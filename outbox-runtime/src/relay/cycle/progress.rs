@@ -70,6 +70,28 @@ impl ProgressMode {
     }
 }
 
+impl ProgressMode {
+    /// After the database refused a batch's row states: the lanes whose
+    /// positions stopped before a row that needed one are read again from
+    /// there (a rewind; the lanes' rows in batches claimed since are stale).
+    pub(super) fn stopped_short(&mut self, short: Vec<Stand>) {
+        for stand in short {
+            let generation = self.generations.get(&stand.lane).copied().unwrap_or(0) + 1;
+            self.generations.insert(stand.lane, generation);
+            tracing::debug!(
+                lane = stand.lane,
+                from = stand.after_id + 1,
+                "a row's state was refused: its lane is read again from it"
+            );
+            self.rewinds.push(Stand {
+                generation,
+                ..stand
+            });
+        }
+        self.apply_rewinds();
+    }
+}
+
 impl Loop<'_> {
     /// What finishing `batch` writes, from its evaluation `e`; rewinds the
     /// lanes whose positions must stop short.
@@ -150,6 +172,37 @@ impl Loop<'_> {
                 rows.iter()
                     .copied()
                     .find(|id| !state(*id, &failures, &holds, &topic_held))
+            };
+            // The lane's first row that needs a state of its own: where its
+            // position stops if the database refuses the states.
+            let stated = rows
+                .iter()
+                .copied()
+                .filter(|id| first_undone.is_none_or(|undone| *id < undone))
+                .find(|id| {
+                    failures.contains_key(id)
+                        || holds.contains_key(id)
+                        || topic_held.contains_key(id)
+                });
+            let delivered_after = match stated {
+                Some(stated) => batch
+                    .rows
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, r)| {
+                        lane_of(*i) == Some(stand.lane)
+                            && r.id > stated
+                            && first_undone.is_none_or(|undone| r.id < undone)
+                            && published.contains(&r.id)
+                    })
+                    .map(|(_, r)| r.event_id)
+                    .collect(),
+                None => Vec::new(),
+            };
+            let stand = &Stand {
+                stated,
+                delivered_after,
+                ..stand.clone()
             };
             // The lane's rows of held topics before the first undone: their
             // topic's hold starts at most at the lane's position.

@@ -46,11 +46,21 @@ pub(crate) struct Stand {
     pub done: String,
     pub upto: Option<String>,
     pub after_id: i64,
+    /// The lane's first row of the batch that needs a state of its own (a
+    /// failure, a hold, a held topic): where the position stops if the
+    /// database refuses those states (see [`Batch::finish_progress`]).
+    pub stated: Option<i64>,
+    /// The lane's rows of the batch after `stated` that were delivered
+    /// (event ids): marked published if the position stops short, so that
+    /// they are not sent again.
+    pub delivered_after: Vec<Uuid>,
 }
 
 impl Stand {
     fn of(lane: i32, generation: u64, window: &Window) -> Stand {
         Stand {
+            stated: None,
+            delivered_after: Vec::new(),
             lane,
             generation,
             slots: window.slots.clone(),
@@ -501,6 +511,17 @@ impl Work {
         tx: &mut Transaction<'static, Postgres>,
         ran: &mut Vec<Statement>,
     ) -> std::result::Result<(), Trouble> {
+        self.write_marks(tx, ran).await?;
+        self.write_states(tx, ran).await?;
+        self.write_stands(tx, &self.stands, ran).await
+    }
+
+    /// The held rows delivered, marked published.
+    async fn write_marks(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        ran: &mut Vec<Statement>,
+    ) -> std::result::Result<(), Trouble> {
         if !self.published.is_empty() {
             sqlx::query(claim::MARK_DELIVERED)
                 .bind(&self.published)
@@ -509,6 +530,15 @@ impl Work {
                 .map_err(|e| Trouble::from(e).during(claim::MARK))?;
             ran.push(claim::MARK);
         }
+        Ok(())
+    }
+
+    /// The rows' states of their own: failures, holds, held topics.
+    async fn write_states(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        ran: &mut Vec<Statement>,
+    ) -> std::result::Result<(), Trouble> {
         claim::record(tx, &self.failures, &self.holds, ran).await?;
         if !self.topics.is_empty() || !self.skipped.is_empty() {
             // In topic order: two finishes lock the rows in the same order.
@@ -540,26 +570,109 @@ impl Work {
             }
             ran.push(HOLD_TOPICS);
         }
-        if !self.stands.is_empty() {
-            insert_stands(tx, &self.stands)
+        Ok(())
+    }
+
+    /// The lanes' positions.
+    async fn write_stands(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        stands: &[Stand],
+        ran: &mut Vec<Statement>,
+    ) -> std::result::Result<(), Trouble> {
+        if !stands.is_empty() {
+            insert_stands(tx, stands)
                 .await
                 .map_err(|e| Trouble::from(e).during(RECORD))?;
             ran.push(RECORD);
         }
         Ok(())
     }
+
+    /// The positions when the rows' states are refused: each lane stops
+    /// just before its first row that needed one (its rows from there on
+    /// are read again), and the stands that stopped short.
+    fn short_of_states(&self) -> (Vec<Stand>, Vec<Stand>, Vec<Uuid>) {
+        let mut stands = Vec::with_capacity(self.stands.len());
+        let mut short = Vec::new();
+        let mut delivered = Vec::new();
+        for stand in &self.stands {
+            // A later stand of a lane stopped short would pass its row.
+            if short.iter().any(|s: &Stand| s.lane == stand.lane) {
+                continue;
+            }
+            match stand.stated {
+                Some(stated) if stand.upto.is_some() && stated - 1 < stand.after_id => {
+                    delivered.extend(stand.delivered_after.iter().copied());
+                    let stopped = Stand {
+                        after_id: stated - 1,
+                        stated: None,
+                        delivered_after: Vec::new(),
+                        ..stand.clone()
+                    };
+                    short.push(stopped.clone());
+                    stands.push(stopped);
+                }
+                _ => stands.push(stand.clone()),
+            }
+        }
+        (stands, short, delivered)
+    }
 }
 
 impl Batch {
     /// Writes `work` (this batch's, after any carried) and commits; if it
-    /// does not commit, the work comes back to be carried.
+    /// does not commit, the work comes back to be carried. If the database
+    /// refuses the rows' states of their own (a hold, a failure, a held
+    /// topic), the positions stop before the rows that needed one
+    /// ([`Finished::short`](claim::Finished::short): the loop reads those
+    /// lanes again from there) and the rest commits.
     pub(crate) async fn finish_progress(
         mut self,
         work: Work,
     ) -> std::result::Result<claim::Finished, claim::Unfinished> {
         let mut finished = claim::Finished::default();
         let result = async {
-            work.write(&mut self.tx, &mut finished.ran).await?;
+            work.write_marks(&mut self.tx, &mut finished.ran).await?;
+            let any_state = !(work.failures.is_empty()
+                && work.holds.is_empty()
+                && work.topics.is_empty()
+                && work.skipped.is_empty());
+            if any_state {
+                sqlx::query("SAVEPOINT states")
+                    .execute(&mut *self.tx)
+                    .await
+                    .map_err(Trouble::from)?;
+            }
+            let states = work.write_states(&mut self.tx, &mut finished.ran).await;
+            let stands = match states {
+                Ok(()) => work.stands.clone(),
+                // Refused: the rows that needed a state stop their lanes'
+                // positions and are read again; the rest goes on (a relay
+                // refused a hold keeps publishing the other lanes).
+                Err(trouble @ Trouble::Refused(_)) => {
+                    sqlx::query("ROLLBACK TO SAVEPOINT states")
+                        .execute(&mut *self.tx)
+                        .await
+                        .map_err(Trouble::from)?;
+                    let (stands, short, delivered) = work.short_of_states();
+                    // Rows of those lanes delivered after the row that
+                    // needed a state: marked, not sent again.
+                    if !delivered.is_empty() {
+                        sqlx::query(claim::MARK_DELIVERED)
+                            .bind(&delivered)
+                            .execute(&mut *self.tx)
+                            .await
+                            .map_err(|e| Trouble::from(e).during(claim::MARK))?;
+                    }
+                    finished.refused = Some(trouble);
+                    finished.short = short;
+                    stands
+                }
+                Err(outage) => return Err(outage),
+            };
+            work.write_stands(&mut self.tx, &stands, &mut finished.ran)
+                .await?;
             self.tx.commit().await.map_err(Trouble::from)
         }
         .await;
