@@ -299,7 +299,7 @@ pub(crate) async fn relay_task(pool: PgPool, stats: Arc<RelayStats>, shutdown: C
 /// (`statement_timeout`) when the next sample is due.
 fn sample_begin() -> String {
     format!(
-        "BEGIN READ ONLY; SET LOCAL statement_timeout = {}",
+        "BEGIN READ ONLY; SET LOCAL statement_timeout = {}; SET LOCAL jit = off",
         BACKLOG_INTERVAL.as_millis()
     )
 }

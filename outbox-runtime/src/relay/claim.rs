@@ -308,7 +308,10 @@ WHERE o.id = f.id";
 /// scan the whole table: the mark's `ctid = ANY(…)` list as a seq-scan filter
 /// costs rows × list length (measured: 80-170 ms per mark on a young table of
 /// 6,500 rows whose statistics said 10, against ~1 ms as a TID scan), and the
-/// claim must walk the partial index in id order.
+/// claim must walk the partial index in id order. No JIT: with the
+/// seq-scan penalty and a large table the estimates pass JIT's thresholds,
+/// and a claim of the progress mode spent hundreds of milliseconds
+/// compiling its window's list on an outbox of 1M rows.
 ///
 /// The transaction ends itself if it stays idle longer than `idle` (a relay
 /// frozen mid-batch must not hold its rows and its lanes' "in use" locks for
@@ -317,7 +320,7 @@ WHERE o.id = f.id";
 /// with `statement_timeout` (0: none).
 pub(crate) fn begin(idle: std::time::Duration, statement_timeout: std::time::Duration) -> String {
     format!(
-        "BEGIN; SET LOCAL enable_seqscan = off; \
+        "BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL jit = off; \
          SET LOCAL idle_in_transaction_session_timeout = {}; \
          SET LOCAL statement_timeout = {}",
         idle.as_millis().max(1),
