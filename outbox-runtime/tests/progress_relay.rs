@@ -391,6 +391,10 @@ async fn the_relay_role_records_positions_only_with_its_grant(pool: PgPool) {
     use outbox_runtime::RelayHealth;
     let logs = Logs::capture();
     let roles = Roles::create(&pool).await;
+    // The mode's other grant: held topics.
+    roles
+        .sql("GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_held_topic TO outbox_relay")
+        .await;
     progress::enable(&pool).await.unwrap();
     let topic = unique_topic("progress-roles");
     create_topic(&brokers(), &topic).await;
@@ -825,8 +829,8 @@ async fn a_missing_topic_is_held_as_one_row_and_its_events_follow_once_it_exists
     verify(&committed_missing, &received);
 }
 
-/// The relay role with the progress mode's grant on the positions but not
-/// the one on held topics (an upgrade that missed a line): a topic missing
+/// The relay role with the progress mode's grant on the positions but only
+/// `SELECT` on held topics (an upgrade that missed a line): a topic missing
 /// on the broker cannot be recorded. The refusal is reported once, naming
 /// the statement, and in the relay's health; the relay does not spin, and
 /// the rest of the outbox is still published (the lane of the missing
@@ -840,6 +844,9 @@ async fn a_refused_topic_hold_stops_only_its_lane_and_loses_nothing(pool: PgPool
     let roles = Roles::create(&pool).await;
     roles
         .sql("GRANT INSERT ON outbox_progress TO outbox_relay")
+        .await;
+    roles
+        .sql("GRANT SELECT ON outbox_held_topic TO outbox_relay")
         .await;
     progress::enable(&pool).await.unwrap();
     let good = unique_topic("progress-refused-good");

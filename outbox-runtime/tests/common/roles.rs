@@ -23,8 +23,8 @@ GRANT INSERT, SELECT (event_id, due_at, held_until, published_at),
 -- the relay: reads the outbox, marks rows published, failed, held or parked
 GRANT SELECT, UPDATE (published_at, attempts, last_error, last_attempt_at, parked_at, held_until)
     ON outbox_event TO outbox_relay;
--- the relay: reads the outbox's mode and its held topics (see the progress mode, below)
-GRANT SELECT ON outbox_progress, outbox_held_topic TO outbox_relay;
+-- the relay: reads the outbox's mode (see the progress mode, below)
+GRANT SELECT ON outbox_progress TO outbox_relay;
 -- a consumer: deduplication, the inbox, dead letters, follow-up events
 GRANT SELECT, INSERT ON processed_event TO outbox_consumer;
 GRANT SELECT, INSERT, UPDATE ON inbox_event, dead_letter TO outbox_consumer;
