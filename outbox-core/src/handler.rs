@@ -176,6 +176,14 @@ impl<'c> HandlerContext<'c> {
         }
     }
 
+    /// Records an already serialized follow-up message (a saga step's).
+    #[doc(hidden)]
+    pub fn record_message(&mut self, message: OutboxMessage) -> Uuid {
+        let id = message.event_id;
+        self.recorded.push(message);
+        id
+    }
+
     /// Takes every event an aggregate root recorded, in record order, as
     /// follow-up events (like [`UnitOfWork::collect`](crate::UnitOfWork::collect)).
     pub fn collect<R: crate::AggregateRoot + ?Sized>(&mut self, root: &mut R) {
