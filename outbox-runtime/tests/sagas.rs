@@ -353,22 +353,38 @@ async fn messages_of_one_instance_through_two_consumers_apply_one_after_another(
         })
         .await
     );
+    // Until both consumers hold partitions: messages for no instance on
+    // every partition, until each consumer has handled one.
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            let markers: Vec<TestMessage> = (0..PARTITIONS)
+                .map(|p| msg(Uuid::now_v7(), "Paid", "nobody", json!({})).on_partition(p))
+                .collect();
+            produce(&brokers(), concurrent::ORDERS, &markers).await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            first.counts().processed > 1 && second.counts().processed > 0
+                || first.counts().processed > 0 && second.counts().processed > 1
+        })
+        .await,
+        "both consumers hold partitions"
+    );
+    let (first_before, second_before) = (first.counts().processed, second.counts().processed);
+    let before = first_before + second_before;
+    // Each on a key of its own (a consumer serializes one key's
+    // messages), over every partition.
     let notes: Vec<TestMessage> = (0..8u64)
         .map(|n| {
-            msg(
-                Uuid::now_v7(),
-                "Noted",
-                "o1",
-                json!({ "n": n, "pause_ms": 200 }),
-            )
-            .on_partition((n % PARTITIONS as u64) as i32)
+            let id = Uuid::now_v7();
+            let payload = json!({ "order_id": "o1", "n": n, "pause_ms": 300 });
+            TestMessage::event(id, "Noted", &format!("note-{n}"), payload)
+                .on_partition((n % PARTITIONS as u64) as i32)
         })
         .collect();
     produce(&brokers(), concurrent::ORDERS, &notes).await;
     assert!(
         eventually(Duration::from_secs(60), || async {
             let (a, b) = (first.counts(), second.counts());
-            a.processed + b.processed >= 9
+            a.processed + b.processed >= before + 8
         })
         .await
     );
@@ -376,6 +392,10 @@ async fn messages_of_one_instance_through_two_consumers_apply_one_after_another(
     first.shutdown().await.unwrap();
     second.shutdown().await.unwrap();
     eprintln!("first: {a:?}\nsecond: {b:?}");
+    assert!(
+        a.processed > first_before && b.processed > second_before,
+        "both consumers applied steps of the instance"
+    );
     let (_, version, _, _) = instance(&pool, concurrent::NAME, "o1").await.unwrap();
     assert_eq!(version, 9);
     let mut notes: Vec<u64> =
