@@ -286,6 +286,15 @@ pub trait InboxHandler: Send + Sync + 'static {
     ) -> HandlerFuture<'a>
     where
         'c: 'a;
+
+    /// The saga instance (saga type, id) the event moves, if this handler
+    /// is a saga's: a consumer's batch locks its instances in one order
+    /// before any handler runs.
+    #[doc(hidden)]
+    fn saga_instance(&self, event: &Self::Event) -> Option<(&'static str, String)> {
+        let _ = event;
+        None
+    }
 }
 
 pub(crate) mod sealed {

@@ -201,4 +201,13 @@ impl<S: Saga, M: DomainEvent> InboxHandler for SagaHandler<S, M> {
     {
         Box::pin(self.apply(ctx, event))
     }
+
+    fn saga_instance(&self, event: &M) -> Option<(&'static str, String)> {
+        if let Some(t) = (event as &dyn Any).downcast_ref::<SagaTimeout<S>>()
+            && t.saga_type != S::NAME
+        {
+            return None;
+        }
+        Some((S::NAME, (self.steps.correlate)(event)))
+    }
 }
