@@ -624,3 +624,77 @@ async fn under_the_dead_letter_policy_a_message_in_another_stage_is_dead_lettere
     .await;
     assert_eq!(letter, 1);
 }
+
+order_saga!(roles, "saga-test-roles", outbox_core::OtherStage::Ignore);
+
+/// The consumer role with the guide's grants (docs/src/production.md) runs
+/// a saga: creates the instance, schedules its timeout, cancels it, sends
+/// a command and completes. Without its grant on `outbox_saga` it applies
+/// nothing: the message fails (dead-lettered), no instance.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn the_consumer_role_runs_a_saga_with_the_guides_grants(pool: PgPool) {
+    use common::roles::Roles;
+    init_tracing();
+    roles::reset().await;
+    let roles_ = Roles::create(&pool).await;
+    let as_consumer = roles_.pool("outbox_consumer", 4);
+    produce(
+        &brokers(),
+        roles::ORDERS,
+        &[
+            msg(
+                Uuid::now_v7(),
+                "Placed",
+                "o1",
+                json!({ "timeout_ms": 3_600_000 }),
+            ),
+            msg(Uuid::now_v7(), "Paid", "o1", json!({})),
+        ],
+    )
+    .await;
+    let handle = consumer(&as_consumer, &unique_topic("roles"))
+        .saga::<roles::Order>()
+        .max_attempts(2)
+        .spawn()
+        .unwrap();
+    assert!(settled(&handle, 2).await, "{:?}", handle.counts());
+    assert_eq!(handle.counts().dead_lettered, 0, "{:?}", handle.counts());
+    let (stage, version, completed, _) = instance(&pool, roles::NAME, "o1").await.unwrap();
+    assert_eq!((stage.as_str(), version, completed), ("Shipped", 2, true));
+    let cancelled = scalar(
+        &pool,
+        &format!(
+            "SELECT count(*) FROM outbox_event WHERE topic = '{}' AND discard_reason = 'cancelled'",
+            roles::TIMEOUTS
+        ),
+    )
+    .await;
+    assert_eq!(cancelled, 1);
+
+    roles_
+        .sql("REVOKE SELECT, INSERT, UPDATE ON outbox_saga FROM outbox_consumer")
+        .await;
+    produce(
+        &brokers(),
+        roles::ORDERS,
+        &[msg(
+            Uuid::now_v7(),
+            "Placed",
+            "o2",
+            json!({ "timeout_ms": 3_600_000 }),
+        )],
+    )
+    .await;
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            handle.counts().dead_lettered == 1
+        })
+        .await,
+        "{:?}",
+        handle.counts()
+    );
+    handle.shutdown().await.unwrap();
+    assert!(instance(&pool, roles::NAME, "o2").await.is_none());
+    as_consumer.close().await;
+    roles_.drop_all().await;
+}
