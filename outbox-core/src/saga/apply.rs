@@ -127,11 +127,11 @@ impl<S: Saga, M: DomainEvent> SagaHandler<S, M> {
         let run = match (&self.steps.start, created) {
             (Some((_, start)), true) => *start,
             _ => {
-                if let Some((_, name, id)) = &timeout {
-                    if timeouts.get(name) != Some(id) {
-                        bump(S::NAME, |c| c.stale_timeouts += 1);
-                        return Ok(());
-                    }
+                if let Some((_, name, id)) = &timeout
+                    && timeouts.get(name) != Some(id)
+                {
+                    bump(S::NAME, |c| c.stale_timeouts += 1);
+                    return Ok(());
                 }
                 let name = timeout.as_ref().map(|(_, name, _)| name.as_str());
                 match self.step(state.stage(), name) {

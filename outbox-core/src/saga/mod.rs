@@ -89,6 +89,9 @@ pub fn stage_name<T: Serialize>(stage: &T) -> String {
     }
 }
 
+/// A start: the initial state's builder and the first step.
+pub(crate) type Start<S, M> = (fn(&M) -> S, StepFn<S, M>);
+
 /// One step of a message type: the stage it accepts (`None`: any, a
 /// fallback), the timeout it answers (timeout messages only), the function.
 pub(crate) struct Step<S: Saga, M> {
@@ -101,7 +104,7 @@ pub(crate) struct Step<S: Saga, M> {
 /// instance (`correlate`), whether it starts one, and the step per stage.
 pub struct MessageSteps<S: Saga, M> {
     pub(crate) correlate: fn(&M) -> String,
-    pub(crate) start: Option<(fn(&M) -> S, StepFn<S, M>)>,
+    pub(crate) start: Option<Start<S, M>>,
     pub(crate) steps: Vec<Step<S, M>>,
 }
 
