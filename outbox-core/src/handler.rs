@@ -176,6 +176,14 @@ impl<'c> HandlerContext<'c> {
         }
     }
 
+    /// Records an already serialized follow-up message (a saga step's).
+    #[doc(hidden)]
+    pub fn record_message(&mut self, message: OutboxMessage) -> Uuid {
+        let id = message.event_id;
+        self.recorded.push(message);
+        id
+    }
+
     /// Takes every event an aggregate root recorded, in record order, as
     /// follow-up events (like [`UnitOfWork::collect`](crate::UnitOfWork::collect)).
     pub fn collect<R: crate::AggregateRoot + ?Sized>(&mut self, root: &mut R) {
@@ -278,6 +286,15 @@ pub trait InboxHandler: Send + Sync + 'static {
     ) -> HandlerFuture<'a>
     where
         'c: 'a;
+
+    /// The saga instance (saga type, id) the event moves, if this handler
+    /// is a saga's: a consumer's batch locks its instances in one order
+    /// before any handler runs.
+    #[doc(hidden)]
+    fn saga_instance(&self, event: &Self::Event) -> Option<(&'static str, String)> {
+        let _ = event;
+        None
+    }
 }
 
 pub(crate) mod sealed {

@@ -140,6 +140,19 @@ FROM (SELECT u.*, coalesce(da, statement_timestamp() + make_interval(secs => ds)
 WHERE current_setting('outbox.tx', true) IS NOT DISTINCT FROM 'on'
 ORDER BY n";
 
+/// [`INSERT_SCHEDULED`] without the guard: a consumer's transaction (a
+/// saga's timeouts, written with the step that scheduled them).
+const INSERT_SCHEDULED_UNGUARDED: &str = "\
+INSERT INTO outbox_event
+    (event_id, aggregate_type, aggregate_id, event_type, event_version,
+     topic, partition_key, payload, headers, due_at, held_until)
+SELECT e, at, ai, et, ev, t, pk, p::jsonb, h::jsonb, d, d
+FROM (SELECT u.*, coalesce(da, statement_timestamp() + make_interval(secs => ds)) AS d
+      FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int4[], $6::text[],
+                  $7::text[], $8::text[], $9::text[], $10::timestamptz[], $11::float8[])
+           WITH ORDINALITY AS u(e, at, ai, et, ev, t, pk, p, h, da, ds, n)) s
+ORDER BY n";
+
 /// Cancels the scheduled row of event id `$1` while it still waits for its
 /// time (not yet released by a relay, nor published: a relay in the
 /// progress mode publishes a due row without releasing it): it is parked
@@ -579,10 +592,49 @@ pub async fn cancel_scheduled(conn: &mut PgConnection, event_id: Uuid) -> Result
 
 /// Inserts the scheduled events ([`INSERT_SCHEDULED`]), only inside a
 /// transaction carrying [`TX_MARK`]; returns the number of rows inserted.
+/// Writes messages to be published `delay` after this statement (by the
+/// database's clock), on `conn`, in the caller's transaction (a consumer's:
+/// no Unit of Work guard). Used for a saga's timeouts.
+#[doc(hidden)]
+pub async fn insert_scheduled_after(
+    conn: &mut PgConnection,
+    messages: Vec<(OutboxMessage, Duration)>,
+) -> Result<()> {
+    if messages.is_empty() {
+        return Ok(());
+    }
+    let scheduled: Vec<(OutboxMessage, Due)> = messages
+        .into_iter()
+        .map(|(m, d)| (m, Due::After(d)))
+        .collect();
+    check_headers(
+        &scheduled.iter().map(|(m, _)| m.clone()).collect::<Vec<_>>(),
+        &Headers::default(),
+    )?;
+    insert_scheduled_with(
+        conn,
+        &scheduled,
+        &Headers::default(),
+        INSERT_SCHEDULED_UNGUARDED,
+    )
+    .await
+    .map_err(aborted)?;
+    Ok(())
+}
+
 async fn insert_scheduled(
     conn: &mut PgConnection,
     scheduled: &[(OutboxMessage, Due)],
     defaults: &Headers,
+) -> std::result::Result<u64, sqlx::Error> {
+    insert_scheduled_with(conn, scheduled, defaults, INSERT_SCHEDULED).await
+}
+
+async fn insert_scheduled_with(
+    conn: &mut PgConnection,
+    scheduled: &[(OutboxMessage, Due)],
+    defaults: &Headers,
+    statement: &'static str,
 ) -> std::result::Result<u64, sqlx::Error> {
     let n = scheduled.len();
     let mut event_ids = Vec::with_capacity(n);
@@ -619,7 +671,7 @@ async fn insert_scheduled(
             }
         }
     }
-    let result = sqlx::query(INSERT_SCHEDULED)
+    let result = sqlx::query(statement)
         .bind(&event_ids)
         .bind(&aggregate_types)
         .bind(&aggregate_ids)

@@ -654,6 +654,13 @@ async fn consumer_paths(pool: &PgPool, roles: &Roles, logs: &Logs, mode: Mode) {
     assert_eq!(logs.count(REFUSAL), 0, "{}", logs.text());
 }
 
+/// A consumer's grant for sagas only (their table, the cancels of their
+/// timeouts): `tests/sagas.rs` proves the consumer role runs a saga with
+/// them, and not without.
+fn for_sagas(grant: &Grant) -> bool {
+    grant.object == "outbox_saga" || (grant.object == "outbox_event" && grant.column.is_some())
+}
+
 /// [`consumer_paths`] with the block's grants; then each grant of the
 /// consumer role that `mode` uses (`uses`) revoked in turn: a statement of
 /// those paths is refused.
@@ -661,10 +668,12 @@ async fn consumer_needs(pool: PgPool, mode: Mode, uses: impl Fn(&Grant) -> bool)
     let logs = Logs::capture();
     let roles = Roles::create(&pool).await;
     consumer_paths(&pool, &roles, &logs, mode).await;
-    for grant in block()
-        .into_iter()
-        .filter(|g| g.role == "outbox_consumer" && !g.object.starts_with("SEQUENCE ") && uses(g))
-    {
+    for grant in block().into_iter().filter(|g| {
+        g.role == "outbox_consumer"
+            && !g.object.starts_with("SEQUENCE ")
+            && !for_sagas(g)
+            && uses(g)
+    }) {
         roles
             .sql(&format!("REVOKE {} FROM outbox_consumer", grant.sql()))
             .await;

@@ -343,6 +343,7 @@ impl Applier<'_> {
                 *aside = false;
             }
         }
+        super::saga::lock_instances(&mut tx, self.registry, records, &set_aside).await?;
         // Segments, each after a savepoint: a failing handler takes its
         // segment back, its event and the later ones of its key are set
         // aside, the events before it run again, then the rest — in this

@@ -24,6 +24,8 @@ pub(crate) trait ErasedHandler: Send + Sync {
         version: u32,
         payload: &[u8],
     ) -> Result<Decoded, outbox_core::Error>;
+    /// The saga instance a decoded value moves (saga handlers only).
+    fn saga_instance(&self, event: &Decoded) -> Option<(&'static str, String)>;
     /// Runs the handler on a value [`decode`](Self::decode) returned.
     fn handle<'a, 'c>(
         &'a self,
@@ -39,6 +41,12 @@ struct Typed<H>(H);
 impl<H: InboxHandler> ErasedHandler for Typed<H> {
     fn name(&self) -> &'static str {
         H::NAME
+    }
+
+    fn saga_instance(&self, event: &Decoded) -> Option<(&'static str, String)> {
+        event
+            .downcast_ref::<H::Event>()
+            .and_then(|e| self.0.saga_instance(e))
     }
 
     fn decode(

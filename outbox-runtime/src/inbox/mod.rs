@@ -52,6 +52,7 @@ mod processor;
 mod raw_headers;
 mod record;
 mod redrive;
+mod saga;
 mod stall;
 mod store;
 mod txn;

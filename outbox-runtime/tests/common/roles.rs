@@ -31,6 +31,10 @@ GRANT SELECT, INSERT, UPDATE ON inbox_event, dead_letter TO outbox_consumer;
 GRANT INSERT ON outbox_event TO outbox_consumer;
 -- a consumer: the commit guard of the transactions its handlers run in
 GRANT SELECT, INSERT, UPDATE ON outbox_tx_guard TO outbox_consumer;
+-- a consumer running sagas: their instances, and the cancels of their timeouts
+GRANT SELECT, INSERT, UPDATE ON outbox_saga TO outbox_consumer;
+GRANT SELECT (event_id, due_at, held_until, published_at),
+    UPDATE (parked_at, discarded_at, discard_reason, held_until) ON outbox_event TO outbox_consumer;
 -- the ids' sequences: needed once the tables are partitioned (harmless before)
 GRANT USAGE ON SEQUENCE outbox_event_id_seq TO outbox_app, outbox_consumer;
 GRANT USAGE ON SEQUENCE inbox_event_seq_seq TO outbox_consumer;
