@@ -1,10 +1,10 @@
 //! Sagas: long-running processes whose state lives in `outbox_saga`, moved
 //! by messages in the consumer's transaction. This module owns the
-//! contract: the [`Saga`] trait (implemented by `#[saga]` or by hand), the
+//! contract: the [`Saga`] trait (implemented by hand for now), the
 //! [`SagaContext`] a step receives, the step tables ([`MessageSteps`]) and
 //! the policy for a message arriving in another stage ([`OtherStage`]).
 //! Applying a message (locking, stage checks, writing back) is in
-//! [`apply`]; the counters in [`counts`].
+//! `apply.rs`; the counters in `counts.rs`.
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;
@@ -50,8 +50,8 @@ pub enum OtherStage {
 
 /// A saga: a serde value stored in `outbox_saga`, one row per instance,
 /// keyed by [`NAME`](Self::NAME) and the correlation id of the messages
-/// that move it. `#[saga]` implements it; by hand, [`steps`](Self::steps)
-/// lists each message type's steps.
+/// that move it. Implemented by hand: [`steps`](Self::steps) lists each
+/// message type's steps.
 pub trait Saga: Serialize + DeserializeOwned + Send + Sync + 'static {
     /// The saga type's stable name (`outbox_saga.saga_type`).
     const NAME: &'static str;
