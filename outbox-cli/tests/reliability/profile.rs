@@ -105,7 +105,7 @@ impl Setup {
                 .await;
             setup
                 .grant(
-                    "INSERT, UPDATE, DELETE ON outbox_held_topic",
+                    "SELECT, INSERT, UPDATE, DELETE ON outbox_held_topic",
                     "outbox_relay",
                 )
                 .await;
