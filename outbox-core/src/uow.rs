@@ -128,20 +128,16 @@ pub const KEY_LOCK_CLASS: i32 = 0x6F62_6B00;
 /// out of the relay's claims until its release puts it back once due. Only
 /// inside a transaction carrying [`TX_MARK`]. No key lock: a scheduled row
 /// is not ordered with its key's rows, and holds none of them back.
-const INSERT_SCHEDULED: &str = "\
-INSERT INTO outbox_event
-    (event_id, aggregate_type, aggregate_id, event_type, event_version,
-     topic, partition_key, payload, headers, due_at, held_until)
-SELECT e, at, ai, et, ev, t, pk, p::jsonb, h::jsonb, d, d
-FROM (SELECT u.*, coalesce(da, statement_timestamp() + make_interval(secs => ds)) AS d
-      FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int4[], $6::text[],
-                  $7::text[], $8::text[], $9::text[], $10::timestamptz[], $11::float8[])
-           WITH ORDINALITY AS u(e, at, ai, et, ev, t, pk, p, h, da, ds, n)) s
-WHERE current_setting('outbox.tx', true) IS NOT DISTINCT FROM 'on'
-ORDER BY n";
+static INSERT_SCHEDULED: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    INSERT_SCHEDULED_UNGUARDED.replace(
+        "\nORDER BY n",
+        "\nWHERE current_setting('outbox.tx', true) IS NOT DISTINCT FROM 'on'\nORDER BY n",
+    )
+});
 
-/// [`INSERT_SCHEDULED`] without the guard: a consumer's transaction (a
-/// saga's timeouts, written with the step that scheduled them).
+/// The statement of [`INSERT_SCHEDULED`] without its guard: a consumer's
+/// transaction (a saga's timeouts, written with the step that scheduled
+/// them).
 const INSERT_SCHEDULED_UNGUARDED: &str = "\
 INSERT INTO outbox_event
     (event_id, aggregate_type, aggregate_id, event_type, event_version,
@@ -627,7 +623,7 @@ async fn insert_scheduled(
     scheduled: &[(OutboxMessage, Due)],
     defaults: &Headers,
 ) -> std::result::Result<u64, sqlx::Error> {
-    insert_scheduled_with(conn, scheduled, defaults, INSERT_SCHEDULED).await
+    insert_scheduled_with(conn, scheduled, defaults, INSERT_SCHEDULED.as_str()).await
 }
 
 async fn insert_scheduled_with(
