@@ -163,17 +163,7 @@ impl<'c> HandlerContext<'c> {
 
     /// Records a follow-up event for the outbox; returns its event id.
     pub fn record<E: DomainEvent>(&mut self, event: E) -> Uuid {
-        match OutboxMessage::from_event(&event) {
-            Ok(message) => {
-                let id = message.event_id;
-                self.recorded.push(message);
-                id
-            }
-            Err(error) => {
-                self.error.get_or_insert(error);
-                event.event_id().unwrap_or_else(Uuid::now_v7)
-            }
-        }
+        record_into(&mut self.recorded, &mut self.error, &event)
     }
 
     /// Records an already serialized follow-up message (a saga step's).
@@ -361,5 +351,26 @@ impl<E: Into<BoxError>> InboxOutput for std::result::Result<(), E> {
     #[inline]
     fn into_result(self) -> std::result::Result<(), BoxError> {
         self.map_err(Into::into)
+    }
+}
+
+/// Records `event` in `recorded` for the outbox and returns its event id;
+/// an event that cannot be encoded leaves its error in `error` (the first
+/// one kept), for the commit to fail with.
+pub(crate) fn record_into<E: DomainEvent>(
+    recorded: &mut Vec<OutboxMessage>,
+    error: &mut Option<crate::Error>,
+    event: &E,
+) -> Uuid {
+    match OutboxMessage::from_event(event) {
+        Ok(message) => {
+            let id = message.event_id;
+            recorded.push(message);
+            id
+        }
+        Err(e) => {
+            error.get_or_insert(e);
+            event.event_id().unwrap_or_else(Uuid::now_v7)
+        }
     }
 }

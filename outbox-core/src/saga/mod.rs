@@ -249,17 +249,7 @@ impl<S: Saga> SagaContext<S> {
 
     /// Records an event for the outbox; returns its event id.
     pub fn record<E: DomainEvent>(&mut self, event: E) -> Uuid {
-        match OutboxMessage::from_event(&event) {
-            Ok(message) => {
-                let id = message.event_id;
-                self.recorded.push(message);
-                id
-            }
-            Err(error) => {
-                self.error.get_or_insert(error);
-                event.event_id().unwrap_or_else(Uuid::now_v7)
-            }
-        }
+        crate::handler::record_into(&mut self.recorded, &mut self.error, &event)
     }
 
     /// Sends a command (a message to another service's topic) through the
