@@ -1,6 +1,7 @@
 //! Retention: deleting what the outbox and the consumers no longer need —
-//! published `outbox_event` rows, `processed_event` rows and processed
-//! `inbox_event` rows older than a window — in small batches, each its own
+//! published `outbox_event` rows, `processed_event` rows, processed
+//! `inbox_event` rows and completed saga instances (`outbox_saga`) older
+//! than a window — in small batches, each its own
 //! short statement, so that no long lock is held and the relay and the
 //! consumers keep running.
 //!
@@ -12,7 +13,12 @@
 //! The window may not be shorter than the deduplication window: a
 //! `processed_event` row is what makes a redelivered event a duplicate, so
 //! it must outlive every redelivery (the Kafka retention of the topics and
-//! the longest a consumer may lag). [`Retention::validate`] refuses it.
+//! the longest a consumer may lag). [`Retention::validate`] refuses it. A
+//! completed saga instance is kept as long, by its own window
+//! ([`Retention::completed_sagas`], the window by default): once it is gone,
+//! a late message of the instance finds none and changes nothing, but a
+//! redelivered start message whose dedup row is gone too would start it
+//! again.
 //!
 //! A scheduled job ([`Cleanup`]) runs the pass periodically with a single
 //! leader across processes: the one holding a session-level advisory lock,
@@ -78,6 +84,10 @@ pub struct Retention {
     /// (the default): keep them. Whatever a deleted dead letter held is
     /// gone: its message is no longer in the database.
     pub dead_letters: Option<Duration>,
+    /// Completed saga instances are deleted this long after their
+    /// completion. `None` (the default): after `older_than`. Never shorter
+    /// than the dedup window.
+    pub completed_sagas: Option<Duration>,
 }
 
 impl Retention {
@@ -91,7 +101,15 @@ impl Retention {
             pause: Duration::ZERO,
             resolved_dead_letters: None,
             dead_letters: None,
+            completed_sagas: None,
         }
+    }
+
+    /// Keeps completed saga instances `older_than` after their completion
+    /// (instead of the window).
+    pub fn completed_sagas(mut self, older_than: Duration) -> Self {
+        self.completed_sagas = Some(older_than);
+        self
     }
 
     /// Also deletes dead letters resolved longer ago than `older_than`.
@@ -133,6 +151,14 @@ impl Retention {
         }
         if self.older_than.is_zero() {
             return Err(Error::Config("retention must be > 0".into()));
+        }
+        if let Some(sagas) = self.completed_sagas.filter(|d| *d < self.dedup_window) {
+            return Err(Error::Config(format!(
+                "the completed sagas' retention {} is shorter than the dedup window {}: a \
+                 redelivered start message would start a deleted instance again",
+                format_duration(sagas),
+                format_duration(self.dedup_window)
+            )));
         }
         if self.resolved_dead_letters.is_some_and(|d| d.is_zero())
             || self.dead_letters.is_some_and(|d| d.is_zero())
@@ -176,6 +202,8 @@ pub struct CleanupReport {
     pub partitions_busy: u64,
     /// Positions of the progress mode no lane stands at any more.
     pub positions: u64,
+    /// Completed saga instances (`outbox_saga`).
+    pub sagas: u64,
 }
 
 /// The first row at or after `$1` (a probe of the bound's binary search).
@@ -240,6 +268,19 @@ DELETE FROM {table}
 WHERE ctid >= $1::tid AND ctid < $2::tid AND status <> 'retry'
   AND ((status = 'resolved' AND resolved_at < $3)
        OR coalesce(resolved_at, last_failed_at) < $4)";
+
+/// Up to `$2` saga instances completed before `$1`, oldest first (over
+/// the index of completed instances).
+const SAGA_BATCH: &str = "\
+DELETE FROM outbox_saga WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM outbox_saga WHERE completed_at < $1
+    ORDER BY completed_at LIMIT $2 FOR UPDATE SKIP LOCKED))";
+
+/// Whether a saga instance completed before `$1` (the probe before the
+/// batches, like the page ranges' bounds: a pass with none runs no
+/// delete).
+const SAGA_PROBE: &str =
+    "SELECT EXISTS (SELECT 1 FROM outbox_saga WHERE completed_at < $1)";
 
 type Time = sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc>;
 
@@ -316,11 +357,17 @@ pub async fn cleanup(pool: &PgPool, retention: &Retention) -> Result<CleanupRepo
         )
         .await?;
     }
+    let sagas_cutoff = match retention.completed_sagas {
+        Some(age) => self::cutoff(pool, age).await?,
+        None => cutoff,
+    };
+    report.sagas = completed_sagas(pool, sagas_cutoff, retention, &mut report).await?;
     tracing::info!(
         outbox_events = report.outbox_events,
         processed_events = report.processed_events,
         inbox_events = report.inbox_events,
         dead_letters = report.dead_letters,
+        sagas = report.sagas,
         statements = report.statements,
         partitions_dropped = report.partitions_dropped,
         partitions_kept = report.partitions_kept,
@@ -449,6 +496,36 @@ async fn by_pages(
         if page < pages {
             pause(retention.pause).await;
         }
+    }
+    Ok(deleted)
+}
+
+/// Deletes the saga instances completed before `cutoff`, a batch per
+/// statement, until a batch comes back short.
+async fn completed_sagas(
+    pool: &PgPool,
+    cutoff: Time,
+    retention: &Retention,
+    report: &mut CleanupReport,
+) -> Result<u64> {
+    let any: bool = sqlx::query_scalar(SAGA_PROBE)
+        .bind(cutoff)
+        .fetch_one(pool)
+        .await?;
+    let mut deleted = 0;
+    while any {
+        let n = sqlx::query(SAGA_BATCH)
+            .bind(cutoff)
+            .bind(retention.batch_size)
+            .execute(pool)
+            .await?
+            .rows_affected();
+        report.statements += 1;
+        deleted += n;
+        if n < retention.batch_size as u64 {
+            break;
+        }
+        pause(retention.pause).await;
     }
     Ok(deleted)
 }
@@ -643,8 +720,11 @@ impl Cleanup {
                 match pass {
                     Some(Ok(r)) => counts.send_modify(|c| {
                         c.passes += 1;
-                        c.deleted +=
-                            r.outbox_events + r.processed_events + r.inbox_events + r.dead_letters;
+                        c.deleted += r.outbox_events
+                            + r.processed_events
+                            + r.inbox_events
+                            + r.dead_letters
+                            + r.sagas;
                     }),
                     Some(Err(error)) => {
                         tracing::warn!(%error, "cleanup pass failed: retrying at the next interval");

@@ -468,3 +468,66 @@ async fn cleanup_reads_only_the_pages_that_hold_old_dedup_rows(pool: PgPool) {
     let report = cleanup::cleanup(&pool, &retention).await.unwrap();
     assert_eq!(report, cleanup::CleanupReport::default());
 }
+
+/// A saga instance of `saga_type`/`id`, completed `completed` days ago
+/// (`None`: running), its last step `updated` days ago.
+async fn saga(pool: &PgPool, id: &str, completed: Option<i32>, updated: i32) {
+    sqlx::query(
+        "INSERT INTO outbox_saga (saga_type, saga_id, state, stage, updated_at, completed_at)
+         VALUES ('order', $1, '{}', 'Done', now() - make_interval(days => $3),
+                 now() - make_interval(days => $2))",
+    )
+    .bind(id)
+    .bind(completed)
+    .bind(updated)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+async fn sagas_left(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar("SELECT saga_id FROM outbox_saga ORDER BY saga_id")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// Completed saga instances go once older than the window (or their own
+/// retention); running ones stay however long they have been idle; a
+/// retention shorter than the dedup window is refused, deleting nothing.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn cleanup_deletes_completed_sagas_past_their_retention_only(pool: PgPool) {
+    saga(&pool, "a-done-40d", Some(40), 40).await;
+    saga(&pool, "b-done-31d", Some(31), 31).await;
+    saga(&pool, "c-done-20d", Some(20), 20).await;
+    saga(&pool, "d-done-today", Some(0), 0).await;
+    // Running, idle for a year: never deleted (it is stuck, not done).
+    saga(&pool, "e-running", None, 365).await;
+
+    // Refused: shorter than the dedup window (7 days).
+    let error = cleanup::cleanup(&pool, &Retention::new(days(30)).completed_sagas(days(3)))
+        .await
+        .unwrap_err();
+    let Error::Config(message) = &error else {
+        panic!("expected a configuration error, got {error:?}");
+    };
+    assert!(message.contains("completed sagas' retention 3d"), "{message}");
+    assert_eq!(sagas_left(&pool).await.len(), 5, "nothing deleted");
+
+    // Their own, longer retention: only the 40-day-old one.
+    let report = cleanup::cleanup(&pool, &Retention::new(days(30)).completed_sagas(days(35)))
+        .await
+        .unwrap();
+    assert_eq!(report.sagas, 1);
+    // The window (30 days) by default, in batches of one statement each.
+    let report = cleanup::cleanup(&pool, &Retention::new(days(30)).batch_size(1))
+        .await
+        .unwrap();
+    assert_eq!(report.sagas, 1);
+    assert_eq!(
+        sagas_left(&pool).await,
+        ["c-done-20d", "d-done-today", "e-running"]
+    );
+    let again = cleanup::cleanup(&pool, &Retention::new(days(30))).await.unwrap();
+    assert_eq!(again.sagas, 0);
+}
