@@ -89,6 +89,10 @@ pub(crate) enum Command {
     /// Messages consumers could not apply (list, retry, drop).
     #[command(subcommand)]
     DeadLetters(DeadLettersCommand),
+    /// Saga instances: how many per type and stage (running, completed,
+    /// stuck), lists, one instance with its state and pending timeouts.
+    #[command(subcommand)]
+    Sagas(SagasCommand),
     /// Publish already published events again (after the broker lost data,
     /// to rebuild a projection); the outbox is only read.
     Replay(ReplayArgs),
@@ -370,6 +374,10 @@ pub(crate) struct CleanupArgs {
     /// them.
     #[arg(long, value_name = "DURATION")]
     pub dead_letters_older_than: Option<String>,
+    /// Delete completed saga instances this long after their completion
+    /// (at least the dedup window). Default: --older-than.
+    #[arg(long, value_name = "DURATION")]
+    pub completed_sagas_older_than: Option<String>,
     /// Run every DURATION until SIGINT/SIGTERM, as the single leader among
     /// the cleanup jobs of this outbox (advisory lock); without it, one
     /// pass.
@@ -530,6 +538,50 @@ pub(crate) enum DeadLettersCommand {
     Retry(DeadLetterSelection),
     /// Delete dead letters.
     Drop(DeadLetterSelection),
+}
+
+#[derive(Subcommand)]
+pub(crate) enum SagasCommand {
+    /// Instances per saga type and stage: running, completed, stuck.
+    Summary {
+        /// A running instance without a step for longer than this is stuck.
+        #[arg(long, value_name = "DURATION", default_value = "1h")]
+        stuck_after: String,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List instances, the least recently moved first (default: running).
+    List {
+        /// Only this saga type.
+        #[arg(long = "type", value_name = "SAGA_TYPE")]
+        saga_type: Option<String>,
+        /// Only this stage.
+        #[arg(long)]
+        stage: Option<String>,
+        /// running | completed | all.
+        #[arg(long, default_value = "running", value_parser = ["running", "completed", "all"])]
+        state: String,
+        /// Only instances without a step for longer than this (stuck ones).
+        #[arg(long, value_name = "DURATION")]
+        idle: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One instance: its stage, state and pending timeouts.
+    Show {
+        /// The saga type.
+        saga_type: String,
+        /// The instance's id (the correlation value).
+        saga_id: String,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Args)]

@@ -11,7 +11,7 @@ use sqlx::types::chrono::{DateTime, Utc};
 
 use crate::args::{
     AheadArgs, CleanupArgs, Command, DeadLetterSelection, DeadLettersCommand, ParkedCommand,
-    PartitionsCommand, ProgressCommand, ReplayArgs, TopicsCommand,
+    PartitionsCommand, ProgressCommand, ReplayArgs, SagasCommand, TopicsCommand,
 };
 use crate::config::Layers;
 use crate::output::{print_status, table};
@@ -187,6 +187,7 @@ pub(crate) async fn run(ctx: Ctx, command: Command) -> Result<(), Error> {
             }
         }
         Command::DeadLetters(command) => dead_letters(&ctx, command).await?,
+        Command::Sagas(command) => sagas(&ctx, command).await?,
         Command::Notify { state, lock: _ } => {
             let pool = ctx.pool(2).await?;
             let policy = ctx.settings.database.lock_policy();
@@ -250,6 +251,151 @@ fn show_config(ctx: &Ctx, json: bool) {
         .map(|e| [e.setting, e.value, e.source.to_owned()])
         .collect();
     print!("{}", table(&["SETTING", "VALUE", "SOURCE"], &rows));
+}
+
+async fn sagas(ctx: &Ctx, command: SagasCommand) -> Result<(), Error> {
+    use outbox_runtime::ops::sagas;
+    let time = |t: Option<&str>| t.unwrap_or("-").to_owned();
+    fn json<T: serde::Serialize>(value: &T) {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(value).unwrap_or_default()
+        );
+    }
+    match command {
+        SagasCommand::Summary {
+            stuck_after,
+            json: as_json,
+        } => {
+            let stuck_after = ops::parse_duration(&stuck_after)?;
+            let pool = ctx.pool(2).await?;
+            let rows = sagas::summary(&pool, stuck_after).await?;
+            if as_json {
+                json(&rows);
+                return Ok(());
+            }
+            let rows: Vec<[String; 6]> = rows
+                .into_iter()
+                .map(|r| {
+                    [
+                        r.saga_type,
+                        r.stage,
+                        r.running.to_string(),
+                        r.completed.to_string(),
+                        r.stuck.to_string(),
+                        r.oldest_step_secs
+                            .map_or_else(|| "-".to_owned(), crate::output::ops_age),
+                    ]
+                })
+                .collect();
+            print!(
+                "{}",
+                table(
+                    &[
+                        "saga type",
+                        "stage",
+                        "running",
+                        "completed",
+                        "stuck",
+                        "oldest step"
+                    ],
+                    &rows
+                )
+            );
+        }
+        SagasCommand::List {
+            saga_type,
+            stage,
+            state,
+            idle,
+            limit,
+            json: as_json,
+        } => {
+            let filter = sagas::SagaFilter {
+                saga_type,
+                stage,
+                state: match state.as_str() {
+                    "completed" => sagas::SagaState::Completed,
+                    "all" => sagas::SagaState::All,
+                    _ => sagas::SagaState::Running,
+                },
+                idle_longer_than: idle.as_deref().map(ops::parse_duration).transpose()?,
+                limit,
+            };
+            let pool = ctx.pool(2).await?;
+            let rows = sagas::list(&pool, &filter).await?;
+            if as_json {
+                json(&rows);
+                return Ok(());
+            }
+            let rows: Vec<[String; 7]> = rows
+                .into_iter()
+                .map(|r| {
+                    [
+                        r.saga_type,
+                        r.saga_id,
+                        r.stage,
+                        r.version.to_string(),
+                        r.updated_at,
+                        time(r.completed_at.as_deref()),
+                        r.timeouts.to_string(),
+                    ]
+                })
+                .collect();
+            print!(
+                "{}",
+                table(
+                    &[
+                        "saga type",
+                        "id",
+                        "stage",
+                        "steps",
+                        "last step",
+                        "completed",
+                        "timeouts"
+                    ],
+                    &rows
+                )
+            );
+        }
+        SagasCommand::Show {
+            saga_type,
+            saga_id,
+            json: as_json,
+        } => {
+            let pool = ctx.pool(2).await?;
+            let Some(saga) = sagas::show(&pool, &saga_type, &saga_id).await? else {
+                return Err(Error::Config(format!(
+                    "no saga instance {saga_type}/{saga_id} (never started, or completed and \
+                     deleted by the retention)"
+                )));
+            };
+            if as_json {
+                json(&saga);
+                return Ok(());
+            }
+            let i = &saga.instance;
+            println!("saga      {}/{}", i.saga_type, i.saga_id);
+            println!("stage     {}", i.stage);
+            println!("steps     {}", i.version);
+            println!("started   {}", i.started_at);
+            println!("last step {}", i.updated_at);
+            println!("completed {}", time(i.completed_at.as_deref()));
+            println!("state     {}", saga.state);
+            if saga.pending_timeouts.is_empty() {
+                println!("timeouts  none pending");
+            }
+            for t in &saga.pending_timeouts {
+                println!(
+                    "timeout   {} (id {}) due {}",
+                    t.name,
+                    t.timeout_id,
+                    time(t.due_at.as_deref())
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 async fn dead_letters(ctx: &Ctx, command: DeadLettersCommand) -> Result<(), Error> {
@@ -429,6 +575,9 @@ async fn cleanup(ctx: &Ctx, args: CleanupArgs) -> Result<(), Error> {
     if let Some(age) = &args.dead_letters_older_than {
         retention = retention.dead_letters(ops::parse_duration(age)?);
     }
+    if let Some(age) = &args.completed_sagas_older_than {
+        retention = retention.completed_sagas(ops::parse_duration(age)?);
+    }
     retention.validate()?;
     let every = args.every.as_deref().map(ops::parse_duration).transpose()?;
     let pool = ctx.pool(3).await?;
@@ -444,11 +593,12 @@ async fn cleanup(ctx: &Ctx, args: CleanupArgs) -> Result<(), Error> {
                 );
             } else {
                 println!(
-                    "deleted {} published outbox rows, {} processed_event rows, {} processed inbox rows, {} dead letters (statements: {})",
+                    "deleted {} published outbox rows, {} processed_event rows, {} processed inbox rows, {} dead letters, {} completed sagas (statements: {})",
                     report.outbox_events,
                     report.processed_events,
                     report.inbox_events,
                     report.dead_letters,
+                    report.sagas,
                     report.statements
                 );
                 if report.partitions_dropped + report.partitions_kept + report.partitions_busy > 0 {

@@ -118,7 +118,7 @@ fn lane_list(lanes: &[i32]) -> String {
 }
 
 /// An age for people: `850ms`, `42s`, `3m 12s`, `5h 02m`, `2d 03h`.
-fn ops_age(secs: f64) -> String {
+pub(crate) fn ops_age(secs: f64) -> String {
     let s = secs.max(0.0);
     if s < 1.0 {
         return format!("{:.0}ms", s * 1e3);

@@ -572,3 +572,127 @@ async fn partitions_enable_list_maintain_and_cleanup(pool: PgPool) {
     assert_eq!(report["partitions_dropped"], 0);
     assert_eq!(report["outbox_events"], 0);
 }
+
+/// `outbox sagas`: the summary per type and stage (stuck ones counted),
+/// lists by state, stage and idleness, one instance with its pending
+/// timeout's due time (read from the timeout's outbox row), and a clear
+/// error for an instance that does not exist.
+#[sqlx::test(migrations = false)]
+async fn sagas_summary_list_and_show(pool: PgPool) {
+    let url = url_of(&pool);
+    let o = outbox(Some(&url), &["migrate"]).await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    // A timeout of o-1, due in an hour, as a saga step schedules it.
+    let due = sqlx::types::chrono::Utc::now() + Duration::from_secs(3600);
+    let mut uow = outbox_core::UnitOfWork::begin(&pool).await.unwrap();
+    let timeout = uow.record_message_at(due, message("order-timeouts", "o-1", 0));
+    uow.commit().await.unwrap();
+    sqlx::query(
+        "INSERT INTO outbox_saga (saga_type, saga_id, state, stage, version, timeouts, updated_at,
+                                  completed_at)
+         VALUES ('order', 'o-1', '{\"order_id\":\"o-1\"}', 'AwaitingPayment', 1,
+                 jsonb_build_object('payment', $1::text), now() - interval '3 hours', NULL),
+                ('order', 'o-2', '{}', 'AwaitingPayment', 2, '{}', now(), NULL),
+                ('order', 'o-3', '{}', 'Shipped', 3, '{}', now(), now()),
+                ('refund', 'r-1', '{}', 'Asked', 1, '{}', now() - interval '2 days', NULL)",
+    )
+    .bind(timeout.to_string())
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    let o = outbox(Some(&url), &["sagas", "summary", "--json"]).await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    let rows: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let of = |t: &str, s: &str| {
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["saga_type"] == t && r["stage"] == s)
+            .cloned()
+            .unwrap_or_else(|| panic!("{t}/{s} in {rows}"))
+    };
+    let awaiting = of("order", "AwaitingPayment");
+    assert_eq!(
+        (awaiting["running"].as_i64(), awaiting["stuck"].as_i64()),
+        (Some(2), Some(1))
+    );
+    assert!(awaiting["oldest_step_secs"].as_f64().unwrap() >= 3.0 * 3600.0 - 60.0);
+    let shipped = of("order", "Shipped");
+    assert_eq!(
+        (shipped["running"].as_i64(), shipped["completed"].as_i64()),
+        (Some(0), Some(1))
+    );
+    assert_eq!(of("refund", "Asked")["stuck"], 1);
+    let o = outbox(Some(&url), &["sagas", "summary", "--stuck-after", "3d"]).await;
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.starts_with("saga type"), "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("order") && l.contains("AwaitingPayment")),
+        "{out}"
+    );
+
+    // Stuck ones: running, no step for over an hour, the least recent first.
+    let ids = |o: &Output| -> Vec<String> {
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON list");
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["saga_id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let o = outbox(Some(&url), &["sagas", "list", "--idle", "1h", "--json"]).await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert_eq!(ids(&o), ["r-1", "o-1"]);
+    let o = outbox(
+        Some(&url),
+        &["sagas", "list", "--state", "completed", "--json"],
+    )
+    .await;
+    assert_eq!(ids(&o), ["o-3"]);
+    let o = outbox(
+        Some(&url),
+        &[
+            "sagas",
+            "list",
+            "--type",
+            "order",
+            "--stage",
+            "AwaitingPayment",
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(ids(&o), ["o-1", "o-2"]);
+    let o = outbox(Some(&url), &["sagas", "list", "--state", "all"]).await;
+    let (out, _) = text(&o);
+    assert_eq!(out.lines().count(), 5, "a header and four instances: {out}");
+
+    let o = outbox(Some(&url), &["sagas", "show", "order", "o-1", "--json"]).await;
+    assert!(o.status.success(), "{:?}", text(&o));
+    let one: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(one["stage"], "AwaitingPayment");
+    assert_eq!(one["state"]["order_id"], "o-1");
+    assert_eq!(one["timeouts"], 1);
+    let pending = &one["pending_timeouts"][0];
+    assert_eq!(pending["name"], "payment");
+    assert_eq!(pending["timeout_id"], timeout.to_string());
+    let at = sqlx::types::chrono::DateTime::parse_from_rfc3339(
+        pending["due_at"].as_str().expect("a due time"),
+    )
+    .unwrap();
+    assert!(
+        (at.to_utc() - due).num_milliseconds().abs() < 1000,
+        "{at} vs {due}"
+    );
+    let o = outbox(Some(&url), &["sagas", "show", "order", "o-1"]).await;
+    let (out, _) = text(&o);
+    assert!(out.contains("timeout   payment"), "{out}");
+
+    let o = outbox(Some(&url), &["sagas", "show", "order", "nope"]).await;
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(err.contains("no saga instance order/nope"), "{err}");
+}

@@ -194,6 +194,7 @@ pub enum Nav {
     Consumers,
     Parked,
     DeadLetters,
+    Sagas,
     Audit,
     Login,
 }
@@ -212,6 +213,7 @@ pub fn page(
         (Nav::Consumers, "/consumers", "Consumer groups"),
         (Nav::Parked, "/parked", "Parked"),
         (Nav::DeadLetters, "/dead-letters", "Dead letters"),
+        (Nav::Sagas, "/sagas", "Sagas"),
         (Nav::Audit, "/audit", "Audit"),
     ];
     html! {

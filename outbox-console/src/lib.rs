@@ -2,7 +2,7 @@
 //! unpublished age and throughput (with a live chart), the relays and their
 //! lanes, the consumer groups (with their lag when a broker is configured),
 //! parked rows and dead letters (filtered, paged, each with its error,
-//! headers and payload), and the writes an operator makes on them —
+//! headers and payload), saga instances, and the writes an operator makes on them —
 //! requeue or drop parked rows, retry or drop dead letters — each confirmed,
 //! with a mandatory reason and an audit record (`outbox_audit`).
 //!
@@ -28,7 +28,8 @@
 //! (cross-site requests, frame headers, the client's address), `html`
 //! (layout, stylesheet, chart script, secrets), `views` (overview, relays,
 //! consumer groups), `lag` (the groups' lag, read in the background),
-//! `rows` (parked rows, dead letters), `actions` (writes and the audit
+//! `rows` (parked rows, dead letters), `sagas` (saga instances by type and
+//! stage, stuck ones, one instance), `actions` (writes and the audit
 //! trail), `sampler` (throughput), `error` (error pages).
 //!
 //! ```no_run
@@ -59,6 +60,7 @@ mod guard;
 mod html;
 mod lag;
 mod rows;
+mod sagas;
 mod sampler;
 mod views;
 
@@ -270,6 +272,8 @@ pub fn router(pool: PgPool, config: ConsoleConfig) -> Router {
         .route("/dead-letters", get(rows::dead_letter_list))
         .route("/dead-letters/{id}", get(rows::dead_letter_detail))
         .route("/dead-letters/action", post(actions::dead_letter_action))
+        .route("/sagas", get(sagas::sagas_page))
+        .route("/sagas/show", get(sagas::instance_page))
         .route("/audit", get(actions::audit_page))
         .route("/login", get(auth::login_page).post(auth::login))
         .route("/logout", post(auth::logout))

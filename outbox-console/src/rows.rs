@@ -26,7 +26,10 @@ fn render(console: &Console, result: Page) -> Response {
 }
 
 /// A filter value: `None` when empty, refused when too long.
-fn filter_text(what: &str, value: &Option<String>) -> Result<Option<String>, ConsoleError> {
+pub(crate) fn filter_text(
+    what: &str,
+    value: &Option<String>,
+) -> Result<Option<String>, ConsoleError> {
     match value.as_deref().map(str::trim) {
         None | Some("") => Ok(None),
         Some(text) => {

@@ -627,3 +627,69 @@ async fn list_queries_never_scan_the_outbox(pool: PgPool) {
     let app = writable(&pool);
     assert_eq!(get(&app, "/parked", None).await.status, StatusCode::OK);
 }
+
+/// The saga pages: the summary per type and stage (stuck instances linked
+/// to their list), the list's filters, one instance with its state and
+/// pending timeout, a missing instance (404) and bad input (400); values
+/// from the table are escaped.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn saga_pages_show_stages_stuck_instances_and_one_instance(pool: PgPool) {
+    sqlx::query(
+        "INSERT INTO outbox_saga (saga_type, saga_id, state, stage, version, timeouts, updated_at,
+                                  completed_at)
+         VALUES ('order', 'o-1', '{\"note\":\"<script>alert(1)</script>\"}', 'AwaitingPayment', 1,
+                 '{\"payment\":\"018f0000-0000-7000-8000-000000000001\"}',
+                 now() - interval '3 hours', NULL),
+                ('order', 'o-2<img src=x>', '{}', 'AwaitingPayment', 2, '{}', now(), NULL),
+                ('order', 'o-3', '{}', 'Shipped', 3, '{}', now(), now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let app = writable(&pool);
+    let page = get(&app, "/sagas", None).await;
+    assert_eq!(page.status, StatusCode::OK);
+    let body = page.body;
+    let row = body
+        .split("<tr data-saga=\"order\" data-stage=\"AwaitingPayment\">")
+        .nth(1)
+        .expect("a summary row")
+        .split("</tr>")
+        .next()
+        .unwrap()
+        .to_owned();
+    assert!(row.contains("data-field=\"running\">2<"), "{row}");
+    assert!(row.contains("data-field=\"completed\">0<"), "{row}");
+    assert!(row.contains("idle=1h"), "stuck count linked: {row}");
+    assert!(!body.contains("<img src=x>"), "escaped");
+    assert!(body.contains("o-2&lt;img src=x&gt;"));
+    let listed = |body: &str| -> Vec<String> {
+        body.split("<tr data-id=\"")
+            .skip(1)
+            .map(|s| s.split('"').next().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(listed(&body), ["o-1", "o-2&lt;img src=x&gt;"]);
+    let stuck = get(
+        &app,
+        "/sagas?type=order&stage=AwaitingPayment&idle=1h",
+        None,
+    )
+    .await;
+    assert_eq!(listed(&stuck.body), ["o-1"]);
+    let done = get(&app, "/sagas?state=completed", None).await;
+    assert_eq!(listed(&done.body), ["o-3"]);
+
+    let one = get(&app, "/sagas/show?type=order&id=o-1", None).await;
+    assert_eq!(one.status, StatusCode::OK);
+    assert!(one.body.contains("AwaitingPayment"));
+    assert!(one.body.contains("018f0000-0000-7000-8000-000000000001"));
+    assert!(!one.body.contains("<script>alert(1)"), "state escaped");
+    let missing = get(&app, "/sagas/show?type=order&id=nope", None).await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+    assert!(missing.body.contains("no saga instance order/nope"));
+    let bad = get(&app, "/sagas?state=sideways", None).await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    let bad = get(&app, "/sagas?idle=soon", None).await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+}

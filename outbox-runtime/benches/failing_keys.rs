@@ -2,14 +2,15 @@
 //! in dedup mode. A topic preloaded with N ~200-byte messages over 1000 keys
 //! (one key in ten hot: the hot keys carry half the events) is read, in the
 //! same run, by fresh consumer groups whose handler fails 0 %, 0.1 %, 1 %
-//! and 5 % of the events (chosen among the hot keys' events) on every
+//! and 5 % of the events (chosen among the hot keys' events, or with
+//! `--spread all` among all events) on every
 //! attempt until they are dead-lettered. For each: events/s until every
 //! event is applied or dead-lettered, as a ratio of the all-good stage, and
 //! the time until every event of the keys that never fail was applied, and
 //! the back-off floor: the busiest failing key's failing events times the
 //! back-offs each waits before its dead letter (no run can finish sooner).
 //!
-//! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--stages 0,0.1,1,5] [--max-attempts N] [--backoff-ms N] [--json PATH]`
+//! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--stages 0,0.1,1,5] [--max-attempts N] [--backoff-ms N] [--spread hot|all] [--json PATH]`
 //!
 //! Needs PostgreSQL (DATABASE_URL names the server; the benchmark creates
 //! its own database `outbox_bench_failing_keys`) and a broker (KAFKA_BROKERS).
@@ -49,15 +50,34 @@ struct Args {
     /// reference the others are compared with).
     #[arg(long, value_delimiter = ',', default_values_t = [0.0, 0.1, 1.0, 5.0])]
     stages: Vec<f64>,
+    /// Which events may fail: `hot` (the default) chooses them among the hot
+    /// keys' events only, the worst case (each hot key then fails about once
+    /// in 45 of its events at 1 %, and its later events wait behind each
+    /// failure); `all` chooses them among all events alike (half of them
+    /// still on the hot keys, which carry half the stream).
+    #[arg(long, value_enum, default_value_t = Spread::Hot)]
+    spread: Spread,
     /// Inbox processors of the consumer (they split the partitions).
     #[arg(long, default_value_t = 1)]
     processors: usize,
+    /// Rows an inbox processor claims per round (the consumer's default
+    /// if not given).
+    #[arg(long)]
+    processor_batch: Option<usize>,
     /// Also write the results to this JSON file.
     #[arg(long)]
     json: Option<String>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
+}
+
+/// Which events a stage fails (see `Args::spread`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Spread {
+    Hot,
+    All,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -94,16 +114,21 @@ fn key_of(seq: u64) -> u64 {
 }
 
 /// Whether event `seq` fails, for a stage failing `per_million` of all
-/// events (chosen among the hot keys' events).
-fn fails(seq: u64, per_million: u64) -> bool {
-    key_of(seq).is_multiple_of(10)
-        && (seq.wrapping_mul(0xD6E8_FEB8_6659_FD93) >> 11) % 500_000 < per_million
+/// events (chosen among the hot keys' events, or among all of them).
+fn fails(seq: u64, per_million: u64, spread: Spread) -> bool {
+    let draw = (seq.wrapping_mul(0xD6E8_FEB8_6659_FD93) >> 11) % 1_000_000;
+    match spread {
+        // The hot keys carry half the events: twice the rate among them.
+        Spread::Hot => key_of(seq).is_multiple_of(10) && draw % 500_000 < per_million,
+        Spread::All => draw < per_million,
+    }
 }
 
 /// Applies events; fails the chosen ones; counts the events of keys that
 /// never fail.
 struct Stage {
     per_million: u64,
+    spread: Spread,
     failing_keys: Arc<std::collections::HashSet<u64>>,
     clean_applied: Arc<AtomicU64>,
 }
@@ -121,7 +146,7 @@ impl InboxHandler for Stage {
         'c: 'a,
     {
         Box::pin(async move {
-            if fails(event.seq, self.per_million) {
+            if fails(event.seq, self.per_million, self.spread) {
                 return Err(format!("order {} refused", event.seq).into());
             }
             if !self.failing_keys.contains(&key_of(event.seq)) {
@@ -183,14 +208,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pool = db.pool.clone();
     println!(
         "failing-keys benchmark: {} events on {PARTITIONS} partitions, {KEYS} keys (one in ten hot), \
-         dedup mode, max_attempts {}, back-off {} ms, {} inbox processor(s)",
-        a.events, a.max_attempts, a.backoff_ms, a.processors
+         dedup mode, max_attempts {}, back-off {} ms, {} inbox processor(s), failing events among {}",
+        a.events,
+        a.max_attempts,
+        a.backoff_ms,
+        a.processors,
+        match a.spread {
+            Spread::Hot => "the hot keys' events",
+            Spread::All => "all events",
+        }
     );
     preload(&brokers, a.events).await?;
     let mut stages = Vec::new();
     let mut base_rate = None;
     for per_million in a.stages.iter().map(|p| (p * 10_000.0).round() as u64) {
-        let failing: Vec<u64> = (0..a.events).filter(|s| fails(*s, per_million)).collect();
+        let failing: Vec<u64> = (0..a.events)
+            .filter(|s| fails(*s, per_million, a.spread))
+            .collect();
         let failing_keys: Arc<std::collections::HashSet<u64>> =
             Arc::new(failing.iter().map(|s| key_of(*s)).collect());
         let clean = (0..a.events)
@@ -215,7 +249,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let clean_applied = Arc::new(AtomicU64::new(0));
         let backoff = Duration::from_millis(a.backoff_ms);
         let start = Instant::now();
-        let handle = Consumer::builder(pool.clone())
+        let mut builder = Consumer::builder(pool.clone());
+        if let Some(n) = a.processor_batch {
+            builder = builder.processor_batch_size(n);
+        }
+        let handle = builder
             .group(format!("bench-failing-{per_million}"))
             .brokers(&brokers)
             .max_attempts(a.max_attempts)
@@ -223,6 +261,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .processors(a.processors)
             .handler(Stage {
                 per_million,
+                spread: a.spread,
                 failing_keys,
                 clean_applied: clean_applied.clone(),
             })
@@ -279,6 +318,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "max_attempts": a.max_attempts,
         "backoff_ms": a.backoff_ms,
         "processors": a.processors,
+        "spread": a.spread,
         "stages": stages,
     });
     println!("{json}");

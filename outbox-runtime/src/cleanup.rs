@@ -279,8 +279,7 @@ DELETE FROM outbox_saga WHERE ctid = ANY(ARRAY(
 /// Whether a saga instance completed before `$1` (the probe before the
 /// batches, like the page ranges' bounds: a pass with none runs no
 /// delete).
-const SAGA_PROBE: &str =
-    "SELECT EXISTS (SELECT 1 FROM outbox_saga WHERE completed_at < $1)";
+const SAGA_PROBE: &str = "SELECT EXISTS (SELECT 1 FROM outbox_saga WHERE completed_at < $1)";
 
 type Time = sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc>;
 
@@ -513,7 +512,10 @@ async fn completed_sagas(
         .fetch_one(pool)
         .await?;
     let mut deleted = 0;
-    while any {
+    if !any {
+        return Ok(0);
+    }
+    loop {
         let n = sqlx::query(SAGA_BATCH)
             .bind(cutoff)
             .bind(retention.batch_size)

@@ -4,7 +4,7 @@
 //! the topics the stored events name, and the duration syntax of the CLI
 //! (`30d`, `1h30m`). The outbox is the one the pool's `search_path` finds.
 //! Replay and retention have their own modules ([`replay`](crate::replay),
-//! [`cleanup`](crate::cleanup)).
+//! [`cleanup`](crate::cleanup)); saga instances theirs ([`sagas`]).
 //!
 //! Status reads what it can without scanning the table, so that `outbox
 //! status` answers in milliseconds whatever the backlog and the history:
@@ -32,6 +32,7 @@ use crate::relay::lanes::SCOPE_LOCKS;
 use crate::scope::{Lock, OutboxScope};
 
 pub(crate) mod backlog;
+pub mod sagas;
 
 pub use backlog::{BACKLOG_COUNTED_UP_TO, BACKLOG_EXACT_UP_TO};
 

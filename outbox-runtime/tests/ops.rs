@@ -511,7 +511,10 @@ async fn cleanup_deletes_completed_sagas_past_their_retention_only(pool: PgPool)
     let Error::Config(message) = &error else {
         panic!("expected a configuration error, got {error:?}");
     };
-    assert!(message.contains("completed sagas' retention 3d"), "{message}");
+    assert!(
+        message.contains("completed sagas' retention 3d"),
+        "{message}"
+    );
     assert_eq!(sagas_left(&pool).await.len(), 5, "nothing deleted");
 
     // Their own, longer retention: only the 40-day-old one.
@@ -528,6 +531,8 @@ async fn cleanup_deletes_completed_sagas_past_their_retention_only(pool: PgPool)
         sagas_left(&pool).await,
         ["c-done-20d", "d-done-today", "e-running"]
     );
-    let again = cleanup::cleanup(&pool, &Retention::new(days(30))).await.unwrap();
+    let again = cleanup::cleanup(&pool, &Retention::new(days(30)))
+        .await
+        .unwrap();
     assert_eq!(again.sagas, 0);
 }
