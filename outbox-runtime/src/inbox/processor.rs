@@ -15,8 +15,9 @@
 //!
 //! The claimed rows' handlers run in the claiming transaction, which
 //! records them in `processed_event` and marks them processed. They run in
-//! segments, each after a savepoint; a row that failed before (a retry)
-//! runs in a segment of its own. If a handler fails, its segment is taken
+//! segments, each after a savepoint; the rows that failed before (retries,
+//! each its key's only row in the round) run first, in a segment of their
+//! own, apart from the rest. If a handler fails, its segment is taken
 //! back to the savepoint, the failure is recorded on that row in the same
 //! transaction (attempts, last error, next attempt after an exponential
 //! back-off; after `max_attempts` it is dead-lettered), the row and the
@@ -286,6 +287,36 @@ SET attempts = attempts + $3, last_error = $2, last_attempt_at = now(),
     dead_lettered_at = now(), next_attempt_at = NULL
 WHERE consumer = $4 AND event_id = $1 AND NOT processed";
 
+/// Moves the claimed retries that are their key's only row in the batch
+/// (every retry, as the claims take them: a key's retry is claimed without
+/// the rows behind it) to the front, in received order, so that they run in
+/// one segment rather than one each: a retry that fails again without
+/// having changed anything (a refusal) then costs no savepoint of its own.
+/// Per-key order is kept: no other row of their key is in the batch. A
+/// retry that fails having written takes its segment back, and the retries
+/// before it run again (once: the next segment starts after it).
+fn retries_first(rows: &mut Vec<Row>) {
+    if !rows.iter().any(|r| r.attempts > 0) {
+        return;
+    }
+    let mut per_key: std::collections::HashMap<(&str, &str), u32> =
+        std::collections::HashMap::new();
+    for r in rows.iter() {
+        *per_key
+            .entry((r.topic.as_str(), r.partition_key.as_str()))
+            .or_default() += 1;
+    }
+    let alone: Vec<bool> = rows
+        .iter()
+        .map(|r| r.attempts > 0 && per_key[&(r.topic.as_str(), r.partition_key.as_str())] == 1)
+        .collect();
+    let mut order: Vec<usize> = (0..rows.len()).collect();
+    // Stable: retries keep their received order, the others theirs.
+    order.sort_by_key(|&i| !alone[i]);
+    let mut taken: Vec<Option<Row>> = std::mem::take(rows).into_iter().map(Some).collect();
+    rows.extend(order.into_iter().filter_map(|i| taken[i].take()));
+}
+
 #[derive(sqlx::FromRow)]
 struct Row {
     event_id: Uuid,
@@ -500,7 +531,7 @@ impl Processor {
         if locked.is_empty() {
             return Ok(Round::Settled(0)); // other processors have them
         }
-        let rows: Vec<Row> = sqlx::query_as(claim_sql)
+        let mut rows: Vec<Row> = sqlx::query_as(claim_sql)
             .persistent(cached)
             .bind(group)
             .bind(&locked)
@@ -513,6 +544,7 @@ impl Processor {
         if rows.is_empty() {
             return Ok(Round::Settled(0));
         }
+        retries_first(&mut rows);
         let claim_time = claim_started.elapsed();
         let started = std::time::Instant::now();
         let mut items: Vec<Item> = rows.iter().map(|r| self.item(r)).collect();
@@ -580,9 +612,9 @@ impl Processor {
     }
 
     /// Runs the claimed rows' handlers in the claiming transaction, one
-    /// segment (a savepoint) at a time. A row that failed before (a retry)
-    /// runs in a segment of its own: if it fails again, only its segment is
-    /// taken back. When a handler fails, its segment is taken back to the
+    /// segment (a savepoint) at a time. The rows that failed before
+    /// (retries) run first, together, apart from the rest: if one fails
+    /// again, only their segment is taken back. When a handler fails, its segment is taken back to the
     /// savepoint; the failure is recorded on its row in the same
     /// transaction (or the row dead-lettered), the row and the later rows of
     /// its key are left for later, and the rows before it run again, then
@@ -770,10 +802,13 @@ impl Processor {
             timeout: self.config.handler_timeout,
             careful,
         };
-        // A retry runs alone; the segment ends before the next one.
+        // The retries the round put first run together (see
+        // [`retries_first`]); another segment ends before the next retry.
         let retry = |i: usize| !left[i] && rows[i].attempts > 0;
         let end = if retry(range.start) {
-            range.start + 1
+            (range.start + 1..range.end)
+                .find(|&i| rows[i].attempts == 0)
+                .unwrap_or(range.end)
         } else {
             (range.start + 1..range.end)
                 .find(|&i| retry(i))
@@ -1175,5 +1210,48 @@ impl Batch {
                 .dead_lettered
                 .fetch_add(self.rejected.len() as u64, Ordering::Relaxed);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(key: &str, attempts: i32, n: u8) -> Row {
+        Row {
+            event_id: Uuid::from_bytes([n; 16]),
+            topic: "t".into(),
+            partition: 0,
+            offset: i64::from(n),
+            partition_key: key.into(),
+            event_type: String::new(),
+            event_version: 1,
+            payload: String::new(),
+            headers: String::new(),
+            attempts,
+            unkeyed: false,
+        }
+    }
+
+    /// Retries alone in their key go first, in received order; a retry
+    /// with other rows of its key in the batch stays in place (its key's
+    /// order), and the other rows keep theirs.
+    #[test]
+    fn retries_alone_in_their_key_go_first_in_order() {
+        let mut rows = vec![
+            row("a", 0, 1),
+            row("b", 1, 2),
+            row("c", 0, 3),
+            row("d", 2, 4),
+            row("c", 0, 5),
+            row("e", 1, 6),
+            row("e", 0, 7),
+        ];
+        retries_first(&mut rows);
+        let order: Vec<i64> = rows.iter().map(|r| r.offset).collect();
+        assert_eq!(order, [2, 4, 1, 3, 5, 6, 7]);
+        let mut none = vec![row("a", 0, 1), row("b", 0, 2)];
+        retries_first(&mut none);
+        assert_eq!(none.iter().map(|r| r.offset).collect::<Vec<_>>(), [1, 2]);
     }
 }
