@@ -302,6 +302,8 @@ mod guide {
     mod operating {}
     #[doc = include_str!("../docs/src/production.md")]
     mod production {}
+    #[doc = include_str!("../docs/src/sagas.md")]
+    mod sagas {}
     #[doc = include_str!("../docs/src/testing.md")]
     mod testing {}
     #[doc = include_str!("../docs/src/unit-of-work.md")]
