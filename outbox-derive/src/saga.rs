@@ -7,8 +7,8 @@
 //! once, with every step of that type (and the timeouts' steps together).
 //!
 //! When the input has errors, the block is emitted without its markers next
-//! to them, with a stub `Saga` impl when the stage type is known, so that
-//! code registering the saga does not add errors of its own.
+//! to them, with a stub `Saga` impl, so that the steps' `SagaContext<Self>`
+//! and code registering the saga do not add errors of their own.
 
 use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned};
@@ -94,9 +94,13 @@ fn saga_name(saga: &Saga) -> String {
     }
 }
 
-/// A stub `Saga` impl, when the input has errors and the stage is known.
+/// A stub `Saga` impl, when the input has errors (its stage `()` when
+/// `stage` is missing or invalid).
 fn stub(saga: &Saga) -> Option<TokenStream> {
-    let stage = saga.args.stage.as_ref()?;
+    let stage = match &saga.args.stage {
+        Some(stage) => quote!(#stage),
+        None => quote!(()),
+    };
     if !saga.item.generics.params.is_empty() || saga.item.trait_.is_some() {
         return None;
     }

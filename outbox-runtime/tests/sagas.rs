@@ -91,13 +91,7 @@ macro_rules! order_saga {
 
             order_types!($base, $timeouts);
 
-            #[outbox::saga(
-                        name = $base,
-                        timeouts = $timeouts,
-                        stage = Stage,
-                        other_stage = $policy,
-                        correlate = order_id
-                    )]
+            #[outbox::saga(name = $base, timeouts = $timeouts, stage = Stage, other_stage = $policy)]
             impl Order {
                 #[init]
                 fn begin(e: &Placed) -> Self {
@@ -108,13 +102,13 @@ macro_rules! order_saga {
                     }
                 }
 
-                #[step(start)]
+                #[step(start, correlate = order_id)]
                 async fn placed(ctx: &mut SagaContext<Self>, e: Placed) -> Result<Stage, BoxError> {
                     ctx.schedule_timeout("payment", Duration::from_millis(e.timeout_ms));
                     Ok(Stage::AwaitingPayment)
                 }
 
-                #[step(from = AwaitingPayment)]
+                #[step(from = AwaitingPayment, correlate = order_id)]
                 async fn paid(ctx: &mut SagaContext<Self>, e: Paid) -> Result<Stage, BoxError> {
                     ctx.cancel_timeout("payment");
                     ctx.send(Ship {
@@ -124,13 +118,13 @@ macro_rules! order_saga {
                     Ok(Stage::Shipped)
                 }
 
-                #[step(from = AwaitingPayment)]
+                #[step(from = AwaitingPayment, correlate = order_id)]
                 async fn hold(_ctx: &mut SagaContext<Self>, _e: Hold) -> Result<Stage, BoxError> {
                     Ok(Stage::OnHold)
                 }
 
                 /// In any stage.
-                #[step]
+                #[step(correlate = order_id)]
                 async fn noted(ctx: &mut SagaContext<Self>, e: Noted) -> Result<Stage, BoxError> {
                     let mut notes = ctx.notes.clone();
                     // Read, wait, write: a step not serialized with another

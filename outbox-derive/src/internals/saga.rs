@@ -285,9 +285,7 @@ impl<'a> Saga<'a> {
                     "a function is one of `#[init]`, `#[step]` or `#[timeout]`, not several",
                 );
             }
-            if let Some(m) = Marked::from_attr(cx, f, first) {
-                marked.push(m);
-            }
+            marked.push(Marked::from_attr(cx, f, first));
         }
         Saga { item, args, marked }
     }
@@ -368,7 +366,7 @@ const STEP_KEYS: &[Symbol] = &[START, FROM, CORRELATE];
 const TIMEOUT_KEYS: &[Symbol] = &[NAME, FROM];
 
 impl<'a> Marked<'a> {
-    fn from_attr(cx: &Ctxt, item: &'a ImplItemFn, attr: &Attribute) -> Option<Self> {
+    fn from_attr(cx: &Ctxt, item: &'a ImplItemFn, attr: &Attribute) -> Self {
         let is_init = attr.path() == INIT;
         let is_step = attr.path() == STEP;
         let mut start = None;
@@ -459,7 +457,7 @@ impl<'a> Marked<'a> {
             message: None,
         };
         marked.message = check_signature(cx, &marked);
-        Some(marked)
+        marked
     }
 }
 
@@ -691,7 +689,10 @@ pub fn check(cx: &Ctxt, saga: &Saga) {
     }
     let groups = saga.groups();
     for g in &groups {
-        if g.correlate.is_none() {
+        // A type with only an `#[init]` is reported below, as an `#[init]`
+        // without its start step.
+        let has_steps = g.start.is_some() || !g.handles.is_empty();
+        if g.correlate.is_none() && has_steps {
             let key = type_key(g.ty);
             cx.error_spanned_by(
                 g.ty,

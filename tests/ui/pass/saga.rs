@@ -1,7 +1,8 @@
 #![deny(warnings, missing_docs)]
 //! `#[saga]` on an `impl` block: a start with its `#[init]`, steps per
 //! stage, several steps of one message type, a fallback, a timeout, a
-//! plain helper, and errors of any type that converts into `BoxError`.
+//! plain helper, correlation fields per step or for the saga, and errors
+//! of any type that converts into `BoxError`.
 
 use std::time::Duration;
 
@@ -84,7 +85,8 @@ impl std::error::Error for Refused {}
     timeouts = "order-timeouts",
     stage = Stage,
     stage_field = status,
-    other_stage = dead_letter
+    other_stage = dead_letter,
+    correlate = order_id
 )]
 impl Order {
     #[init]
@@ -96,7 +98,7 @@ impl Order {
         }
     }
 
-    #[step(start, correlate = order_id)]
+    #[step(start)]
     async fn placed(ctx: &mut SagaContext<Self>, _e: OrderPlaced) -> Result<Stage, outbox::BoxError> {
         ctx.schedule_timeout("payment", Duration::from_secs(600));
         Ok(Stage::AwaitingPayment)
@@ -124,8 +126,8 @@ impl Order {
         }
     }
 
-    /// Any stage.
-    #[step(correlate = order_id)]
+    /// Any stage; correlated by the saga's `correlate`.
+    #[step]
     async fn noted(ctx: &mut SagaContext<Self>, _e: Noted) -> Result<Stage, outbox::BoxError> {
         ctx.notes += 1;
         Ok(ctx.current())
