@@ -244,6 +244,16 @@ pub use outbox_derive::inbox_handler;
 #[cfg(feature = "derive")]
 pub use outbox_derive::command_handler;
 
+/// Sagas: long-running processes whose state lives in `outbox_saga`, moved
+/// by messages in the consumer's transaction (see the guide's "Sagas").
+pub use outbox_core::saga;
+pub use outbox_core::{MessageSteps, OtherStage, Saga, SagaContext, SagaRegistrar, SagaTimeout};
+
+/// `#[saga]`: implements [`Saga`] for a saga's state from an `impl` block
+/// whose functions are its steps. See the guide's "Sagas".
+#[cfg(feature = "derive")]
+pub use outbox_derive::saga;
+
 /// The relay and consumer runtime.
 #[cfg(feature = "runtime")]
 pub use outbox_runtime as runtime;
@@ -269,10 +279,10 @@ pub use outbox_runtime::telemetry;
 pub mod prelude {
     pub use crate::{
         Aggregate, AggregateRoot, CommandHandler, DomainEvent, HandlerContext, Headers,
-        InboxHandler, UnitOfWork,
+        InboxHandler, Saga, SagaContext, SagaTimeout, UnitOfWork,
     };
     #[cfg(feature = "derive")]
-    pub use crate::{aggregate, command_handler, inbox_handler};
+    pub use crate::{aggregate, command_handler, inbox_handler, saga};
     pub use uuid::Uuid;
 }
 
@@ -292,6 +302,8 @@ mod guide {
     mod operating {}
     #[doc = include_str!("../docs/src/production.md")]
     mod production {}
+    #[doc = include_str!("../docs/src/sagas.md")]
+    mod sagas {}
     #[doc = include_str!("../docs/src/testing.md")]
     mod testing {}
     #[doc = include_str!("../docs/src/unit-of-work.md")]

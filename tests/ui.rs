@@ -1,7 +1,7 @@
 //! Compile-time behaviour of `#[derive(DomainEvent)]`, `#[aggregate]`,
-//! `#[inbox_handler]` and `#[command_handler]`: inputs that must compile, and
-//! the error each mistake produces, among them the ways of reaching a Kafka
-//! producer from a handler that the handler macros reject.
+//! `#[inbox_handler]`, `#[command_handler]` and `#[saga]`: inputs that must
+//! compile, and the error each mistake produces, among them the ways of
+//! reaching a Kafka producer from a handler that the handler macros reject.
 //!
 //! The `.stderr` files hold one compiler's wording, that of the rustc named
 //! in `tests/ui/stderr-rustc.txt`. With that compiler every fail case must

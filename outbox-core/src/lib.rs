@@ -47,6 +47,10 @@ pub mod __private {
     pub use crate::handler::{
         BoxError, HandlerArg, HandlerContext, HandlerFuture, InboxHandler, InboxOutput,
     };
+    pub use crate::saga::{
+        MessageSteps, OtherStage, Saga, SagaContext, SagaRegistrar, SagaTimeout, StepFuture,
+        StepOutput,
+    };
     pub use crate::uow::UnitOfWork;
     pub use uuid::Uuid;
 

@@ -1,12 +1,12 @@
 //! Macros of the outbox framework: `#[derive(DomainEvent)]`, `#[aggregate]`,
-//! `#[inbox_handler]` and `#[command_handler]`.
+//! `#[inbox_handler]`, `#[command_handler]` and `#[saga]`.
 //!
 //! Use them through the `outbox` crate, which re-exports them; the generated
 //! code only names items through `::outbox`, never this crate or
 //! `outbox-core`.
 //!
 //! Each macro parses its input into a typed form (`internals::ast`,
-//! `internals::handler`), validates it (`internals::check`,
+//! `internals::handler`, `internals::saga`), validates it (`internals::check`,
 //! `internals::signature`, `internals::producer`) collecting every mistake at
 //! once, then expands. When the input has errors the macros still emit a stub
 //! implementation (`#[aggregate]` and the handler attributes: the user's item
@@ -19,6 +19,7 @@ mod aggregate;
 mod domain_event;
 mod handler;
 mod internals;
+mod saga;
 
 use proc_macro::TokenStream;
 use syn::{DeriveInput, parse_macro_input};
@@ -115,4 +116,55 @@ pub fn inbox_handler(args: TokenStream, input: TokenStream) -> TokenStream {
 #[proc_macro_attribute]
 pub fn command_handler(args: TokenStream, input: TokenStream) -> TokenStream {
     handler::expand(Kind::Command, args.into(), input.into()).into()
+}
+
+/// Implements `outbox::saga::Saga` for a saga's state, from an `impl` block
+/// of its type whose functions are its steps.
+///
+/// ```text
+/// #[saga(name = "order", timeouts = "order-timeouts", stage = Stage)]
+/// impl Order {
+///     #[init]
+///     fn begin(message: &OrderPlaced) -> Self { .. }
+///     #[step(start, correlate = order_id)]
+///     async fn placed(ctx: &mut SagaContext<Self>, e: OrderPlaced) -> Result<Stage, E> { .. }
+///     #[step(from = AwaitingPayment, correlate = order_id)]
+///     async fn paid(ctx: &mut SagaContext<Self>, e: PaymentTaken) -> Result<Stage, E> { .. }
+///     #[timeout(name = "payment", from = AwaitingPayment)]
+///     async fn late(ctx: &mut SagaContext<Self>, t: SagaTimeout<Self>) -> Result<Stage, E> { .. }
+/// }
+/// ```
+///
+/// Arguments of `#[saga(...)]`: `stage = Type` (required: the stage enum),
+/// `timeouts = "topic"` (required: the topic of its timeouts), `name =
+/// "..."` (the stable name its instances are stored under; defaults to the
+/// type's name), `stage_field = field` (the field holding the stage;
+/// defaults to `stage`), `other_stage = ignore | dead_letter` (what a
+/// message in a stage none of its steps accepts does; default `ignore`),
+/// `correlate = field` (the correlation field of every message type that
+/// does not name its own).
+///
+/// Functions: `#[init] fn(&M) -> Self` builds a new instance from its start
+/// message `M`; `#[step(...)]` is a step of the message type it takes,
+/// with `start` (the step run on the instance `#[init]` just built),
+/// `from = Stage` or `from = [A, B]` (the stages it runs in; without it
+/// and without `start`: any stage no other step of the type accepts) and
+/// `correlate = field` (the message field holding the instance id, once per
+/// message type); `#[timeout(name = "...", from = ...)]` is a step of the
+/// saga's timeout of that name. Steps are `async fn`s taking `&mut
+/// SagaContext<Self>` and the message by value and returning `Result<Stage,
+/// E>`, `E` any error converting into `outbox::BoxError`. Other items of the
+/// block are left as they are.
+///
+/// Rejected at compile time, each with a spanned message: a message type
+/// with no correlation field or with two; no step that starts the saga, a
+/// start without its `#[init]`; no step body calling `.complete()`; a
+/// `from` stage that no `#[init]` or step body names; two steps of one
+/// message type (or timeout) in one stage; a step or `#[init]` with the
+/// wrong shape (not `async`, `self`, generic, the wrong number of
+/// arguments, no return type). The checks on completion and stages read
+/// the bodies' syntax, not their types.
+#[proc_macro_attribute]
+pub fn saga(args: TokenStream, input: TokenStream) -> TokenStream {
+    saga::expand(args.into(), input.into()).into()
 }

@@ -1,6 +1,7 @@
 //! Sagas: long-running processes whose state lives in `outbox_saga`, moved
 //! by messages in the consumer's transaction. This module owns the
-//! contract: the [`Saga`] trait (implemented by hand for now), the
+//! contract: the [`Saga`] trait (implemented by `#[outbox::saga]` on an
+//! `impl` block, or by hand), the
 //! [`SagaContext`] a step receives, the step tables ([`MessageSteps`]) and
 //! the policy for a message arriving in another stage ([`OtherStage`]).
 //! Applying a message (locking, stage checks, writing back) is in
@@ -50,8 +51,9 @@ pub enum OtherStage {
 
 /// A saga: a serde value stored in `outbox_saga`, one row per instance,
 /// keyed by [`NAME`](Self::NAME) and the correlation id of the messages
-/// that move it. Implemented by hand: [`steps`](Self::steps) lists each
-/// message type's steps.
+/// that move it. Implemented by `#[outbox::saga]` on an `impl` block of the
+/// state's type, or by hand: [`steps`](Self::steps) lists each message
+/// type's steps.
 pub trait Saga: Serialize + DeserializeOwned + Send + Sync + 'static {
     /// The saga type's stable name (`outbox_saga.saga_type`).
     const NAME: &'static str;
@@ -86,6 +88,27 @@ pub fn stage_name<T: Serialize>(stage: &T) -> String {
         Ok(serde_json::Value::String(s)) => s,
         Ok(other) => other.to_string(),
         Err(_) => String::from("?"),
+    }
+}
+
+/// What a `#[saga]` step returns: `Result<Stage, E>`, the saga's next
+/// stage, where `E` converts into [`BoxError`].
+///
+/// Used by the generated code; sealed.
+#[diagnostic::on_unimplemented(
+    message = "a `#[saga]` step must return `Result<{Stage}, E>` (the saga's next stage), not `{Self}`",
+    label = "expected `Result<{Stage}, E>`",
+    note = "`E` is any error that converts into `BoxError` (`std::error::Error + Send + Sync + 'static`, `anyhow::Error`, `String`)"
+)]
+pub trait StepOutput<Stage>: crate::handler::sealed::Sealed {
+    /// The result with the error boxed.
+    fn into_step_result(self) -> std::result::Result<Stage, BoxError>;
+}
+
+impl<Stage, E: Into<BoxError>> StepOutput<Stage> for std::result::Result<Stage, E> {
+    #[inline]
+    fn into_step_result(self) -> std::result::Result<Stage, BoxError> {
+        self.map_err(Into::into)
     }
 }
 

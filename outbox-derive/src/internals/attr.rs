@@ -310,7 +310,7 @@ fn for_each_key(
 }
 
 /// Reports an unknown key and skips its value, if any.
-fn unknown_key(
+pub(crate) fn unknown_key(
     cx: &Ctxt,
     attr: Symbol,
     meta: &ParseNestedMeta,
@@ -342,7 +342,7 @@ fn skip_value(meta: &ParseNestedMeta) -> syn::Result<()> {
 }
 
 /// The value of `key = value`, or `None` (reported) when the key has no `=`.
-fn get_value(
+pub(crate) fn get_value(
     cx: &Ctxt,
     meta: &ParseNestedMeta,
     syntax: impl FnOnce() -> String,

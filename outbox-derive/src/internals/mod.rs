@@ -10,6 +10,7 @@ pub mod check;
 mod ctxt;
 pub mod handler;
 pub mod producer;
+pub mod saga;
 pub mod signature;
 pub mod symbol;
 

@@ -44,6 +44,36 @@ pub const ROOT: Symbol = Symbol("root");
 /// handler's name in logs and dead letters.
 pub const NAME: Symbol = Symbol("name");
 
+/// `#[saga(...)]` on an `impl` block.
+pub const SAGA: Symbol = Symbol("saga");
+/// `#[init]`: builds a saga's new instance.
+pub const INIT: Symbol = Symbol("init");
+/// `#[step(...)]`: a saga step of a message type.
+pub const STEP: Symbol = Symbol("step");
+/// `#[timeout(...)]`: a saga step of one of its timeouts.
+pub const TIMEOUT: Symbol = Symbol("timeout");
+/// Saga: the topic of its timeouts.
+pub const TIMEOUTS: Symbol = Symbol("timeouts");
+/// Saga: the stage enum.
+pub const STAGE: Symbol = Symbol("stage");
+/// Saga: the field holding the stage.
+pub const STAGE_FIELD: Symbol = Symbol("stage_field");
+/// Saga: what a message in another stage does.
+pub const OTHER_STAGE: Symbol = Symbol("other_stage");
+/// Saga or step: the message field holding the instance id.
+pub const CORRELATE: Symbol = Symbol("correlate");
+/// Step: the message starts an instance.
+pub const START: Symbol = Symbol("start");
+/// Step: the stages it runs in.
+pub const FROM: Symbol = Symbol("from");
+
+impl Symbol {
+    /// The name.
+    pub fn as_str(self) -> &'static str {
+        self.0
+    }
+}
+
 impl PartialEq<Symbol> for Ident {
     fn eq(&self, word: &Symbol) -> bool {
         self == word.0
