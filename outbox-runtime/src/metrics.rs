@@ -49,6 +49,10 @@
 //! | `outbox_consumer_refused` | gauge | `group` | 1 while the database refuses one of the consumer's own statements that retrying cannot cure (see `ConsumerHealth::Refused`), else 0 |
 //! | `outbox_dead_letters` | gauge | `group` | the group's dead letters awaiting an operator (status `dead`), sampled every 5 s |
 //! | `outbox_replayed_total` | counter | | events sent again by `replay` |
+//! | `outbox_saga_steps_total` | counter | `saga` | saga steps applied (state written back), in this process |
+//! | `outbox_saga_started_total` | counter | `saga` | instances created by a start message |
+//! | `outbox_saga_conflicts_total` | counter | `saga` | steps that failed on a conflict with another transaction (deadlock, serialization failure, lock not available): retried with the back-off |
+//! | `outbox_saga_ignored_total` | counter | `saga`, `reason` | messages that changed nothing: `missing` (no instance), `completed`, `other_stage`, `stale_timeout` |
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -384,6 +388,7 @@ pub(crate) async fn consumer_task(
         add(&dead, now.dead_lettered, last.dead_lettered);
         add(&failures, now.handler_failures, last.handler_failures);
         last = now;
+        sagas();
     };
     let mut sampled: Option<Instant> = None;
     loop {
@@ -407,6 +412,25 @@ pub(crate) async fn consumer_task(
         }
     }
     copy(stats.snapshot());
+}
+
+/// Sets the saga counters from the process's counts (absolute values:
+/// every consumer's copy task may set them, to the same values).
+fn sagas() {
+    for (saga, c) in outbox_core::saga::all_saga_counts() {
+        let of = |name: &'static str| counter!(name, "saga" => saga);
+        of("outbox_saga_steps_total").absolute(c.steps);
+        of("outbox_saga_started_total").absolute(c.started);
+        of("outbox_saga_conflicts_total").absolute(c.conflicts);
+        for (reason, n) in [
+            ("missing", c.missing),
+            ("completed", c.completed),
+            ("other_stage", c.other_stage),
+            ("stale_timeout", c.stale_timeouts),
+        ] {
+            counter!("outbox_saga_ignored_total", "saga" => saga, "reason" => reason).absolute(n);
+        }
+    }
 }
 
 /// Sets the `outbox_consumer_up` gauge of `group`: 1 while its consumer

@@ -786,3 +786,102 @@ async fn the_consumer_role_runs_a_saga_with_the_guides_grants(pool: PgPool) {
     as_consumer.close().await;
     roles_.drop_all().await;
 }
+
+order_saga!(
+    conflicted,
+    "saga-test-conflict",
+    "saga-test-conflict-timeouts",
+    ignore
+);
+
+/// A step that deadlocks with another transaction fails like any failure,
+/// is counted as a conflict (and in `outbox_saga_conflicts_total`), and is
+/// retried in a new transaction: applied once, after the other transaction
+/// ends. The other transaction holds the instance's row and then inserts
+/// the dedup row the consumer's transaction holds: a cycle the consumer's
+/// side detects first (its `deadlock_timeout` is the server's 1 s, the
+/// holder's 20 s), so the consumer's step is the one that fails.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_deadlocked_step_is_counted_and_retried_in_a_new_transaction(pool: PgPool) {
+    init_tracing();
+    conflicted::reset().await;
+    let group = unique_topic("conflict");
+    let placed = msg(
+        Uuid::now_v7(),
+        "Placed",
+        "o1",
+        json!({ "timeout_ms": 3_600_000 }),
+    );
+    produce(&brokers(), conflicted::ORDERS, &[placed]).await;
+    let handle = consumer(&pool, &group)
+        .saga::<conflicted::Order>()
+        .spawn()
+        .unwrap();
+    assert!(settled(&handle, 1).await, "{:?}", handle.counts());
+    let before = outbox_core::saga::saga_counts(conflicted::NAME);
+
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL deadlock_timeout = '20s'")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    sqlx::query("SELECT 1 FROM outbox_saga WHERE saga_type = $1 AND saga_id = 'o1' FOR UPDATE")
+        .bind(conflicted::NAME)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let hold = Uuid::now_v7();
+    produce(
+        &brokers(),
+        conflicted::ORDERS,
+        &[msg(hold, "Hold", "o1", json!({}))],
+    )
+    .await;
+    // The consumer's step waits for the instance's row, its dedup row of
+    // the message inserted.
+    let waiting = eventually(Duration::from_secs(30), || async {
+        scalar(
+            &pool,
+            &format!(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND pid <> {holder_pid}
+                   AND wait_event_type = 'Lock' AND query ILIKE '%outbox_saga%'"
+            ),
+        )
+        .await
+            == 1
+    })
+    .await;
+    assert!(waiting, "the step waits for the instance's lock");
+    // The holder now waits for that dedup row: a deadlock.
+    sqlx::query("INSERT INTO processed_event (consumer, event_id) VALUES ($1, $2)")
+        .bind(&group)
+        .bind(hold)
+        .execute(&mut *holder)
+        .await
+        .expect("the consumer's side of the deadlock was aborted");
+    let after = outbox_core::saga::saga_counts(conflicted::NAME);
+    assert_eq!(after.conflicts, before.conflicts + 1, "{after:?}");
+    assert_eq!(after.steps, before.steps, "nothing applied yet");
+    holder.rollback().await.unwrap();
+
+    // Retried in a new transaction, once the holder is gone: applied once.
+    assert!(settled(&handle, 2).await, "{:?}", handle.counts());
+    let counts = handle.counts();
+    handle.shutdown().await.unwrap();
+    let (stage, version, completed, _) = instance(&pool, conflicted::NAME, "o1").await.unwrap();
+    assert_eq!((stage.as_str(), version, completed), ("OnHold", 2, false));
+    assert!(counts.handler_failures >= 1, "{counts:?}");
+    assert_eq!(counts.dead_lettered, 0, "{counts:?}");
+    let final_counts = outbox_core::saga::saga_counts(conflicted::NAME);
+    assert_eq!(final_counts.steps, before.steps + 1, "{final_counts:?}");
+    assert_eq!(
+        final_counts.conflicts,
+        before.conflicts + 1,
+        "{final_counts:?}"
+    );
+}

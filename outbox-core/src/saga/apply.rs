@@ -44,6 +44,17 @@ impl<S: Saga, M: DomainEvent> SagaHandler<S, M> {
     }
 }
 
+/// Whether `error` is the database's answer to a conflict with another
+/// transaction: a deadlock (`40P01`), a serialization failure (`40001`), a
+/// lock not available (`55P03`).
+fn conflict(error: &(dyn std::error::Error + Send + Sync + 'static)) -> bool {
+    error
+        .downcast_ref::<sqlx::Error>()
+        .and_then(|e| e.as_database_error())
+        .and_then(|e| e.code())
+        .is_some_and(|code| matches!(&*code, "40P01" | "40001" | "55P03"))
+}
+
 struct Instance {
     state: serde_json::Value,
     timeouts: serde_json::Value,
@@ -199,7 +210,15 @@ impl<S: Saga, M: DomainEvent> InboxHandler for SagaHandler<S, M> {
     where
         'c: 'a,
     {
-        Box::pin(self.apply(ctx, event))
+        Box::pin(async move {
+            let result = self.apply(ctx, event).await;
+            if let Err(error) = &result
+                && conflict(error.as_ref())
+            {
+                bump(S::NAME, |c| c.conflicts += 1);
+            }
+            result
+        })
     }
 
     fn saga_instance(&self, event: &M) -> Option<(&'static str, String)> {

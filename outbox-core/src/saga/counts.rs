@@ -22,6 +22,11 @@ pub struct SagaCounts {
     /// Timeouts that were no longer pending (cancelled, replaced, fired,
     /// or the saga completed), ignored.
     pub stale_timeouts: u64,
+    /// Steps that failed on a conflict with another transaction (a
+    /// deadlock, a serialization failure, a lock not available): their
+    /// message is retried in a new transaction with the consumer's
+    /// back-off, like any failure, and dead-lettered after its attempts.
+    pub conflicts: u64,
 }
 
 static COUNTS: Mutex<Option<HashMap<&'static str, SagaCounts>>> = Mutex::new(None);
@@ -32,6 +37,19 @@ pub(crate) fn bump(saga: &'static str, f: impl FnOnce(&mut SagaCounts)) {
         .get_or_insert_with(HashMap::new)
         .entry(saga)
         .or_default());
+}
+
+/// The counts of every saga type that handled a message in this process,
+/// by name.
+pub fn all_saga_counts() -> Vec<(&'static str, SagaCounts)> {
+    let counts = COUNTS.lock().unwrap_or_else(|p| p.into_inner());
+    let mut all: Vec<_> = counts
+        .iter()
+        .flatten()
+        .map(|(name, c)| (*name, *c))
+        .collect();
+    all.sort_by_key(|(name, _)| *name);
+    all
 }
 
 /// The counts of saga type `saga` (its `NAME`).

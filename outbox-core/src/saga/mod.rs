@@ -27,7 +27,7 @@ mod apply;
 mod counts;
 
 pub use apply::SagaHandler;
-pub use counts::{SagaCounts, saga_counts};
+pub use counts::{SagaCounts, all_saga_counts, saga_counts};
 
 /// What a saga step returns: the saga's next stage.
 pub type StepFuture<'a, S> =
