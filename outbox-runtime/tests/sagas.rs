@@ -864,7 +864,14 @@ async fn a_deadlocked_step_is_counted_and_retried_in_a_new_transaction(pool: PgP
         .execute(&mut *holder)
         .await
         .expect("the consumer's side of the deadlock was aborted");
+    // PostgreSQL releases the failed statement's locks before the consumer
+    // hears of the error: the count follows.
+    let counted = eventually(Duration::from_secs(10), || async {
+        outbox_core::saga::saga_counts(conflicted::NAME).conflicts > before.conflicts
+    })
+    .await;
     let after = outbox_core::saga::saga_counts(conflicted::NAME);
+    assert!(counted, "{after:?}");
     assert_eq!(after.conflicts, before.conflicts + 1, "{after:?}");
     assert_eq!(after.steps, before.steps, "nothing applied yet");
     holder.rollback().await.unwrap();
