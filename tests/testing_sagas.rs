@@ -8,8 +8,8 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Duration;
 
-use outbox::prelude::*;
 use outbox::BoxError;
+use outbox::prelude::*;
 use outbox::runtime::Consumer;
 use outbox::testing::{Faults, SagaInstance, SagaOutcome, TestBus, TestDb};
 use serde::{Deserialize, Serialize};
@@ -183,10 +183,16 @@ async fn an_unpaid_order_is_cancelled_when_its_payment_timeout_comes() {
         .assert_version(1);
 
     // A minute short of the window: still nothing.
-    bus.clock().advance(PAYMENT_WINDOW - Duration::from_secs(60));
+    bus.clock()
+        .advance(PAYMENT_WINDOW - Duration::from_secs(60));
     let early = bus.deliver_due().await.unwrap();
-    assert!(early.saga_history::<Order>("o-1").entries.is_empty(), "{early}");
-    instance(&bus, "o-1").await.assert_stage(Stage::AwaitingPayment);
+    assert!(
+        early.saga_history::<Order>("o-1").entries.is_empty(),
+        "{early}"
+    );
+    instance(&bus, "o-1")
+        .await
+        .assert_stage(Stage::AwaitingPayment);
 
     // Past it: the timeout fires and the compensation runs.
     bus.clock().advance(Duration::from_secs(61));
@@ -205,7 +211,13 @@ async fn an_unpaid_order_is_cancelled_when_its_payment_timeout_comes() {
     assert_eq!(order.state.order_id, "o-1");
 
     // A payment arriving after the cancellation changes nothing.
-    record(&pool, PaymentTaken { order_id: "o-1".into() }).await;
+    record(
+        &pool,
+        PaymentTaken {
+            order_id: "o-1".into(),
+        },
+    )
+    .await;
     let late = bus.deliver().await.unwrap();
     let history = late.saga_history::<Order>("o-1");
     assert_eq!(history.entries.len(), 1, "{history}");
@@ -229,7 +241,10 @@ async fn deliver_jumps_the_clock_to_the_payment_timeout() {
     // (The timeout was due 15 minutes after its step ran: a few
     // milliseconds before this clock started.)
     let elapsed = bus.clock().elapsed();
-    assert!(elapsed > PAYMENT_WINDOW - Duration::from_secs(10), "{elapsed:?}");
+    assert!(
+        elapsed > PAYMENT_WINDOW - Duration::from_secs(10),
+        "{elapsed:?}"
+    );
     let history = delivery.saga_history::<Order>("o-2");
     history.assert_steps(&["OrderPlaced", "timeout:payment"]);
     delivery.assert_saga_step::<Order, OrderPlaced>("o-2");
@@ -247,7 +262,13 @@ async fn a_paid_order_ships_and_its_cancelled_timeout_never_comes() {
     let mut bus = TestBus::new().service(orders_process(pool.clone()));
     placed(&pool, "o-3").await;
     bus.deliver_due().await.unwrap();
-    record(&pool, PaymentTaken { order_id: "o-3".into() }).await;
+    record(
+        &pool,
+        PaymentTaken {
+            order_id: "o-3".into(),
+        },
+    )
+    .await;
 
     let delivery = bus.deliver().await.unwrap();
     let history = delivery.saga_history::<Order>("o-3");
@@ -294,9 +315,7 @@ async fn redelivered_saga_messages_change_nothing() {
         .count();
     assert_eq!(duplicates, 6, "{history}");
     let order = instance(&bus, "o-4").await;
-    order
-        .assert_stage(Stage::AwaitingPayment)
-        .assert_version(2);
+    order.assert_stage(Stage::AwaitingPayment).assert_version(2);
     assert_eq!(order.state.notes, ["gift wrap"]);
 }
 
@@ -306,9 +325,21 @@ async fn a_message_in_another_stage_is_ignored() {
     let pool = db.pool().clone();
     let mut bus = TestBus::new().service(orders_process(pool.clone()));
     placed(&pool, "o-5").await;
-    record(&pool, OrderHeld { order_id: "o-5".into() }).await;
+    record(
+        &pool,
+        OrderHeld {
+            order_id: "o-5".into(),
+        },
+    )
+    .await;
     bus.deliver_due().await.unwrap();
-    record(&pool, PaymentTaken { order_id: "o-5".into() }).await;
+    record(
+        &pool,
+        PaymentTaken {
+            order_id: "o-5".into(),
+        },
+    )
+    .await;
 
     let delivery = bus.deliver_due().await.unwrap();
     let history = delivery.saga_history::<Order>("o-5");
@@ -367,8 +398,7 @@ async fn saga_assertions_fail_with_the_instance_or_its_history() {
     let history = delivery.saga_history::<Order>("o-6");
     let message = fails(&|| history.assert_steps(&["OrderPlaced", "PaymentTaken"]));
     assert!(
-        message.contains(r#"applied ["OrderPlaced"]"#)
-            && message.contains("OrderPlaced: started"),
+        message.contains(r#"applied ["OrderPlaced"]"#) && message.contains("OrderPlaced: started"),
         "{message}"
     );
     let message = fails(&|| history.assert_timeout_fired("payment"));

@@ -30,9 +30,9 @@ mod journal;
 
 pub use apply::SagaHandler;
 pub use counts::{SagaCounts, all_saga_counts, saga_counts};
+pub use journal::StepOutcome;
 #[doc(hidden)]
 pub use journal::{StepNote, observe_steps};
-pub use journal::StepOutcome;
 
 /// What a saga step returns: the saga's next stage.
 pub type StepFuture<'a, S> =

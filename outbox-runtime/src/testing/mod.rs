@@ -606,8 +606,7 @@ async fn deliver_chunk(
             .bind(group)
             .fetch_one(pool)
             .await?;
-    let (delivered, steps) =
-        outbox_core::saga::observe_steps(consumer.deliver(chunk)).await;
+    let (delivered, steps) = outbox_core::saga::observe_steps(consumer.deliver(chunk)).await;
     delivered.map_err(Error::Inbox)?;
     let sagas = consumer.saga_instances(chunk);
     let applied: HashSet<Uuid> = sqlx::query_scalar(

@@ -166,7 +166,9 @@ impl SagaHistory {
     /// The messages of type `M` that changed the instance, decoded, in
     /// order.
     pub fn applied_events<M: DomainEvent>(&self) -> Vec<M> {
-        self.applied().filter_map(|e| e.delivered.decode()).collect()
+        self.applied()
+            .filter_map(|e| e.delivered.decode())
+            .collect()
     }
 
     /// Asserts that the messages that changed the instance are exactly
@@ -180,7 +182,10 @@ impl SagaHistory {
     pub fn assert_steps(&self, labels: &[&str]) {
         let steps = self.steps();
         if steps != labels {
-            panic!("steps of {}: expected {labels:?}, applied {steps:?}\n{self}", self.name());
+            panic!(
+                "steps of {}: expected {labels:?}, applied {steps:?}\n{self}",
+                self.name()
+            );
         }
     }
 
@@ -209,10 +214,7 @@ impl SagaHistory {
     /// If it did not, showing the history.
     #[track_caller]
     pub fn assert_timeout_fired(&self, name: &str) {
-        if !self
-            .applied()
-            .any(|e| e.timeout().as_deref() == Some(name))
-        {
+        if !self.applied().any(|e| e.timeout().as_deref() == Some(name)) {
             panic!("timeout `{name}` of {} did not fire\n{self}", self.name());
         }
     }
@@ -227,7 +229,10 @@ impl SagaHistory {
     pub fn assert_each_applied_once(&self) {
         let mut times: BTreeMap<Option<Uuid>, (usize, String)> = BTreeMap::new();
         for e in self.applied() {
-            times.entry(e.delivered.event_id).or_insert((0, e.label())).0 += 1;
+            times
+                .entry(e.delivered.event_id)
+                .or_insert((0, e.label()))
+                .0 += 1;
         }
         let wrong: Vec<String> = times
             .iter()
@@ -351,7 +356,11 @@ impl<S: Saga> fmt::Display for SagaInstance<S> {
             S::NAME,
             self.saga_id,
             stage_name(&self.stage),
-            if self.completed { "completed" } else { "running" },
+            if self.completed {
+                "completed"
+            } else {
+                "running"
+            },
             self.version,
             self.timeouts.keys().collect::<Vec<_>>(),
         )
