@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use outbox::BoxError;
 use outbox::prelude::*;
-use outbox::runtime::Consumer;
+use outbox::runtime::{Consumer, DeadLetterReason, Mode};
 use outbox::testing::{Faults, SagaInstance, SagaOutcome, TestBus, TestDb};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
@@ -42,6 +42,14 @@ struct NoteAdded {
     #[event(aggregate_id)]
     order_id: String,
     text: String,
+}
+
+/// Handled by a step that always fails: dead-lettered.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, DomainEvent)]
+#[event(topic = "saga-kit-orders", aggregate_type = "Order")]
+struct OrderReleased {
+    #[event(aggregate_id)]
+    order_id: String,
 }
 
 /// A command to the warehouse, sent by the saga.
@@ -107,6 +115,11 @@ impl Order {
     #[step(from = AwaitingPayment)]
     async fn held(_ctx: &mut SagaContext<Self>, _e: OrderHeld) -> Result<Stage, BoxError> {
         Ok(Stage::OnHold)
+    }
+
+    #[step(from = OnHold)]
+    async fn released(_ctx: &mut SagaContext<Self>, _e: OrderReleased) -> Result<Stage, BoxError> {
+        Err("the warehouse is closed".into())
     }
 
     /// In any stage.
@@ -410,4 +423,61 @@ async fn saga_assertions_fail_with_the_instance_or_its_history() {
         message.contains("no `PaymentTaken` was applied to saga `kit-order` instance `o-6`"),
         "{message}"
     );
+}
+
+#[tokio::test]
+async fn a_failing_step_is_dead_lettered_and_changes_nothing() {
+    let db = TestDb::new().await.unwrap();
+    let pool = db.pool().clone();
+    let mut bus = TestBus::new().service(orders_process(pool.clone()).max_attempts(2));
+    placed(&pool, "o-7").await;
+    record(
+        &pool,
+        OrderHeld {
+            order_id: "o-7".into(),
+        },
+    )
+    .await;
+    record(
+        &pool,
+        OrderReleased {
+            order_id: "o-7".into(),
+        },
+    )
+    .await;
+
+    let delivery = bus.deliver_due().await.unwrap();
+    let history = delivery.saga_history::<Order>("o-7");
+    history.assert_steps(&["OrderPlaced", "OrderHeld"]);
+    let last = history.entries.last().unwrap();
+    assert_eq!(last.label(), "OrderReleased");
+    assert!(
+        matches!(&last.outcome, SagaOutcome::DeadLettered { reason, error }
+            if *reason == DeadLetterReason::HandlerFailed && error.contains("the warehouse is closed")),
+        "{history}"
+    );
+    instance(&bus, "o-7")
+        .await
+        .assert_stage(Stage::OnHold)
+        .assert_version(2);
+}
+
+#[tokio::test]
+async fn a_saga_in_inbox_mode_has_the_same_history() {
+    let db = TestDb::new().await.unwrap();
+    let pool = db.pool().clone();
+    let mut bus = TestBus::new().service(orders_process(pool.clone()).mode(Mode::Inbox));
+    placed(&pool, "o-8").await;
+    let note = NoteAdded {
+        order_id: "o-8".into(),
+        text: "fragile".into(),
+    };
+    record(&pool, note).await;
+
+    let delivery = bus.deliver().await.unwrap();
+    let history = delivery.saga_history::<Order>("o-8");
+    history.assert_steps(&["OrderPlaced", "NoteAdded", "timeout:payment"]);
+    let order = instance(&bus, "o-8").await;
+    order.assert_stage(Stage::Cancelled).assert_version(3);
+    assert_eq!(order.state.notes, ["fragile"]);
 }

@@ -215,7 +215,10 @@ impl<S: Saga, M: DomainEvent> InboxHandler for SagaHandler<S, M> {
         'c: 'a,
     {
         Box::pin(async move {
-            let noted = self.saga_instance(&event).map(|(_, id)| id);
+            // The instance's id, for the testing kit's journal only.
+            let noted = super::journal::active()
+                .then(|| self.saga_instance(&event).map(|(_, id)| id))
+                .flatten();
             let event_id = ctx.incoming().event_id;
             match self.apply(ctx, event).await {
                 Ok(outcome) => {

@@ -60,6 +60,11 @@ pub async fn observe_steps<F: Future>(f: F) -> (F::Output, Vec<StepNote>) {
         .await
 }
 
+/// Whether a journal is in scope.
+pub(crate) fn active() -> bool {
+    JOURNAL.try_with(|_| ()).is_ok()
+}
+
 /// Notes a step's outcome if a journal is in scope.
 pub(crate) fn note(saga_type: &'static str, saga_id: String, event_id: Uuid, outcome: StepOutcome) {
     let _ = JOURNAL.try_with(|j| {
