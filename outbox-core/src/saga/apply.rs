@@ -12,6 +12,7 @@ use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
 use super::counts::bump;
+use super::journal::{StepOutcome, note};
 use super::{MessageSteps, OtherStage, Saga, SagaContext, SagaTimeout, StepFn, stage_name};
 use crate::event::DomainEvent;
 use crate::handler::{BoxError, HandlerContext, HandlerFuture, InboxHandler};
@@ -97,14 +98,14 @@ impl<S: Saga, M: DomainEvent> SagaHandler<S, M> {
             .map(|s| s.run)
     }
 
-    async fn apply(&self, ctx: &mut HandlerContext<'_>, event: M) -> Result<(), BoxError> {
+    async fn apply(&self, ctx: &mut HandlerContext<'_>, event: M) -> Result<StepOutcome, BoxError> {
         let timeout = (&event as &dyn Any)
             .downcast_ref::<SagaTimeout<S>>()
             .map(|t| (t.saga_type.clone(), t.name.clone(), t.timeout_id));
         if let Some((saga_type, _, _)) = &timeout
             && saga_type != S::NAME
         {
-            return Ok(()); // another saga's timeout on a shared topic
+            return Ok(StepOutcome::Missing); // another saga's timeout on a shared topic
         }
         let saga_id = (self.steps.correlate)(&event);
         let conn = ctx.connection();
@@ -127,11 +128,11 @@ impl<S: Saga, M: DomainEvent> SagaHandler<S, M> {
         }
         let Some(instance) = instance else {
             bump(S::NAME, |c| c.missing += 1);
-            return Ok(());
+            return Ok(StepOutcome::Missing);
         };
         if instance.completed {
             bump(S::NAME, |c| c.completed += 1);
-            return Ok(());
+            return Ok(StepOutcome::Completed);
         }
         let state: S = serde_json::from_value(instance.state)?;
         let mut timeouts: BTreeMap<String, Uuid> = serde_json::from_value(instance.timeouts)?;
@@ -142,7 +143,7 @@ impl<S: Saga, M: DomainEvent> SagaHandler<S, M> {
                     && timeouts.get(name) != Some(id)
                 {
                     bump(S::NAME, |c| c.stale_timeouts += 1);
-                    return Ok(());
+                    return Ok(StepOutcome::StaleTimeout);
                 }
                 let name = timeout.as_ref().map(|(_, name, _)| name.as_str());
                 match self.step(state.stage(), name) {
@@ -155,7 +156,7 @@ impl<S: Saga, M: DomainEvent> SagaHandler<S, M> {
                     None => {
                         bump(S::NAME, |c| c.other_stage += 1);
                         return match S::other_stage() {
-                            OtherStage::Ignore => Ok(()),
+                            OtherStage::Ignore => Ok(StepOutcome::OtherStage),
                             OtherStage::DeadLetter => Err(format!(
                                 "saga `{}` instance `{saga_id}` in stage `{}` has no step for `{}`",
                                 S::NAME,
@@ -198,7 +199,10 @@ impl<S: Saga, M: DomainEvent> SagaHandler<S, M> {
             ctx.record_message(message);
         }
         bump(S::NAME, |c| c.steps += 1);
-        Ok(())
+        Ok(match created {
+            true => StepOutcome::Started,
+            false => StepOutcome::Applied,
+        })
     }
 }
 
@@ -211,13 +215,25 @@ impl<S: Saga, M: DomainEvent> InboxHandler for SagaHandler<S, M> {
         'c: 'a,
     {
         Box::pin(async move {
-            let result = self.apply(ctx, event).await;
-            if let Err(error) = &result
-                && conflict(error.as_ref())
-            {
-                bump(S::NAME, |c| c.conflicts += 1);
+            // The instance's id, for the testing kit's journal only.
+            let noted = super::journal::active()
+                .then(|| self.saga_instance(&event).map(|(_, id)| id))
+                .flatten();
+            let event_id = ctx.incoming().event_id;
+            match self.apply(ctx, event).await {
+                Ok(outcome) => {
+                    if let Some(saga_id) = noted {
+                        note(S::NAME, saga_id, event_id, outcome);
+                    }
+                    Ok(())
+                }
+                Err(error) => {
+                    if conflict(error.as_ref()) {
+                        bump(S::NAME, |c| c.conflicts += 1);
+                    }
+                    Err(error)
+                }
             }
-            result
         })
     }
 

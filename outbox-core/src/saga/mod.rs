@@ -5,7 +5,8 @@
 //! [`SagaContext`] a step receives, the step tables ([`MessageSteps`]) and
 //! the policy for a message arriving in another stage ([`OtherStage`]).
 //! Applying a message (locking, stage checks, writing back) is in
-//! `apply.rs`; the counters in `counts.rs`.
+//! `apply.rs`; the counters in `counts.rs`; what each message did, for
+//! the testing kit, in `journal.rs`.
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;
@@ -25,9 +26,13 @@ use crate::message::OutboxMessage;
 
 mod apply;
 mod counts;
+mod journal;
 
 pub use apply::SagaHandler;
 pub use counts::{SagaCounts, all_saga_counts, saga_counts};
+pub use journal::StepOutcome;
+#[doc(hidden)]
+pub use journal::{StepNote, observe_steps};
 
 /// What a saga step returns: the saga's next stage.
 pub type StepFuture<'a, S> =

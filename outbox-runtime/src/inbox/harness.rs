@@ -21,7 +21,7 @@ use super::clock::TestClock;
 use super::dispatch::{Registry, Route};
 use super::poller::Shared;
 use super::processor::{Processor, Round};
-use super::record::{self, Check, Raw, Record};
+use super::record::{self, Body, Check, Raw, Record};
 use super::txn::GuardedConn;
 use super::{Consumer, ConsumerConfig, ConsumerCounts, ConsumerStats, Mode, dedup, store};
 use crate::backoff::Health;
@@ -117,6 +117,31 @@ impl Driver {
             Mode::Dedup => Check::Decode,
             Mode::Inbox => Check::Json,
         };
+        self.parse(messages, check)
+    }
+
+    /// The saga instances each of `messages` moves in this consumer
+    /// (`(saga type, saga id)`, one per saga handler of its type).
+    pub fn saga_instances(&self, messages: &[&Message]) -> Vec<Vec<(&'static str, String)>> {
+        self.parse(messages, Check::Decode)
+            .iter()
+            .map(|r| {
+                let Body::Event(e) = &r.body else {
+                    return Vec::new();
+                };
+                e.handlers
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, &h)| {
+                        let value = e.decoded.get(i)?.as_ref()?;
+                        self.registry.handler(h).saga_instance(value)
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn parse(&self, messages: &[&Message], check: Check) -> Vec<Record> {
         messages
             .iter()
             .map(|m| {

@@ -46,13 +46,21 @@
 //! for the same typed tests run end to end. [`TestDb`] gives each test a
 //! migrated database in milliseconds, cloned from a template.
 //!
-//! Files: `report.rs` (the [`Delivery`] and its assertions), `raw.rs`,
-//! `faults.rs`, `topics.rs`, `db.rs`.
+//! Sagas run through the bus like any handler, their timeouts as
+//! scheduled events: [`TestBus::saga`] reads an instance back typed
+//! ([`SagaInstance`], with assertions on its stage, completion and pending
+//! timeouts), and [`Delivery::saga_history`] tells what each message of a
+//! delivery did to it ([`SagaHistory`]: started, applied, ignored in
+//! another stage, duplicate, dead-lettered…).
+//!
+//! Files: `report.rs` (the [`Delivery`] and its assertions), `saga.rs`,
+//! `raw.rs`, `faults.rs`, `topics.rs`, `db.rs`.
 
 mod db;
 mod faults;
 mod raw;
 mod report;
+mod saga;
 mod topics;
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
@@ -66,6 +74,7 @@ pub use self::db::{TestDb, TestDbBuilder, TestDbError};
 pub use self::faults::{FailTimes, Faults};
 pub use self::raw::RawMessage;
 pub use self::report::{Delivered, Delivery, Outcome, Published, TypeCounts};
+pub use self::saga::{SagaEffect, SagaEntry, SagaHistory, SagaInstance, SagaOutcome};
 pub use self::topics::{FIRST_OFFSET, TestTopics};
 pub use crate::inbox::TestClock;
 use crate::inbox::harness::{Driver, Message, Routed};
@@ -257,6 +266,28 @@ impl TestBus {
     /// The clock the consumers' retries wait on.
     pub fn clock(&self) -> &TestClock {
         &self.clock
+    }
+
+    /// Reads instance `saga_id` of saga `S` from the bus's databases (its
+    /// services' and [`outbox`](Self::outbox)es' pools, the first that
+    /// holds it); `None` if none does. [`SagaInstance::load`] reads one
+    /// pool's.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Database`]: a statement failed, or the stored state does
+    /// not decode as `S`.
+    pub async fn saga<S: outbox_core::Saga>(
+        &self,
+        saga_id: impl std::fmt::Display,
+    ) -> Result<Option<SagaInstance<S>>, Error> {
+        let saga_id = saga_id.to_string();
+        for outbox in &self.outboxes {
+            if let Some(instance) = SagaInstance::load(&outbox.pool, &saga_id).await? {
+                return Ok(Some(instance));
+            }
+        }
+        Ok(None)
     }
 
     /// Delivers what the outboxes hold, then the follow-up events, until no
@@ -575,7 +606,9 @@ async fn deliver_chunk(
             .bind(group)
             .fetch_one(pool)
             .await?;
-    consumer.deliver(chunk).await.map_err(Error::Inbox)?;
+    let (delivered, steps) = outbox_core::saga::observe_steps(consumer.deliver(chunk)).await;
+    delivered.map_err(Error::Inbox)?;
+    let sagas = consumer.saga_instances(chunk);
     let applied: HashSet<Uuid> = sqlx::query_scalar(
         "SELECT event_id FROM processed_event WHERE consumer = $1 AND event_id = ANY($2)",
     )
@@ -597,7 +630,7 @@ async fn deliver_chunk(
     .into();
     let mut earlier: HashSet<Uuid> = HashSet::new();
     let mut credited: HashSet<Uuid> = HashSet::new();
-    for m in chunk {
+    for (m, instances) in chunk.iter().zip(sagas) {
         let id = event_id(m);
         let event_type = event_type(m);
         let letter = letters
@@ -625,6 +658,24 @@ async fn deliver_chunk(
         if let Some(id) = id {
             earlier.insert(id);
         }
+        let sagas = instances
+            .into_iter()
+            .map(|(saga_type, saga_id)| {
+                // The last attempt's: earlier ones rolled back.
+                let step = steps
+                    .iter()
+                    .rev()
+                    .find(|s| {
+                        Some(s.event_id) == id && s.saga_type == saga_type && s.saga_id == saga_id
+                    })
+                    .map(|s| s.outcome);
+                SagaEffect {
+                    saga_type: saga_type.to_owned(),
+                    saga_id,
+                    outcome: SagaOutcome::of(&outcome, step),
+                }
+            })
+            .collect();
         delivery.delivered.push(Delivered {
             group: group.clone(),
             event_id: id,
@@ -644,6 +695,7 @@ async fn deliver_chunk(
             offset: m.offset,
             payload: m.payload.clone().unwrap_or_default(),
             outcome,
+            sagas,
         });
     }
     Ok(())

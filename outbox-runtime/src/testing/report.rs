@@ -172,6 +172,9 @@ pub struct Delivered {
     pub payload: Vec<u8>,
     /// What happened.
     pub outcome: Outcome,
+    /// The saga instances it correlates to in the consumer (one per saga
+    /// of the consumer that handles its type), and what it did to each.
+    pub sagas: Vec<super::SagaEffect>,
 }
 
 impl Delivered {
@@ -477,6 +480,9 @@ impl fmt::Display for Delivery {
                 "  {} ← {}@{} {} key={}: {}",
                 d.group, d.topic, d.offset, d.event_type, d.key, d.outcome
             )?;
+            for s in &d.sagas {
+                writeln!(f, "    saga {} {}: {}", s.saga_type, s.saga_id, s.outcome)?;
+            }
         }
         Ok(())
     }
