@@ -24,9 +24,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler};
 use outbox_runtime::Consumer;
-use rdkafka::ClientConfig;
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureRecord;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -159,35 +157,17 @@ impl InboxHandler for Stage {
 
 async fn preload(brokers: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
     common::recreate_topic(brokers, TOPIC, PARTITIONS).await?;
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("enable.idempotence", "true")
-        .set("linger.ms", "5")
-        .set("queue.buffering.max.messages", "1000000")
-        .create()?;
+    let producer = common::preload_producer(brokers)?;
     let mut pending = Vec::with_capacity(n as usize);
     for seq in 0..n {
         let key = format!("order-{}", key_of(seq));
         let id = Uuid::now_v7().to_string();
         let payload =
             serde_json::json!({ "order_id": key, "seq": seq, "note": "x".repeat(140) }).to_string();
-        let headers = OwnedHeaders::new_with_capacity(3)
-            .insert(Header {
-                key: "event_id",
-                value: Some(id.as_bytes()),
-            })
-            .insert(Header {
-                key: "event_type",
-                value: Some("OrderPlaced".as_bytes()),
-            })
-            .insert(Header {
-                key: "event_version",
-                value: Some("1".as_bytes()),
-            });
         let record = FutureRecord::to(TOPIC)
             .key(key.as_bytes())
             .payload(payload.as_bytes())
-            .headers(headers);
+            .headers(common::identity_headers(&id, "OrderPlaced"));
         pending.push(common::queue(&producer, record).await);
     }
     common::delivered(pending).await?;

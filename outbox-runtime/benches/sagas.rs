@@ -29,9 +29,7 @@ use clap::Parser;
 use outbox::{BoxError, SagaContext, SagaTimeout};
 use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler};
 use outbox_runtime::{Consumer, ConsumerBuilder};
-use rdkafka::ClientConfig;
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureRecord;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -206,12 +204,7 @@ async fn preload(
 ) -> Result<(), Box<dyn std::error::Error>> {
     common::recreate_topic(brokers, TOPIC, PARTITIONS).await?;
     common::recreate_topic(brokers, TIMEOUTS, 1).await?;
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("enable.idempotence", "true")
-        .set("linger.ms", "5")
-        .set("queue.buffering.max.messages", "1000000")
-        .create()?;
+    let producer = common::preload_producer(brokers)?;
     let rounds = events / orders;
     let mut pending = Vec::with_capacity(events as usize);
     for seq in 0..rounds * orders {
@@ -220,23 +213,10 @@ async fn preload(
         let id = Uuid::now_v7().to_string();
         let payload =
             serde_json::json!({ "order_id": key, "seq": seq, "note": "x".repeat(140) }).to_string();
-        let headers = OwnedHeaders::new_with_capacity(3)
-            .insert(Header {
-                key: "event_id",
-                value: Some(id.as_bytes()),
-            })
-            .insert(Header {
-                key: "event_type",
-                value: Some(event_type.as_bytes()),
-            })
-            .insert(Header {
-                key: "event_version",
-                value: Some("1".as_bytes()),
-            });
         let record = FutureRecord::to(TOPIC)
             .key(key.as_bytes())
             .payload(payload.as_bytes())
-            .headers(headers);
+            .headers(common::identity_headers(&id, event_type));
         pending.push(common::queue(&producer, record).await);
     }
     common::delivered(pending).await?;

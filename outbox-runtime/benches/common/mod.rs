@@ -112,6 +112,38 @@ pub async fn drained(pool: &PgPool) -> Result<bool, sqlx::Error> {
     .await
 }
 
+/// A producer for preloading a topic: idempotent, batching, with room for
+/// a large backlog in its queue.
+pub fn preload_producer(
+    brokers: &str,
+) -> rdkafka::error::KafkaResult<rdkafka::producer::FutureProducer> {
+    rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .set("queue.buffering.max.messages", "1000000")
+        .create()
+}
+
+/// The identity headers the relay writes: `event_id`, `event_type`,
+/// `event_version` 1.
+pub fn identity_headers(event_id: &str, event_type: &str) -> rdkafka::message::OwnedHeaders {
+    use rdkafka::message::Header;
+    rdkafka::message::OwnedHeaders::new_with_capacity(3)
+        .insert(Header {
+            key: "event_id",
+            value: Some(event_id.as_bytes()),
+        })
+        .insert(Header {
+            key: "event_type",
+            value: Some(event_type.as_bytes()),
+        })
+        .insert(Header {
+            key: "event_version",
+            value: Some("1".as_bytes()),
+        })
+}
+
 /// Queues `record` on `producer`, waiting a millisecond at a time while the
 /// producer's queue is full; returns its delivery.
 pub async fn queue(

@@ -310,11 +310,12 @@ fn retries_first(rows: &mut Vec<Row>) {
         .iter()
         .map(|r| r.attempts > 0 && per_key[&(r.topic.as_str(), r.partition_key.as_str())] == 1)
         .collect();
-    let mut order: Vec<usize> = (0..rows.len()).collect();
     // Stable: retries keep their received order, the others theirs.
-    order.sort_by_key(|&i| !alone[i]);
-    let mut taken: Vec<Option<Row>> = std::mem::take(rows).into_iter().map(Some).collect();
-    rows.extend(order.into_iter().filter_map(|i| taken[i].take()));
+    let (first, rest): (Vec<_>, Vec<_>) = std::mem::take(rows)
+        .into_iter()
+        .zip(alone)
+        .partition(|(_, alone)| *alone);
+    rows.extend(first.into_iter().chain(rest).map(|(row, _)| row));
 }
 
 #[derive(sqlx::FromRow)]
