@@ -547,12 +547,21 @@ async fn a_scheduled_event_keeps_its_time_across_enable(pool: PgPool) {
     let both = read_topic(&brokers(), &topic, 2, Duration::from_secs(30)).await;
     assert!(chrono::Utc::now() >= due);
     assert!(both.iter().any(|r| r.event_id() == scheduled));
-    let published_at: Option<chrono::DateTime<chrono::Utc>> =
-        sqlx::query_scalar("SELECT published_at FROM outbox_event WHERE event_id = $1")
-            .bind(scheduled)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    // Its mark commits after the delivery the topic shows.
+    let published_at = || async {
+        sqlx::query_scalar::<_, Option<chrono::DateTime<chrono::Utc>>>(
+            "SELECT published_at FROM outbox_event WHERE event_id = $1",
+        )
+        .bind(scheduled)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    eventually(Duration::from_secs(10), || async {
+        published_at().await.is_some()
+    })
+    .await;
+    let published_at = published_at().await;
     handle.shutdown().await.unwrap();
     assert!(published_at.is_some_and(|at| at >= due), "{published_at:?}");
 }
@@ -697,6 +706,7 @@ async fn replay_and_the_event_page_see_what_the_positions_passed(pool: PgPool) {
 /// hold is gone.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_missing_topic_is_held_as_one_row_and_its_events_follow_once_it_exists(pool: PgPool) {
+    common::init_tracing();
     use outbox_runtime::cleanup::{self, Retention};
     let good = unique_topic("progress-good");
     let missing = unique_topic("progress-missing");

@@ -103,6 +103,17 @@ pub(super) struct Loop<'a> {
     /// it and could take later rows of its key: until then these keys are
     /// left out of claims and held back in sends.
     pub(super) held: HashMap<String, u64>,
+    /// Keys [`held`](Self::held) released by a batch's end, mapped to that
+    /// batch's number, while a claim that may not see that end runs: its
+    /// rows were read before the rows' states (a hold, a failure) committed,
+    /// so a row of such a key can be behind an unpublished row without
+    /// knowing it. Held back in the send of that claim's batch.
+    pub(super) released_keys: HashMap<String, u64>,
+    /// The number of the last batch whose transaction ended.
+    pub(super) ended: u64,
+    /// [`ended`](Self::ended) when the running claim began: keys released
+    /// by later ends are held back in its send.
+    pub(super) claim_floor: u64,
     /// When held rows were last released, and whether that release was
     /// cut at its limit (see [`held::release`]).
     pub(super) released: Option<(Instant, bool)>,
@@ -227,6 +238,10 @@ impl Loop<'_> {
                 self.look_up_topics(publisher, due).await;
             }
             let keys: Vec<String> = self.held.keys().cloned().collect();
+            // Ends from now on may commit after the claim's reads.
+            let ended = self.ended;
+            self.released_keys.retain(|_, seq| *seq > ended);
+            self.claim_floor = ended;
             let max_bytes = i64::try_from(self.config.max_batch_bytes).unwrap_or(i64::MAX);
             let pool = self.pool.clone();
             let claimable = self.lanes.claimable();
@@ -396,9 +411,12 @@ impl Loop<'_> {
                 mode.apply_rewinds();
                 if carried_to_claim && matches!(claimed, Some(Ok(_))) {
                     mode.carry = None;
-                    mode.failing = false;
+                    // Not only a failed finish is carried: an idle claim's
+                    // count of rows passed over is too.
+                    if std::mem::take(&mut mode.failing) {
+                        tracing::info!("a finish that had not committed is written");
+                    }
                     self.database.permitted(batch::RECORD);
-                    tracing::info!("a finish that had not committed is written");
                 }
             }
             tracing::trace!(
@@ -617,7 +635,8 @@ impl Loop<'_> {
     }
 
     /// Hands a claimed batch to the producer, holding back rows of keys that
-    /// are held (a row of theirs is still locked unpublished) or blocked,
+    /// are held (a row of theirs is still locked unpublished), released
+    /// while the batch was claimed (see [`Loop::released_keys`]) or blocked,
     /// rows of blocked topics and of topics missing on the broker, rows behind a held row of their key (see
     /// [`held`]), and the later rows of these rows' keys in the batch.
     fn send(&mut self, publisher: &mut Publisher, batch: Batch) -> InFlight {
@@ -648,6 +667,10 @@ impl Loop<'_> {
             } else if recording
                 || self.progress.as_ref().is_some_and(|p| p.stale(&batch, i))
                 || self.held.contains_key(&row.partition_key)
+                || self
+                    .released_keys
+                    .get(&row.partition_key)
+                    .is_some_and(|seq| *seq > self.claim_floor)
                 || self.blocked.deadline(row).is_some()
                 || self.topics.held(&row.topic).is_some()
                 || batch
@@ -759,7 +782,15 @@ impl Loop<'_> {
                 self.cut = None;
             }
             let before = self.held.len();
-            self.held.retain(|_, last| *last > seq);
+            let released_keys = &mut self.released_keys;
+            self.held.retain(|key, last| {
+                let keep = *last > seq;
+                if !keep {
+                    released_keys.insert(key.clone(), seq);
+                }
+                keep
+            });
+            self.ended = self.ended.max(seq);
             released = self.held.len() < before;
             match result {
                 Ok(finished) => {
