@@ -544,7 +544,8 @@ pub(crate) enum DeadLettersCommand {
 pub(crate) enum SagasCommand {
     /// Instances per saga type and stage: running, completed, stuck.
     Summary {
-        /// A running instance without a step for longer than this is stuck.
+        /// A running instance without a step for longer than this, and no
+        /// timeout still to come, is stuck.
         #[arg(long, value_name = "DURATION", default_value = "1h")]
         stuck_after: String,
         /// Print JSON instead of a table.
@@ -562,7 +563,8 @@ pub(crate) enum SagasCommand {
         /// running | completed | all.
         #[arg(long, default_value = "running", value_parser = ["running", "completed", "all"])]
         state: String,
-        /// Only instances without a step for longer than this (stuck ones).
+        /// Only instances without a step for longer than this (pending
+        /// timeouts or not: `sagas show` tells).
         #[arg(long, value_name = "DURATION")]
         idle: Option<String>,
         /// At most this many.

@@ -612,10 +612,12 @@ async fn sagas_summary_list_and_show(pool: PgPool) {
             .cloned()
             .unwrap_or_else(|| panic!("{t}/{s} in {rows}"))
     };
+    // o-1 has taken no step for 3 hours but waits for its timeout, due in
+    // an hour: not stuck (see the end for the same once it is overdue).
     let awaiting = of("order", "AwaitingPayment");
     assert_eq!(
         (awaiting["running"].as_i64(), awaiting["stuck"].as_i64()),
-        (Some(2), Some(1))
+        (Some(2), Some(0))
     );
     assert!(awaiting["oldest_step_secs"].as_f64().unwrap() >= 3.0 * 3600.0 - 60.0);
     let shipped = of("order", "Shipped");
@@ -695,4 +697,21 @@ async fn sagas_summary_list_and_show(pool: PgPool) {
     let (_, err) = text(&o);
     assert!(!o.status.success());
     assert!(err.contains("no saga instance order/nope"), "{err}");
+
+    // Its timeout's time past (no relay published it): o-1 waits for
+    // nothing still to come, and is stuck.
+    sqlx::query("UPDATE outbox_event SET due_at = now() - interval '1 minute' WHERE event_id = $1")
+        .bind(timeout)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let o = outbox(Some(&url), &["sagas", "summary", "--json"]).await;
+    let rows: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let stuck = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["saga_type"] == "order" && r["stage"] == "AwaitingPayment")
+        .map(|r| r["stuck"].clone());
+    assert_eq!(stuck, Some(serde_json::json!(1)), "{rows}");
 }

@@ -52,6 +52,7 @@
 //! | `outbox_saga_steps_total` | counter | `saga` | saga steps applied (state written back), in this process |
 //! | `outbox_saga_started_total` | counter | `saga` | instances created by a start message |
 //! | `outbox_saga_conflicts_total` | counter | `saga` | steps that failed on a conflict with another transaction (deadlock, serialization failure, lock not available): retried with the back-off |
+//! | `outbox_sagas_stuck` | gauge | `saga` | running instances of the consumer's sagas without a step for longer than `ConsumerConfig::saga_stuck_after` and no timeout still to come (exact up to 10,000; 10,001: more), sampled every 5 s |
 //! | `outbox_saga_ignored_total` | counter | `saga`, `reason` | messages that changed nothing: `missing` (no instance), `completed`, `other_stage`, `stale_timeout` |
 
 use std::sync::Arc;
@@ -76,6 +77,12 @@ const BACKLOG_SAMPLE: Statement = Statement {
 const DEAD_LETTER_SAMPLE: Statement = Statement {
     name: "consumer: count dead letters (metrics)",
     needs: "SELECT ON dead_letter",
+};
+
+/// The stuck sagas' sample.
+const STUCK_SAGA_SAMPLE: Statement = Statement {
+    name: "consumer: count stuck saga instances (metrics)",
+    needs: "SELECT ON outbox_saga, SELECT (event_id, due_at) ON outbox_event",
 };
 
 /// A sample's health: a refusal is reported (once, and in the process's
@@ -230,6 +237,51 @@ pub(crate) static PROGRESS_BACKLOG: std::sync::LazyLock<String> = std::sync::Laz
 pub(crate) const DEAD_LETTERS: &str =
     "SELECT count(*) FROM dead_letter WHERE consumer = $1 AND status = 'dead'";
 
+/// Running instances of each saga type `$1` without a step for longer than
+/// `$2` seconds and with no timeout still to come (a pending timeout whose
+/// outbox row is due later), at most 10,001 per type: a range scan of
+/// `ix_outbox_saga_running` per type, the timeouts probed only for the
+/// instances idle that long.
+pub(crate) const STUCK_SAGAS: &str = "
+SELECT t.saga_type, (
+    SELECT count(*) FROM (
+        SELECT 1 FROM outbox_saga s
+        WHERE s.saga_type = t.saga_type AND s.completed_at IS NULL
+          AND s.updated_at < now() - make_interval(secs => $2)
+          AND NOT EXISTS (
+              SELECT 1 FROM jsonb_each_text(s.timeouts) p
+              JOIN outbox_event o ON o.event_id = p.value::uuid
+              WHERE o.due_at > now())
+        LIMIT 10001) AS c) AS stuck
+FROM unnest($1::text[]) AS t(saga_type)";
+
+/// What a consumer's metrics task samples beside its counters.
+pub(crate) struct Sampled {
+    pub group: String,
+    /// The consumer's saga types.
+    pub sagas: Vec<&'static str>,
+    pub saga_stuck_after: Duration,
+}
+
+/// Samples the `outbox_sagas_stuck` gauge of each of `sagas`.
+async fn sample_stuck_sagas(
+    pool: PgPool,
+    sagas: Vec<&'static str>,
+    stuck_after: Duration,
+) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin_with(sample_begin()).await?;
+    let counts: Vec<(String, i64)> = sqlx::query_as(STUCK_SAGAS)
+        .bind(&sagas)
+        .bind(stuck_after.as_secs_f64())
+        .fetch_all(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    for (saga, n) in counts {
+        gauge!("outbox_sagas_stuck", "saga" => saga).set(n as f64);
+    }
+    Ok(())
+}
+
 /// Copies a relay's counters into the metrics and samples the backlog,
 /// until `shutdown`; then copies once more. `outbox_relay_up` counts the
 /// relay from its first copy to its last.
@@ -360,10 +412,15 @@ async fn sample_dead_letters(pool: PgPool, group: String) -> Result<(), sqlx::Er
 /// letters, until `shutdown`; then copies once more.
 pub(crate) async fn consumer_task(
     pool: PgPool,
-    group: String,
+    what: Sampled,
     stats: Arc<ConsumerStats>,
     shutdown: CancellationToken,
 ) {
+    let Sampled {
+        group,
+        sagas: saga_types,
+        saga_stuck_after,
+    } = what;
     let labels = [("group", group.clone())];
     let received = counter!("outbox_consumer_received_total", &labels);
     let processed = counter!("outbox_consumer_processed_total", &labels);
@@ -373,6 +430,12 @@ pub(crate) async fn consumer_task(
     let refused = gauge!("outbox_consumer_refused", &labels);
     let mut health = Health::new(
         "database (dead-letter sample)",
+        BACKLOG_INTERVAL,
+        BACKLOG_INTERVAL,
+    )
+    .reporting(stats.problems());
+    let mut saga_health = Health::new(
+        "database (stuck sagas sample)",
         BACKLOG_INTERVAL,
         BACKLOG_INTERVAL,
     )
@@ -404,6 +467,21 @@ pub(crate) async fn consumer_task(
                     }
                 }
                 _ = shutdown.cancelled() => break,
+            }
+            if !saga_types.is_empty() {
+                let sample = tokio::spawn(sample_stuck_sagas(
+                    pool.clone(),
+                    saga_types.clone(),
+                    saga_stuck_after,
+                ));
+                tokio::select! {
+                    done = tokio::time::timeout(BACKLOG_INTERVAL, sample) => {
+                        if let Ok(Ok(result)) = done {
+                            sample_health(&mut saga_health, result, STUCK_SAGA_SAMPLE);
+                        }
+                    }
+                    _ = shutdown.cancelled() => break,
+                }
             }
         }
         tokio::select! {

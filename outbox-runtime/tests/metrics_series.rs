@@ -20,6 +20,45 @@ use sqlx::PgPool;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 keyed_event!(Placed, "series-orders");
+keyed_event!(Opened, "series-tickets");
+
+/// A saga on the consumer: its stuck instances' gauge is emitted.
+mod ticket {
+    use outbox::{BoxError, SagaContext};
+    use serde::{Deserialize, Serialize};
+
+    use super::Opened;
+
+    pub const TIMEOUTS: &str = "series-ticket-timeouts";
+
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    pub enum Stage {
+        Open,
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub struct Ticket {
+        pub key: String,
+        pub stage: Stage,
+    }
+
+    #[outbox::saga(name = "series-ticket", timeouts = "series-ticket-timeouts", stage = Stage)]
+    impl Ticket {
+        #[init]
+        fn begin(e: &Opened) -> Self {
+            Ticket {
+                key: e.key.clone(),
+                stage: Stage::Open,
+            }
+        }
+
+        #[step(start, correlate = key)]
+        async fn opened(ctx: &mut SagaContext<Self>, _e: Opened) -> Result<Stage, BoxError> {
+            ctx.complete();
+            Ok(Stage::Open)
+        }
+    }
+}
 
 /// Fails the events of key `bad` (dead-lettered), applies the others.
 struct FailBad;
@@ -96,6 +135,9 @@ async fn the_alerts_and_the_dashboard_use_only_series_the_code_emits(pool: PgPoo
     let prefix = format!("{}.", unique_topic("series"));
     let topic = format!("{prefix}{}", Placed::TOPIC);
     create_topic(&brokers(), &topic).await;
+    for t in [Opened::TOPIC, ticket::TIMEOUTS] {
+        create_topic(&brokers(), &format!("{prefix}{t}")).await;
+    }
 
     // 20 events on four keys, one too large for the producer (parked), one
     // its handler fails (dead-lettered).
@@ -124,6 +166,8 @@ async fn the_alerts_and_the_dashboard_use_only_series_the_code_emits(pool: PgPoo
         .brokers(brokers())
         .topic_prefix(&prefix)
         .handler(FailBad)
+        .saga::<ticket::Ticket>()
+        .saga_stuck_after(Duration::from_secs(60))
         .max_attempts(1)
         .spawn()
         .unwrap();
@@ -178,6 +222,36 @@ async fn the_alerts_and_the_dashboard_use_only_series_the_code_emits(pool: PgPoo
         "{body}"
     );
     assert!(value(&body, "outbox_relay_failed_total", &[]).unwrap() >= 2.0);
+
+    // Stuck instances of the saga: running, no step for over a minute, no
+    // timeout still to come. Not one waiting for its timeout, due in an
+    // hour; not a completed one; not one that just moved.
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let due = sqlx::types::chrono::Utc::now() + Duration::from_secs(3600);
+    let timeout = uow.record_message_at(due, message(ticket::TIMEOUTS, "t-2", 0));
+    uow.commit().await.unwrap();
+    sqlx::query(
+        "INSERT INTO outbox_saga (saga_type, saga_id, state, stage, version, timeouts, updated_at,
+                                  completed_at)
+         VALUES ('series-ticket', 't-1', '{}', 'Open', 1, '{}', now() - interval '2 hours', NULL),
+                ('series-ticket', 't-2', '{}', 'Open', 1, jsonb_build_object('close', $1::text),
+                 now() - interval '2 hours', NULL),
+                ('series-ticket', 't-3', '{}', 'Open', 2, '{}', now() - interval '2 hours', now()),
+                ('series-ticket', 't-4', '{}', 'Open', 1, '{}', now(), NULL)",
+    )
+    .bind(timeout.to_string())
+    .execute(&pool)
+    .await
+    .unwrap();
+    let saga = "saga=\"series-ticket\"";
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            value(&scrape(addr).await, "outbox_sagas_stuck", &[saga]) == Some(1.0)
+        })
+        .await,
+        "{}",
+        scrape(addr).await
+    );
 
     // A stopped relay and consumer show as such (what OutboxRelayDown and
     // OutboxConsumerDown look for).

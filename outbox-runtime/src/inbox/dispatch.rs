@@ -110,6 +110,8 @@ pub(crate) struct Registry {
     topics: BTreeMap<String, TopicRoutes>,
     /// Registration mistakes, reported by [`check`](Self::check).
     duplicates: Vec<String>,
+    /// The saga types registered (their names).
+    sagas: Vec<&'static str>,
 }
 
 impl std::fmt::Debug for Registry {
@@ -221,6 +223,18 @@ impl Registry {
 
     pub fn names(&self) -> &[&'static str] {
         &self.names
+    }
+
+    /// Records that saga type `name` is registered.
+    pub fn add_saga(&mut self, name: &'static str) {
+        if !self.sagas.contains(&name) {
+            self.sagas.push(name);
+        }
+    }
+
+    /// The saga types registered.
+    pub fn sagas(&self) -> &[&'static str] {
+        &self.sagas
     }
 
     pub fn route(&self, topic: &str, event_type: &str) -> Route<'_> {

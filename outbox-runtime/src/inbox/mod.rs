@@ -166,6 +166,11 @@ pub struct ConsumerConfig {
     /// group's `session.timeout.ms` (librdkafka's default: 45 s) and above
     /// the longest time a handler may hold one message.
     pub stall_timeout: Duration,
+    /// A running instance of one of the consumer's sagas that has taken no
+    /// step for this long, and has no timeout still to come, is stuck: the
+    /// `outbox_sagas_stuck` gauge counts them per saga type (sampled every
+    /// 5 s), and so does `outbox sagas summary --stuck-after`. Default 1 h.
+    pub saga_stuck_after: Duration,
     /// Reads a partition again from the expected offset, once, when a
     /// message arrives past it (default on). A broker may show a record's
     /// offset before the record can be fetched (tansu 0.6 advances the high
@@ -208,6 +213,7 @@ impl std::fmt::Debug for ConsumerConfig {
             processor_poll_interval,
             processors,
             stall_timeout,
+            saga_stuck_after,
             recheck_offset_gaps,
             topic_prefix,
             commit_offsets,
@@ -233,6 +239,7 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("processor_poll_interval", processor_poll_interval)
             .field("processors", processors)
             .field("stall_timeout", stall_timeout)
+            .field("saga_stuck_after", saga_stuck_after)
             .field("recheck_offset_gaps", recheck_offset_gaps)
             .field("topic_prefix", topic_prefix)
             .field("commit_offsets", commit_offsets)
@@ -263,6 +270,7 @@ impl ConsumerConfig {
             processor_poll_interval: Duration::from_millis(500),
             processors: 1,
             stall_timeout: Duration::from_secs(60),
+            saga_stuck_after: Duration::from_secs(3600),
             recheck_offset_gaps: true,
             topic_prefix: String::new(),
             commit_offsets: true,
@@ -321,6 +329,9 @@ impl ConsumerConfig {
         }
         if self.stall_timeout < Duration::from_secs(1) {
             return bad("the stall timeout must be at least 1 s".into());
+        }
+        if self.saga_stuck_after < Duration::from_secs(1) {
+            return bad("the saga stuck time must be at least 1 s".into());
         }
         for (key, value) in &self.kafka_settings {
             if key == "group.id" {
@@ -506,6 +517,13 @@ impl ConsumerBuilder {
     /// rejoins its group); default 60 s. See [`ConsumerConfig::stall_timeout`].
     pub fn stall_timeout(mut self, d: Duration) -> Self {
         self.config.stall_timeout = d;
+        self
+    }
+    /// How long a running instance of one of the consumer's sagas may go
+    /// without a step, with no timeout still to come, before it counts as
+    /// stuck; default 1 h. See [`ConsumerConfig::saga_stuck_after`].
+    pub fn saga_stuck_after(mut self, d: Duration) -> Self {
+        self.config.saga_stuck_after = d;
         self
     }
     /// Whether a message past the expected offset of its partition makes
@@ -942,7 +960,11 @@ impl Consumer {
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(crate::metrics::consumer_task(
             pool.clone(),
-            config.group.clone(),
+            crate::metrics::Sampled {
+                group: config.group.clone(),
+                sagas: registry.sagas().to_vec(),
+                saga_stuck_after: config.saga_stuck_after,
+            },
             stats.clone(),
             background.clone(),
         ));

@@ -30,6 +30,7 @@ impl ConsumerBuilder {
     /// with the message's deduplication (or inbox) bookkeeping.
     pub fn saga<S: Saga>(mut self) -> Self {
         S::steps(&mut self.registry);
+        self.registry.add_saga(S::NAME);
         self
     }
 }

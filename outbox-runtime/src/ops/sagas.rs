@@ -1,6 +1,7 @@
 //! Saga instances for operators (`outbox sagas`, the console): how many
 //! instances of each type are in each stage, running or completed, and how
-//! many are stuck (running, no step for longer than a given time); lists of
+//! many are stuck (running, no step for longer than a given time, and no
+//! timeout still to come: one waiting for its payment timeout is not); lists of
 //! instances by type, stage and idleness; one instance with its state and
 //! its pending timeouts (their due time, from the outbox rows that carry
 //! them). Reads only; over `outbox_saga`'s index of running instances by
@@ -26,7 +27,8 @@ pub struct SagaStage {
     pub running: i64,
     /// Completed instances (kept until the retention deletes them).
     pub completed: i64,
-    /// Running instances without a step for longer than the stuck time.
+    /// Running instances without a step for longer than the stuck time and
+    /// no pending timeout due later (they wait for nothing that will come).
     pub stuck: i64,
     /// Seconds since the least recent step of a running instance.
     pub oldest_step_secs: Option<f64>,
@@ -108,7 +110,11 @@ SELECT saga_type, stage,
        count(*) FILTER (WHERE completed_at IS NULL) AS running,
        count(*) FILTER (WHERE completed_at IS NOT NULL) AS completed,
        count(*) FILTER (WHERE completed_at IS NULL
-                          AND updated_at < now() - make_interval(secs => $1)) AS stuck,
+                          AND updated_at < now() - make_interval(secs => $1)
+                          AND NOT EXISTS (
+                              SELECT 1 FROM jsonb_each_text(timeouts) p
+                              JOIN outbox_event o ON o.event_id = p.value::uuid
+                              WHERE o.due_at > now())) AS stuck,
        EXTRACT(EPOCH FROM now() - min(updated_at) FILTER (WHERE completed_at IS NULL))::float8
          AS oldest_step_secs
 FROM outbox_saga
@@ -178,7 +184,8 @@ ORDER BY e.due_at NULLS LAST, t.key"
 );
 
 /// The instances per saga type and stage; running ones without a step for
-/// longer than `stuck_after` are counted as stuck.
+/// longer than `stuck_after`, and no pending timeout due later, are counted
+/// as stuck (the `outbox_sagas_stuck` gauge counts the same).
 pub async fn summary(pool: &PgPool, stuck_after: Duration) -> Result<Vec<SagaStage>> {
     Ok(sqlx::query_as(SUMMARY)
         .bind(stuck_after.as_secs_f64())

@@ -186,6 +186,9 @@ impl ConsumerBuilder {
         if let Some(n) = s.stall_timeout_ms {
             self = self.stall_timeout(ms(n));
         }
+        if let Some(n) = s.saga_stuck_after_ms {
+            self = self.saga_stuck_after(ms(n));
+        }
         if let Some(on) = s.recheck_offset_gaps {
             self = self.recheck_offset_gaps(on);
         }

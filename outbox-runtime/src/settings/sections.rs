@@ -129,6 +129,9 @@ pub struct ConsumerSettings {
     /// Receiving nothing this long with messages to read: stalled (default
     /// 60 s).
     pub stall_timeout_ms: Option<u64>,
+    /// A running saga instance without a step for this long, and no
+    /// timeout still to come, is stuck (default 1 h).
+    pub saga_stuck_after_ms: Option<u64>,
     /// Read a partition again from the expected offset when a message
     /// arrives past it, once per gap (default true).
     pub recheck_offset_gaps: Option<bool>,
@@ -158,6 +161,7 @@ impl ConsumerSettings {
                 .processor_poll_interval_ms
                 .or(self.processor_poll_interval_ms),
             stall_timeout_ms: higher.stall_timeout_ms.or(self.stall_timeout_ms),
+            saga_stuck_after_ms: higher.saga_stuck_after_ms.or(self.saga_stuck_after_ms),
             recheck_offset_gaps: higher.recheck_offset_gaps.or(self.recheck_offset_gaps),
         }
     }
