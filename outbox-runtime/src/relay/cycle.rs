@@ -103,11 +103,16 @@ pub(super) struct Loop<'a> {
     /// it and could take later rows of its key: until then these keys are
     /// left out of claims and held back in sends.
     pub(super) held: HashMap<String, u64>,
-    /// Keys [`held`](Self::held) released by a batch's end, mapped to that
-    /// batch's number, while a claim that may not see that end runs: its
-    /// rows were read before the rows' states (a hold, a failure) committed,
-    /// so a row of such a key can be behind an unpublished row without
-    /// knowing it. Held back in the send of that claim's batch.
+    /// Keys with a row that a batch still open gives a state of its own (a
+    /// failure, a hold), mapped to the last such batch's number.
+    pub(super) stated: HashMap<String, u64>,
+    /// Keys of [`stated`](Self::stated) whose batch ended while a claim
+    /// that may not see that end ran, mapped to that batch's number: the
+    /// claim read their later rows before the earlier row's state
+    /// committed, so such a row can be behind an unpublished row without
+    /// knowing it. Held back in the send of that claim's batch. (Rows
+    /// withheld without a state, e.g. by a full producer queue, need not
+    /// be: they are read again, and so are their keys' later rows.)
     pub(super) released_keys: HashMap<String, u64>,
     /// The number of the last batch whose transaction ended.
     pub(super) ended: u64,
@@ -782,8 +787,9 @@ impl Loop<'_> {
                 self.cut = None;
             }
             let before = self.held.len();
+            self.held.retain(|_, last| *last > seq);
             let released_keys = &mut self.released_keys;
-            self.held.retain(|key, last| {
+            self.stated.retain(|key, last| {
                 let keep = *last > seq;
                 if !keep {
                     released_keys.insert(key.clone(), seq);

@@ -258,6 +258,7 @@ impl Relay {
             in_flight: None,
             marking: None,
             held: HashMap::new(),
+            stated: HashMap::new(),
             released_keys: HashMap::new(),
             ended: 0,
             claim_floor: 0,

@@ -177,6 +177,18 @@ impl Loop<'_> {
         self.stats.withheld.fetch_add(withheld, Ordering::Relaxed);
         self.stats.parked.fetch_add(parked, Ordering::Relaxed);
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
+        // Keys whose row gets a state of its own (a failure, a hold) when
+        // the batch ends: a claim running meanwhile read their later rows
+        // without seeing it (see `Loop::released_keys`).
+        let stated: std::collections::HashSet<i64> = failures
+            .iter()
+            .map(|f| f.id)
+            .chain(holds.iter().map(|h| h.0))
+            .collect();
+        for row in batch.rows.iter().filter(|r| stated.contains(&r.id)) {
+            let entry = self.stated.entry(row.partition_key.clone()).or_insert(seq);
+            *entry = (*entry).max(seq);
+        }
         Evaluated {
             published,
             failures,
