@@ -242,18 +242,19 @@ pub(crate) const DEAD_LETTERS: &str =
 /// outbox row is due later), at most 10,001 per type: a range scan of
 /// `ix_outbox_saga_running` per type, the timeouts probed only for the
 /// instances idle that long.
-pub(crate) const STUCK_SAGAS: &str = "
+pub(crate) const STUCK_SAGAS: &str = concat!(
+    "
 SELECT t.saga_type, (
     SELECT count(*) FROM (
         SELECT 1 FROM outbox_saga s
         WHERE s.saga_type = t.saga_type AND s.completed_at IS NULL
           AND s.updated_at < now() - make_interval(secs => $2)
-          AND NOT EXISTS (
-              SELECT 1 FROM jsonb_each_text(s.timeouts) p
-              JOIN outbox_event o ON o.event_id = p.value::uuid
-              WHERE o.due_at > now())
+          AND ",
+    crate::ops::sagas::waits_for_no_timeout!(),
+    "
         LIMIT 10001) AS c) AS stuck
-FROM unnest($1::text[]) AS t(saga_type)";
+FROM unnest($1::text[]) AS t(saga_type)"
+);
 
 /// What a consumer's metrics task samples beside its counters.
 pub(crate) struct Sampled {

@@ -105,21 +105,35 @@ pub struct SagaDetail {
     pub pending_timeouts: Vec<SagaTimeoutRow>,
 }
 
-const SUMMARY: &str = "
+/// The condition "no timeout still to come" on a row of `outbox_saga`: no
+/// pending timeout whose outbox row is due later. With an idle time, it
+/// makes an instance stuck (here and in the `outbox_sagas_stuck` gauge).
+macro_rules! waits_for_no_timeout {
+    () => {
+        "NOT EXISTS (
+                              SELECT 1 FROM jsonb_each_text(timeouts) p
+                              JOIN outbox_event o ON o.event_id = p.value::uuid
+                              WHERE o.due_at > now())"
+    };
+}
+pub(crate) use waits_for_no_timeout;
+
+const SUMMARY: &str = concat!(
+    "
 SELECT saga_type, stage,
        count(*) FILTER (WHERE completed_at IS NULL) AS running,
        count(*) FILTER (WHERE completed_at IS NOT NULL) AS completed,
        count(*) FILTER (WHERE completed_at IS NULL
                           AND updated_at < now() - make_interval(secs => $1)
-                          AND NOT EXISTS (
-                              SELECT 1 FROM jsonb_each_text(timeouts) p
-                              JOIN outbox_event o ON o.event_id = p.value::uuid
-                              WHERE o.due_at > now())) AS stuck,
+                          AND ",
+    waits_for_no_timeout!(),
+    ") AS stuck,
        EXTRACT(EPOCH FROM now() - min(updated_at) FILTER (WHERE completed_at IS NULL))::float8
          AS oldest_step_secs
 FROM outbox_saga
 GROUP BY saga_type, stage
-ORDER BY saga_type, stage";
+ORDER BY saga_type, stage"
+);
 
 /// A time as the other operations print it (ISO 8601, UTC, milliseconds).
 macro_rules! iso {
