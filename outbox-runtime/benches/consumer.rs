@@ -24,7 +24,7 @@ use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler};
 use outbox_runtime::{Consumer, ConsumerHandle, Mode};
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
-use rdkafka::message::{Header, Headers as _, Message, OwnedHeaders};
+use rdkafka::message::{Header, Headers as _, Message};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
@@ -127,19 +127,7 @@ async fn preload(brokers: &str, n: u64) -> Result<f64, Box<dyn std::error::Error
             "order_id": key, "seq": seq, "amount_cents": 1999, "note": "x".repeat(120)
         })
         .to_string();
-        let headers = OwnedHeaders::new_with_capacity(7)
-            .insert(Header {
-                key: "event_id",
-                value: Some(event_id.as_bytes()),
-            })
-            .insert(Header {
-                key: "event_type",
-                value: Some("OrderPlaced".as_bytes()),
-            })
-            .insert(Header {
-                key: "event_version",
-                value: Some("1".as_bytes()),
-            })
+        let headers = common::identity_headers(&event_id, "OrderPlaced")
             .insert(Header {
                 key: "aggregate_type",
                 value: Some("Order".as_bytes()),
