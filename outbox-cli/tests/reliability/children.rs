@@ -1,13 +1,14 @@
 //! Consumers as processes of their own, so that a scenario can SIGKILL
 //! them: this test binary started again with only a scenario's child test
 //! (an ignored test that calls [`run_consumer`]), its settings passed in
-//! the environment. Dedup mode applies [`Effect`] (table `effect`), inbox
-//! mode [`InboxEffect`] (table `effect_inbox`).
+//! the environment. [`run_consumer`]'s dedup mode applies [`Effect`]
+//! (table `effect`), its inbox mode [`InboxEffect`] (table `effect_inbox`);
+//! [`run_consumer_with`] runs the handlers a scenario registers.
 
 use std::time::Duration;
 
 use outbox_core::{DomainEvent, InboxHandler};
-use outbox_runtime::{Consumer, Mode};
+use outbox_runtime::{Consumer, ConsumerBuilder, Mode};
 use sqlx::postgres::PgPoolOptions;
 
 use crate::common::init_tracing;
@@ -68,6 +69,20 @@ where
     Effect<E>: InboxHandler<Event = E>,
     InboxEffect<E>: InboxHandler<Event = E>,
 {
+    run_consumer_with(|builder, mode| {
+        let builder = builder.ignore_event_type(E::TOPIC, "WarmUp");
+        match mode {
+            Mode::Inbox => builder.handler(InboxEffect::<E>::new()),
+            _ => builder.handler(Effect::<E>::new()),
+        }
+    })
+    .await;
+}
+
+/// The body of a consumer process whose handlers `register` adds to the
+/// builder (given the process's mode, already set): runs until killed.
+/// Returns at once when not started by [`consumer`].
+pub async fn run_consumer_with(register: impl FnOnce(ConsumerBuilder, Mode) -> ConsumerBuilder) {
     let Ok(url) = std::env::var(URL) else {
         return;
     };
@@ -98,22 +113,22 @@ where
         .kafka_setting("session.timeout.ms", SESSION_MS)
         .kafka_setting("heartbeat.interval.ms", "1000")
         .outage_backoff(Duration::from_millis(50), Duration::from_millis(500))
-        .stall_timeout(STALL_TIMEOUT)
-        .ignore_event_type(E::TOPIC, "WarmUp");
+        .stall_timeout(STALL_TIMEOUT);
     // librdkafka's debug contexts (e.g. `cgrp`), to see a group at work.
     let builder = match std::env::var("RELIABILITY_CHILD_DEBUG") {
         Ok(contexts) => builder.kafka_setting("debug", contexts),
         Err(_) => builder,
     };
-    let handle = match std::env::var(MODE).as_deref() {
-        Ok("inbox") => builder
-            .mode(Mode::Inbox)
-            .processor_poll_interval(Duration::from_millis(50))
-            .handler(InboxEffect::<E>::new())
-            .spawn(),
-        _ => builder.handler(Effect::<E>::new()).spawn(),
-    }
-    .expect("consumer");
+    let (builder, mode) = match std::env::var(MODE).as_deref() {
+        Ok("inbox") => (
+            builder
+                .mode(Mode::Inbox)
+                .processor_poll_interval(Duration::from_millis(50)),
+            Mode::Inbox,
+        ),
+        _ => (builder, Mode::Dedup),
+    };
+    let handle = register(builder, mode).spawn().expect("consumer");
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert!(

@@ -20,6 +20,7 @@ mod harness;
 mod misbehaving;
 mod production;
 mod profile;
+mod sagas;
 mod sharing;
 
 use common::pg;
