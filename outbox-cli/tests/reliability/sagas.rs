@@ -181,11 +181,7 @@ macro_rules! order_saga {
     };
 }
 
-order_saga!(
-    dedup_saga,
-    "reliability-order",
-    "reliability-saga-timeouts"
-);
+order_saga!(dedup_saga, "reliability-order", "reliability-saga-timeouts");
 order_saga!(
     inbox_saga,
     "reliability-order-inbox",
@@ -302,7 +298,7 @@ async fn completed(pool: &PgPool, saga: &str) -> i64 {
 /// invariants, returned as failures.
 async fn check_saga(
     pool: &PgPool,
-    saga: &str,
+    (saga, label): (&str, &str),
     written: &[Written],
     kafka: &[Seen],
 ) -> (Figures, Vec<String>) {
@@ -395,7 +391,7 @@ async fn check_saga(
         ));
     }
     let mut figures = checker::check(
-        &format!("sagas under consumer kills ({saga})"),
+        &format!("sagas under consumer kills ({label})"),
         &Evidence {
             committed: written.to_vec(),
             must_arrive: Some(must),
@@ -535,8 +531,11 @@ async fn sagas_under_consumer_kills_and_a_broker_pause(pool: PgPool) {
     drop(broker);
 
     let mut failures = Vec::new();
-    for saga in [dedup_saga::NAME, inbox_saga::NAME] {
-        let (mut figures, failed) = check_saga(&pool, saga, &written, &kafka).await;
+    for (saga, label) in [
+        (dedup_saga::NAME, "dedup-mode saga"),
+        (inbox_saga::NAME, "inbox-mode saga"),
+    ] {
+        let (mut figures, failed) = check_saga(&pool, (saga, label), &written, &kafka).await;
         figures.recovery_ms = recovered.map(|d| d.as_millis() as u64);
         figures.note(
             "faults",
@@ -546,7 +545,10 @@ async fn sagas_under_consumer_kills_and_a_broker_pause(pool: PgPool) {
                 children::SESSION_MS
             ),
         );
-        figures.note("sagas completed (dedup/inbox) after the last fault", &progress);
+        figures.note(
+            "sagas completed (dedup/inbox) after the last fault",
+            &progress,
+        );
         figures.note("relay", format!("{relay_counts:?}"));
         figures.note("saga invariant failures", failed.len());
         figures.report();
