@@ -84,6 +84,8 @@ pub struct HandlerContext<'c> {
     /// The handler was given the connection (mutably): it may have run a
     /// statement. See [`touched`](Self::touched).
     touched: bool,
+    /// Saga instances the consumer's lock plan read while locking them.
+    prefetched: Option<&'c crate::saga::Prefetched>,
 }
 
 impl std::fmt::Debug for HandlerContext<'_> {
@@ -107,7 +109,21 @@ impl<'c> HandlerContext<'c> {
             error: None,
             trace: None,
             touched: false,
+            prefetched: None,
         }
+    }
+
+    /// The saga instances the consumer locked and read for the batch
+    /// before its handlers ran: a saga step takes its instance from there
+    /// instead of reading it again. Used by the consumer runtime.
+    #[doc(hidden)]
+    pub fn with_prefetched(mut self, prefetched: Option<&'c crate::saga::Prefetched>) -> Self {
+        self.prefetched = prefetched;
+        self
+    }
+
+    pub(crate) fn prefetched(&self) -> Option<&'c crate::saga::Prefetched> {
+        self.prefetched
     }
 
     /// Whether the handler was given the transaction's connection to run

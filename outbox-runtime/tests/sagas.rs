@@ -126,6 +126,9 @@ macro_rules! order_saga {
                 /// In any stage.
                 #[step(correlate = order_id)]
                 async fn noted(ctx: &mut SagaContext<Self>, e: Noted) -> Result<Stage, BoxError> {
+                    if e.n == super::FAILING_NOTE {
+                        return Err("this note always fails".into());
+                    }
                     let mut notes = ctx.notes.clone();
                     // Read, wait, write: a step not serialized with another
                     // of its instance would lose that one's note.
@@ -244,6 +247,9 @@ macro_rules! order_saga_by_hand {
         }
     };
 }
+
+/// A note whose step always fails (in the sagas declared with `#[saga]`).
+const FAILING_NOTE: u64 = 666;
 
 fn consumer(pool: &PgPool, group: &str) -> ConsumerBuilder {
     Consumer::builder(pool.clone())
@@ -393,6 +399,91 @@ async fn a_start_creates_once_and_redelivery_changes_nothing(pool: PgPool) {
     .await;
     assert_eq!(cancelled, 1, "the pending timeout's row is cancelled");
     assert_eq!(scalar(&pool, "SELECT count(*) FROM outbox_saga").await, 1);
+}
+
+order_saga!(
+    taken_back,
+    "saga-test-taken-back",
+    "saga-test-taken-back-timeouts",
+    ignore
+);
+
+/// In a dedup batch, a step's instance comes from what the batch read
+/// ahead and the batch's earlier steps wrote, not from a read of its own.
+/// When a step fails, its segment is taken back (the writes of the steps
+/// before it too) and run again without it: those steps must start again
+/// from the rolled-back rows, not from the states they wrote. Here o1 and
+/// o2 are created and noted in one batch, then o2's failing note takes the
+/// segment back: o1's notes must each be applied once, o2's failing note
+/// dead-lettered after its attempts and the note behind it applied.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_segment_taken_back_runs_its_steps_again_from_the_rolled_back_rows(pool: PgPool) {
+    init_tracing();
+    taken_back::reset().await;
+    let placed = |order: &str| {
+        msg(
+            Uuid::now_v7(),
+            "Placed",
+            order,
+            json!({ "timeout_ms": 3_600_000 }),
+        )
+        .on_partition(0)
+    };
+    let noted = |order: &str, n: u64| {
+        msg(
+            Uuid::now_v7(),
+            "Noted",
+            order,
+            json!({ "n": n, "pause_ms": 0 }),
+        )
+        .on_partition(0)
+    };
+    // In the topic before the consumer starts: one batch.
+    produce(
+        &brokers(),
+        taken_back::ORDERS,
+        &[
+            placed("o1"),
+            placed("o2"),
+            noted("o1", 1),
+            noted("o2", 2),
+            noted("o2", FAILING_NOTE),
+            noted("o1", 3),
+            noted("o2", 4),
+        ],
+    )
+    .await;
+    let handle = consumer(&pool, &unique_topic("taken-back"))
+        .saga::<taken_back::Order>()
+        .max_attempts(2)
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            handle.counts().dead_lettered >= 1
+                && state(&pool, taken_back::NAME, "o2").await["notes"] == json!([2, 4])
+        })
+        .await,
+        "{:?}",
+        handle.counts()
+    );
+    let counts = handle.counts();
+    handle.shutdown().await.unwrap();
+    assert_eq!(
+        state(&pool, taken_back::NAME, "o1").await["notes"],
+        json!([1, 3])
+    );
+    assert_eq!(
+        state(&pool, taken_back::NAME, "o2").await["notes"],
+        json!([2, 4])
+    );
+    assert_eq!(counts.dead_lettered, 1, "{counts:?}");
+    assert!(counts.handler_failures >= 1, "{counts:?}");
+    let (_, o1_version, _, _) = instance(&pool, taken_back::NAME, "o1").await.unwrap();
+    assert_eq!(
+        o1_version, 3,
+        "o1 was written once per step: placed, two notes"
+    );
 }
 
 order_saga!(

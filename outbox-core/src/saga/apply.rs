@@ -3,7 +3,8 @@
 //! drop what changes nothing (no instance, completed, a stale timeout,
 //! another stage), run the step, write the state back (`version + 1`) and
 //! what the step recorded into the outbox. [`SagaHandler`] is the inbox
-//! handler of one message type of one saga.
+//! handler of one message type of one saga; [`Prefetched`] holds the
+//! instances a batch's lock plan already read.
 
 use std::any::Any;
 use std::collections::BTreeMap;
@@ -56,10 +57,67 @@ fn conflict(error: &(dyn std::error::Error + Send + Sync + 'static)) -> bool {
         .is_some_and(|code| matches!(&*code, "40P01" | "40001" | "55P03"))
 }
 
+#[derive(Debug)]
 struct Instance {
     state: serde_json::Value,
     timeouts: serde_json::Value,
     completed: bool,
+}
+
+/// Saga instances as a consumer's batch transaction holds them: locked
+/// (`FOR UPDATE`, in the batch's lock plan) and read at once before its
+/// handlers ran, then each one as its last step wrote it. A step takes its
+/// instance from here instead of locking and reading it again (a round trip
+/// per step) and puts back what it wrote; a step that finds nothing here
+/// locks and reads the row. The rows stay locked until the transaction
+/// ends, so nothing else changes them meanwhile; the consumer
+/// [`clear`](Self::clear)s it whenever it takes back part of the
+/// transaction (a rollback to a savepoint), whose writes are then undone.
+#[derive(Debug, Default)]
+pub struct Prefetched(std::sync::Mutex<std::collections::HashMap<(String, String), Instance>>);
+
+impl Prefetched {
+    /// Keeps instance `saga_id` of saga type `saga_type` as read.
+    pub fn insert(
+        &self,
+        (saga_type, saga_id): (String, String),
+        state: serde_json::Value,
+        timeouts: serde_json::Value,
+        completed: bool,
+    ) {
+        let instance = Instance {
+            state,
+            timeouts,
+            completed,
+        };
+        self.lock().insert((saga_type, saga_id), instance);
+    }
+
+    /// Forgets every instance: part of the transaction was taken back.
+    pub fn clear(&self) {
+        self.lock().clear();
+    }
+
+    /// How many instances are kept.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether none is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn take(&self, saga_type: &str, saga_id: &str) -> Option<Instance> {
+        self.lock()
+            .remove(&(saga_type.to_owned(), saga_id.to_owned()))
+    }
+
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<(String, String), Instance>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 async fn lock(conn: &mut PgConnection, saga: &str, id: &str) -> sqlx::Result<Option<Instance>> {
@@ -108,8 +166,12 @@ impl<S: Saga, M: DomainEvent> SagaHandler<S, M> {
             return Ok(StepOutcome::Missing); // another saga's timeout on a shared topic
         }
         let saga_id = (self.steps.correlate)(&event);
+        let prefetched = ctx.prefetched().and_then(|p| p.take(S::NAME, &saga_id));
         let conn = ctx.connection();
-        let mut instance = lock(conn, S::NAME, &saga_id).await?;
+        let mut instance = match prefetched {
+            Some(instance) => Some(instance),
+            None => lock(conn, S::NAME, &saga_id).await?,
+        };
         let mut created = false;
         if instance.is_none()
             && let Some((init, _)) = &self.steps.start
@@ -182,12 +244,14 @@ impl<S: Saga, M: DomainEvent> SagaHandler<S, M> {
             step.cancelled.extend(pending.into_values());
         }
         let conn = ctx.connection();
+        let state = serde_json::to_value(&step.state)?;
+        let timeouts = serde_json::to_value(&step.timeouts)?;
         sqlx::query(WRITE)
             .bind(S::NAME)
             .bind(&step.saga_id)
-            .bind(serde_json::to_value(&step.state)?)
+            .bind(&state)
             .bind(stage_name(step.state.stage()))
-            .bind(serde_json::to_value(&step.timeouts)?)
+            .bind(&timeouts)
             .bind(step.completed)
             .execute(&mut *conn)
             .await?;
@@ -197,6 +261,12 @@ impl<S: Saga, M: DomainEvent> SagaHandler<S, M> {
         crate::uow::insert_scheduled_after(&mut *conn, std::mem::take(&mut step.scheduled)).await?;
         for message in std::mem::take(&mut step.recorded) {
             ctx.record_message(message);
+        }
+        if let Some(prefetched) = ctx.prefetched() {
+            // The row as this transaction now holds it (and keeps locked),
+            // for the instance's next step in the batch.
+            let key = (S::NAME.to_owned(), std::mem::take(&mut step.saga_id));
+            prefetched.insert(key, state, timeouts, step.completed);
         }
         bump(S::NAME, |c| c.steps += 1);
         Ok(match created {

@@ -28,7 +28,7 @@ mod apply;
 mod counts;
 mod journal;
 
-pub use apply::SagaHandler;
+pub use apply::{Prefetched, SagaHandler};
 pub use counts::{SagaCounts, all_saga_counts, saga_counts};
 pub use journal::StepOutcome;
 #[doc(hidden)]

@@ -237,6 +237,8 @@ pub(crate) struct Handling<'r> {
     /// handler that breaks it without saying so is named. Used after a
     /// [`Failure::Suspect`].
     pub careful: bool,
+    /// The saga instances the batch's lock plan read (dedup mode).
+    pub prefetched: Option<&'r outbox_core::saga::Prefetched>,
 }
 
 /// Runs every handler of `event`, in order, on `conn` (the caller's
@@ -313,7 +315,8 @@ async fn run_handlers_inner(
             .take_decoded(i, registry)
             .map_err(|rejected| Failure::Rejected { at: 0, rejected })?;
         let handler = registry.handler(event.handlers[i]);
-        let mut ctx = HandlerContext::new(&mut *conn, &event.incoming);
+        let mut ctx =
+            HandlerContext::new(&mut *conn, &event.incoming).with_prefetched(handling.prefetched);
         // A handler that panics is a failing handler: retried, then
         // dead-lettered; the consumer goes on.
         let call = AssertUnwindSafe(handler.handle(&mut ctx, value)).catch_unwind();

@@ -305,11 +305,6 @@ impl Applier<'_> {
     ) -> Result<Report, Failure> {
         let started = Instant::now();
         let mut handler_time = std::time::Duration::ZERO;
-        let handling = apply::Handling {
-            registry: self.registry,
-            timeout: self.config.handler_timeout,
-            careful,
-        };
         let (config, stats) = (self.config, self.stats);
         let mut tx = self
             .conn
@@ -343,7 +338,14 @@ impl Applier<'_> {
                 *aside = false;
             }
         }
-        super::saga::lock_instances(&mut tx, self.registry, records, &set_aside).await?;
+        let prefetched =
+            super::saga::lock_instances(&mut tx, self.registry, records, &set_aside).await?;
+        let handling = apply::Handling {
+            registry: self.registry,
+            timeout: self.config.handler_timeout,
+            careful,
+            prefetched: Some(&prefetched),
+        };
         // Segments, each after a savepoint: a failing handler takes its
         // segment back, its event and the later ones of its key are set
         // aside, the events before it run again, then the rest — in this
@@ -767,6 +769,10 @@ async fn run_segments(
             stop = n;
             continue;
         };
+        // The saga instances it wrote are as they were again.
+        if let Some(prefetched) = handling.prefetched {
+            prefetched.clear();
+        }
         if let Err(failure) = apply::undo(&mut *tx, PROCESSED).await {
             // The savepoint is gone (a careful run found the handler
             // ended the transaction): the caller settles it.

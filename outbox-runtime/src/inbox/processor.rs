@@ -802,6 +802,7 @@ impl Processor {
             registry: &self.registry,
             timeout: self.config.handler_timeout,
             careful,
+            prefetched: None,
         };
         // The retries the round put first run together (see
         // [`retries_first`]); another segment ends before the next retry.

@@ -328,6 +328,7 @@ impl Redriver {
                 registry: &self.registry,
                 timeout: self.config.handler_timeout,
                 careful: true,
+                prefetched: None,
             };
             apply::run_handlers(&mut sp, handling, event, &mut follow_ups).await?;
             follow_ups.write(&mut sp).await?;

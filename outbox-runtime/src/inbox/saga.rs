@@ -4,11 +4,11 @@
 //! batch's lock plan ([`lock_instances`]): the instances a dedup batch's
 //! messages route to, locked in `(saga_type, saga_id)` order before any
 //! handler runs, so two batches never lock two instances in opposite
-//! orders.
+//! orders, and read in the same statement for their first steps.
 
 use std::collections::BTreeSet;
 
-use outbox_core::saga::SagaHandler;
+use outbox_core::saga::{Prefetched, SagaHandler};
 use outbox_core::{DomainEvent, MessageSteps, Saga, SagaRegistrar};
 use sqlx::PgConnection;
 
@@ -36,11 +36,13 @@ impl ConsumerBuilder {
 }
 
 /// Locks the existing instances that the events of `records` (those not
-/// set aside) move, in `(saga_type, saga_id)` order. Instances created by
-/// a start message are not locked here: their insert waits for another
-/// transaction's insert of the same key instead.
+/// set aside) move, in `(saga_type, saga_id)` order, and reads them: their
+/// steps take them from the returned [`Prefetched`] instead of reading them
+/// again. Instances created by a start message are not locked here: their
+/// insert waits for another transaction's insert of the same key instead.
 const LOCK_ALL: &str = "\
-SELECT 1 FROM outbox_saga s
+SELECT s.saga_type, s.saga_id, s.state, s.timeouts, s.completed_at IS NOT NULL
+FROM outbox_saga s
 JOIN UNNEST($1::text[], $2::text[]) AS k(t, i) ON s.saga_type = k.t AND s.saga_id = k.i
 ORDER BY s.saga_type, s.saga_id
 FOR UPDATE OF s";
@@ -50,7 +52,7 @@ pub(crate) async fn lock_instances(
     registry: &Registry,
     records: &[Record],
     set_aside: &[bool],
-) -> Result<(), Failure> {
+) -> Result<Prefetched, Failure> {
     let mut instances = BTreeSet::new();
     for (r, aside) in records.iter().zip(set_aside) {
         let Body::Event(e) = &r.body else { continue };
@@ -65,14 +67,21 @@ pub(crate) async fn lock_instances(
             }
         }
     }
+    let prefetched = Prefetched::default();
     if instances.len() < 2 {
-        return Ok(()); // one instance: its handler's lock is the only one
+        // One instance: its step's lock is the only one, and costs the
+        // same round trip.
+        return Ok(prefetched);
     }
     let (types, ids): (Vec<&str>, Vec<String>) = instances.into_iter().unzip();
-    sqlx::query(LOCK_ALL)
-        .bind(&types)
-        .bind(&ids)
-        .execute(conn)
-        .await?;
-    Ok(())
+    let rows: Vec<(String, String, serde_json::Value, serde_json::Value, bool)> =
+        sqlx::query_as(LOCK_ALL)
+            .bind(&types)
+            .bind(&ids)
+            .fetch_all(conn)
+            .await?;
+    for (saga_type, saga_id, state, timeouts, completed) in rows {
+        prefetched.insert((saga_type, saga_id), state, timeouts, completed);
+    }
+    Ok(prefetched)
 }
