@@ -4,7 +4,9 @@
 # outbox_demo_billing), builds the services and the driver, and runs the
 # driver: it starts both services, sends orders over HTTP (default 1,000;
 # `scripts/demo.sh --orders 5000`, `--help` for more), shows the progress and
-# checks every order was paid exactly once. Exit code 0 only if so.
+# checks every order was paid exactly once; then sends a few orders whose card
+# billing declines and checks the orders service's saga cancels each once its
+# payment timeout fires and releases its stock. Exit code 0 only if so.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

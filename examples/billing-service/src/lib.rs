@@ -31,12 +31,17 @@ pub async fn migrate(pool: &PgPool) -> Result<(), outbox::Error> {
 }
 
 /// Charges the order and records `PaymentCaptured`, in the consumer's
-/// transaction.
+/// transaction; an order of [`demo_events::DECLINED_CUSTOMER`] is not
+/// charged.
 #[inbox_handler(name = "billing.charge_order")]
 pub async fn charge_order(
     ctx: &mut HandlerContext<'_>,
     event: OrderCreated,
 ) -> Result<(), sqlx::Error> {
+    if event.customer == demo_events::DECLINED_CUSTOMER {
+        tracing::info!(order_id = %event.order_id, "card declined: no charge");
+        return Ok(());
+    }
     let payment_id = Uuid::now_v7();
     sqlx::query("INSERT INTO charges (id, order_id, amount_cents) VALUES ($1, $2, $3)")
         .bind(payment_id)
@@ -53,12 +58,14 @@ pub async fn charge_order(
 }
 
 /// The service's consumer, as it runs (and as its tests drive it): the
-/// `charge_order` handler in dedup mode, in group `group`. The caller adds
-/// the broker settings.
+/// `charge_order` handler in dedup mode, in group `group`. It skips an
+/// order's cancellation: billing never charged an order that gets
+/// cancelled. The caller adds the broker settings.
 pub fn consumer(pool: PgPool, group: &str) -> ConsumerBuilder {
     Consumer::builder(pool)
         .group(group)
         .handler(charge_order)
+        .ignore_event_type(demo_events::ORDERS_TOPIC, "OrderCancelled")
         .mode(Mode::Dedup)
 }
 

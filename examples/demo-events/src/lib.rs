@@ -6,7 +6,12 @@
 //! - `billing-service` records [`PaymentCaptured`] with the charge;
 //!   `orders-service` consumes it (inbox mode) and marks the order paid.
 //!
-//! Both are keyed by the order id, so an order's events stay in order.
+//! - `orders-service`'s order-payment saga records [`StockReserved`] when
+//!   an order is created and, when no payment came in time, cancels the
+//!   order ([`OrderCancelled`]) and releases the stock ([`StockReleased`],
+//!   the compensation) on the warehouse's topic.
+//!
+//! All are keyed by the order id, so an order's events stay in order.
 //! Each declares its schema version: a change a consumer cannot read as is
 //! gets the next version, with an upcaster from this one (see the README's
 //! "Evolving events").
@@ -26,6 +31,17 @@ use serde::{Deserialize, Serialize};
 pub const ORDERS_TOPIC: &str = "demo.orders";
 /// The topic of the billing service's events.
 pub const PAYMENTS_TOPIC: &str = "demo.payments";
+
+/// The topic of the warehouse's stock movements (no service of the demo
+/// consumes it).
+pub const STOCK_TOPIC: &str = "demo.stock";
+/// The customer whose card billing always declines: it charges nothing and
+/// never answers, so the orders service's payment timeout cancels the order
+/// (the demo's compensation path).
+pub const DECLINED_CUSTOMER: &str = "card-declined";
+
+/// The topic of the orders service's saga timeouts.
+pub const ORDER_TIMEOUTS_TOPIC: &str = "demo.order-timeouts";
 
 /// An order was placed and awaits payment.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema, DomainEvent)]
@@ -54,6 +70,35 @@ pub struct PaymentCaptured {
     pub amount_cents: i64,
 }
 
+/// No payment came in time: the order is cancelled.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema, DomainEvent)]
+#[event(topic = "demo.orders", aggregate_type = "Order", version = 1)]
+pub struct OrderCancelled {
+    /// The order.
+    #[event(aggregate_id)]
+    pub order_id: Uuid,
+    /// Why, for people.
+    pub reason: String,
+}
+
+/// Stock was set aside for an order until it is paid or cancelled.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema, DomainEvent)]
+#[event(topic = "demo.stock", aggregate_type = "Order", version = 1)]
+pub struct StockReserved {
+    /// The order.
+    #[event(aggregate_id)]
+    pub order_id: Uuid,
+}
+
+/// The stock set aside for a cancelled order is free again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema, DomainEvent)]
+#[event(topic = "demo.stock", aggregate_type = "Order", version = 1)]
+pub struct StockReleased {
+    /// The order.
+    #[event(aggregate_id)]
+    pub order_id: Uuid,
+}
+
 /// The demo's event types with a sample of each: the contracts exported to
 /// `schemas/` and checked against it.
 pub fn catalogue() -> Catalogue {
@@ -69,6 +114,12 @@ pub fn catalogue() -> Catalogue {
             order_id,
             amount_cents: 1250,
         })
+        .event(&OrderCancelled {
+            order_id,
+            reason: "no payment within 30 s".into(),
+        })
+        .event(&StockReserved { order_id })
+        .event(&StockReleased { order_id })
 }
 
 #[cfg(test)]
@@ -79,6 +130,9 @@ mod tests {
     fn topics_match_the_constants() {
         assert_eq!(OrderCreated::TOPIC, ORDERS_TOPIC);
         assert_eq!(PaymentCaptured::TOPIC, PAYMENTS_TOPIC);
+        assert_eq!(OrderCancelled::TOPIC, ORDERS_TOPIC);
+        assert_eq!(StockReserved::TOPIC, STOCK_TOPIC);
+        assert_eq!(StockReleased::TOPIC, STOCK_TOPIC);
     }
 
     #[test]

@@ -4,7 +4,10 @@
 //! as child processes (each with its own database), sends a stream of orders
 //! over HTTP, shows the events flowing (orders created, `OrderCreated`
 //! published, payments captured, orders paid), then checks that every order
-//! was paid exactly once and prints the commit → paid latency. Exits non-zero
+//! was paid exactly once and prints the commit → paid latency. Then a few
+//! orders whose card billing declines: the orders service's order-payment
+//! saga must cancel each once its payment timeout fires and release its
+//! stock, and every other order's saga must have ended paid. Exits non-zero
 //! if anything is missing, doubled or late, or if a service does not stop
 //! cleanly.
 //!
@@ -148,7 +151,9 @@ async fn run(args: Args) -> Result<bool, BoxError> {
     };
     problems.extend(stopped);
     if problems.is_empty() {
-        println!("OK: every order was paid exactly once.");
+        println!(
+            "OK: every order was paid exactly once; every declined card's order cancelled once, its stock released."
+        );
         Ok(true)
     } else {
         println!("FAILED:");
@@ -288,5 +293,63 @@ async fn drive(
         let shown = send::show(&client, &base, order.id).await;
         println!("  {:<26}GET /orders/{} → {shown}", "an order", order.id);
     }
+
+    println!(
+        "== a payment that never comes: {DECLINED} orders of `{}`, whose card billing declines; \
+         the order-payment saga cancels each after {} ms and releases its stock",
+        demo_events::DECLINED_CUSTOMER,
+        services::PAYMENT_TIMEOUT_MS
+    );
+    let mut declined = Vec::new();
+    for j in 0..DECLINED {
+        let order = send::place_for(
+            &client,
+            &url,
+            plan.orders + 1 + j,
+            demo_events::DECLINED_CUSTOMER,
+        )
+        .await
+        .map_err(|e| format!("a declined card's order was not accepted: {e}"))?;
+        declined.push(order.id);
+    }
+    let placed = Instant::now();
+    let cancelled_after = loop {
+        let cancelled: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM orders WHERE id = ANY($1) AND cancelled_at IS NOT NULL",
+        )
+        .bind(&declined)
+        .fetch_one(orders_db)
+        .await?;
+        if cancelled as usize == declined.len() {
+            break Some(placed.elapsed());
+        }
+        if let Some(exited) = services.exited() {
+            return Err(exited.into());
+        }
+        if placed.elapsed() >= plan.timeout {
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // A second cancellation or a late timeout would show up now.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let paid_orders = sent.orders.len() as i64 + 1;
+    problems.extend(
+        verify::check_sagas(
+            orders_db,
+            billing_db,
+            &declined,
+            paid_orders,
+            cancelled_after,
+        )
+        .await?,
+    );
+    if let Some(id) = declined.first() {
+        let shown = send::show(&client, &base, *id).await;
+        println!("  {:<26}GET /orders/{id} → {shown}", "a cancelled order");
+    }
     Ok(problems)
 }
+
+/// Orders of the customer whose card is declined, sent after the stream.
+const DECLINED: u64 = 5;

@@ -165,8 +165,18 @@ fn pause(i: u64, attempt: u32, retry_after: Option<u64>) -> Duration {
 /// are new each run), so that a retry after a `503` or a lost answer cannot
 /// place it twice; retried up to [`ATTEMPTS`] times.
 pub async fn place(client: &reqwest::Client, url: &str, i: u64) -> Result<Order, String> {
+    place_for(client, url, i, &format!("customer-{}", i % 37)).await
+}
+
+/// [`place`], for `customer`.
+pub async fn place_for(
+    client: &reqwest::Client,
+    url: &str,
+    i: u64,
+    customer: &str,
+) -> Result<Order, String> {
     let amount_cents = 100 + (i as i64 * 7919) % 99_900;
-    let body = json!({ "customer": format!("customer-{}", i % 37), "amount_cents": amount_cents });
+    let body = json!({ "customer": customer, "amount_cents": amount_cents });
     let key = format!("demo-order-{i}");
     let mut attempt = 1;
     let (status, answer) = loop {

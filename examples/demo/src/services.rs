@@ -22,12 +22,22 @@ use tokio::process::{Child, Command};
 /// Partitions of each demo topic.
 const PARTITIONS: i32 = 4;
 
+/// How long an order waits for its payment in the demo: a declined
+/// card's order is cancelled after that. Well above the stream's commit →
+/// paid latency, so that no paid order's timeout fires first.
+pub const PAYMENT_TIMEOUT_MS: &str = "10000";
+
 /// Deletes and recreates the demo's topics, so a run starts from empty ones.
 // An admin client, not a producer: the demo's events are published by the
 // services' relays only.
 #[allow(clippy::disallowed_methods)]
 pub async fn reset_topics(brokers: &str) -> Result<(), BoxError> {
-    let topics = [demo_events::ORDERS_TOPIC, demo_events::PAYMENTS_TOPIC];
+    let topics = [
+        demo_events::ORDERS_TOPIC,
+        demo_events::PAYMENTS_TOPIC,
+        demo_events::STOCK_TOPIC,
+        demo_events::ORDER_TIMEOUTS_TOPIC,
+    ];
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .create()?;
@@ -38,7 +48,7 @@ pub async fn reset_topics(brokers: &str) -> Result<(), BoxError> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         // Deletion completes asynchronously on some brokers: retry until
-        // both topics are created anew.
+        // every topic is created anew.
         let created =
             outbox::runtime::kafka::create_topics(brokers, &[], &names, PARTITIONS, 1).await;
         match created {
@@ -229,6 +239,7 @@ impl Services {
                 ("CONSUMER_GROUP", &orders_group),
                 ("LISTEN_ADDR", &listen),
                 ("METRICS_ADDR", &orders_metrics),
+                ("PAYMENT_TIMEOUT_MS", PAYMENT_TIMEOUT_MS),
             ],
         )?;
         let mut services = Self {

@@ -3,6 +3,8 @@
 //! its `PaymentCaptured` published, and be paid exactly once — with nothing
 //! left over (no stray rows, no dead letters, no unprocessed inbox rows).
 //! Prints the figures and the commit → paid latency; returns the problems.
+//! [`check_sagas`] checks the order-payment saga after the declined cards'
+//! orders.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -251,5 +253,147 @@ pub async fn check(
         None => format!("not every order was paid in time ({build} build)"),
     };
     line("end to end", end_to_end);
+    Ok(problems)
+}
+
+/// Checks the order-payment saga after the declined cards' orders: each of
+/// `declined` cancelled once (after `cancelled_after`, `None`: not in time),
+/// never charged, its stock reserved and released once; the `paid` other
+/// orders' sagas ended paid, none released stock; nothing running, no dead
+/// letter. Prints the summary; returns the problems.
+pub async fn check_sagas(
+    orders_db: &PgPool,
+    billing_db: &PgPool,
+    declined: &[Uuid],
+    paid: i64,
+    cancelled_after: Option<Duration>,
+) -> Result<Vec<String>, BoxError> {
+    let k = declined.len() as i64;
+    let mut problems = Vec::new();
+    let mut expect = |ok: bool, problem: String| {
+        if !ok {
+            problems.push(problem);
+        }
+    };
+    let (cancelled, twice, paid_too): (i64, i64, i64) = sqlx::query_as(
+        "SELECT count(cancelled_at), count(*) FILTER (WHERE cancellations_applied > 1),
+                count(paid_at)
+         FROM orders WHERE id = ANY($1)",
+    )
+    .bind(declined)
+    .fetch_one(orders_db)
+    .await?;
+    let charged: i64 = sqlx::query_scalar("SELECT count(*) FROM charges WHERE order_id = ANY($1)")
+        .bind(declined)
+        .fetch_one(billing_db)
+        .await?;
+    let after = cancelled_after.map_or_else(
+        || "not all in time".to_owned(),
+        |d| format!("all after {:.1} s", d.as_secs_f64()),
+    );
+    line(
+        "declined cards' orders",
+        format!(
+            "{cancelled}/{k} cancelled ({after}), {twice} cancelled twice, {paid_too} paid, {charged} charged"
+        ),
+    );
+    expect(
+        cancelled == k,
+        format!(
+            "{} declined cards' orders were not cancelled",
+            k - cancelled
+        ),
+    );
+    expect(
+        twice == 0 && paid_too == 0 && charged == 0,
+        format!(
+            "declined cards' orders: {twice} cancelled twice, {paid_too} paid, {charged} charged"
+        ),
+    );
+
+    // The stock events, per order: reserved once for every order whose
+    // saga began with it, released once for each cancelled one, never for
+    // a paid one.
+    let stock: Vec<(Uuid, i64, i64)> = sqlx::query_as(
+        "SELECT aggregate_id::uuid,
+                count(*) FILTER (WHERE event_type = 'StockReserved'),
+                count(*) FILTER (WHERE event_type = 'StockReleased')
+         FROM outbox_event WHERE topic = 'demo.stock' GROUP BY 1",
+    )
+    .fetch_all(orders_db)
+    .await?;
+    let is_declined = |id: &Uuid| declined.contains(id);
+    let reserved_twice = stock.iter().filter(|(_, r, _)| *r > 1).count();
+    let released_declined = stock
+        .iter()
+        .filter(|(id, r, l)| is_declined(id) && *r == 1 && *l == 1)
+        .count() as i64;
+    let released_paid = stock
+        .iter()
+        .filter(|(id, _, l)| !is_declined(id) && *l > 0)
+        .count();
+    line(
+        "stock",
+        format!(
+            "reserved for {} orders ({reserved_twice} twice); released once for {released_declined}/{k} \
+             cancelled, for {released_paid} paid",
+            stock.len()
+        ),
+    );
+    expect(
+        released_declined == k && reserved_twice == 0 && released_paid == 0,
+        format!(
+            "stock: {released_declined}/{k} cancelled orders reserved and released once, \
+             {reserved_twice} reserved twice, {released_paid} paid orders released"
+        ),
+    );
+
+    let stages: Vec<(String, bool, i64)> = sqlx::query_as(
+        "SELECT stage, completed_at IS NOT NULL, count(*) FROM outbox_saga
+         WHERE saga_type = 'order-payment' GROUP BY 1, 2",
+    )
+    .fetch_all(orders_db)
+    .await?;
+    let of = |stage: &str, done: bool| {
+        stages
+            .iter()
+            .filter(|(s, d, _)| s == stage && *d == done)
+            .map(|(_, _, n)| *n)
+            .sum::<i64>()
+    };
+    let running: i64 = stages
+        .iter()
+        .filter(|(_, d, _)| !d)
+        .map(|(_, _, n)| *n)
+        .sum();
+    line(
+        "order-payment sagas",
+        format!(
+            "{} ended paid, {} cancelled, {running} running",
+            of("Paid", true),
+            of("Cancelled", true)
+        ),
+    );
+    expect(
+        of("Paid", true) == paid && of("Cancelled", true) == k && running == 0,
+        format!(
+            "order-payment sagas: {} paid (want {paid}), {} cancelled (want {k}), {running} running",
+            of("Paid", true),
+            of("Cancelled", true)
+        ),
+    );
+    let dead: i64 = sqlx::query_scalar("SELECT count(*) FROM dead_letter")
+        .fetch_one(orders_db)
+        .await?;
+    let dead_billing: i64 = sqlx::query_scalar("SELECT count(*) FROM dead_letter")
+        .fetch_one(billing_db)
+        .await?;
+    expect(
+        dead + dead_billing == 0,
+        format!(
+            "{} dead letters after the declined cards",
+            dead + dead_billing
+        ),
+    );
     Ok(problems)
 }

@@ -142,7 +142,7 @@ pub struct OrderView {
     pub customer: String,
     /// The amount, in cents.
     pub amount_cents: i64,
-    /// `pending` or `paid`.
+    /// `pending`, `paid` or `cancelled` (no payment in time).
     pub status: String,
     /// When the order was placed.
     pub created_at: String,

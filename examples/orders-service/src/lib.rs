@@ -5,7 +5,10 @@
 //! - [`api`]: the HTTP API (`POST /orders`, `GET /orders/{id}`), with input
 //!   validation that answers 4xx and writes nothing.
 //! - [`payments`]: the inbox handler that marks an order paid when billing
-//!   reports `PaymentCaptured`.
+//!   reports `PaymentCaptured`, and the service's consumer.
+//! - [`order_saga`]: the order-payment saga — stock reserved, the payment
+//!   awaited, the order cancelled and its stock released when no payment
+//!   comes in time.
 //! - [`service`]: wiring — migrations, the relay and the consumer beside the
 //!   HTTP server, graceful shutdown.
 
@@ -13,6 +16,7 @@
 
 pub mod api;
 pub mod domain;
+pub mod order_saga;
 pub mod payments;
 pub mod service;
 

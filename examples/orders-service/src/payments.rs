@@ -10,13 +10,18 @@ use outbox::prelude::*;
 use outbox::runtime::{Consumer, ConsumerBuilder, Mode};
 use sqlx::PgPool;
 
-/// The service's payments consumer, as it runs (and as its tests drive
-/// it): [`mark_paid`] in inbox mode, in group `group`. The caller adds the
-/// broker settings.
+use crate::order_saga::{OrderPayment, mark_cancelled};
+
+/// The service's consumer, as it runs (and as its tests drive it), in
+/// inbox mode, in group `group`: [`mark_paid`], the order-payment saga
+/// ([`OrderPayment`]: `OrderCreated`, `PaymentCaptured` and its timeouts)
+/// and [`mark_cancelled`]. The caller adds the broker settings.
 pub fn consumer(pool: PgPool, group: &str) -> ConsumerBuilder {
     Consumer::builder(pool)
         .group(group)
         .handler(mark_paid)
+        .saga::<OrderPayment>()
+        .handler(mark_cancelled)
         .mode(Mode::Inbox)
 }
 

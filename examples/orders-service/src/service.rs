@@ -56,6 +56,9 @@ pub struct Config {
     /// `METRICS_ADDR` (e.g. `127.0.0.1:9464`; unset: no metrics endpoint):
     /// where the relay's and the consumer's Prometheus metrics are served.
     pub metrics: Option<SocketAddr>,
+    /// `PAYMENT_TIMEOUT_MS` (default 30000): how long an order waits for
+    /// its payment before the order-payment saga cancels it.
+    pub payment_timeout: Duration,
 }
 
 impl std::fmt::Debug for Config {
@@ -68,6 +71,7 @@ impl std::fmt::Debug for Config {
             .field("limits", &self.limits)
             .field("http_db_connections", &self.http_db_connections)
             .field("metrics", &self.metrics)
+            .field("payment_timeout", &self.payment_timeout)
             .finish()
     }
 }
@@ -119,6 +123,11 @@ impl Config {
         if http_db_connections == 0 {
             return Err("HTTP_DB_CONNECTIONS must be at least 1".into());
         }
+        let payment_timeout_ms: u64 =
+            parse("PAYMENT_TIMEOUT_MS", var("PAYMENT_TIMEOUT_MS"), 30_000)?;
+        if payment_timeout_ms < 100 {
+            return Err("PAYMENT_TIMEOUT_MS must be at least 100".into());
+        }
         let listen = or("LISTEN_ADDR", "127.0.0.1:3000");
         let metrics = match var("METRICS_ADDR").filter(|v| !v.trim().is_empty()) {
             None => None,
@@ -141,6 +150,7 @@ impl Config {
             limits,
             http_db_connections,
             metrics,
+            payment_timeout: Duration::from_millis(payment_timeout_ms),
         })
     }
 }
@@ -202,6 +212,7 @@ pub async fn serve(
     };
     let pools = Pools::connect(&config).await?;
     crate::migrate(&pools.workers).await?;
+    crate::order_saga::set_payment_timeout(config.payment_timeout);
 
     let relay = Relay::builder(pools.workers.clone())
         .kafka(&config.kafka)
@@ -252,6 +263,7 @@ mod tests {
             limits: Limits::default(),
             http_db_connections: 10,
             metrics: None,
+            payment_timeout: Duration::from_secs(30),
         };
         let shown = format!("{config:?}");
         assert!(!shown.contains("s3cret"), "{shown}");
@@ -271,12 +283,15 @@ mod tests {
         let config = Config::from_vars(vars(&[])).unwrap();
         assert_eq!(config.limits, Limits::default());
         assert_eq!(config.http_db_connections, 10);
+        assert_eq!(config.payment_timeout, Duration::from_secs(30));
         let config = Config::from_vars(vars(&[
             ("REQUEST_TIMEOUT_MS", "2500"),
             ("MAX_CONCURRENT_REQUESTS", "8"),
             ("HTTP_DB_CONNECTIONS", "3"),
+            ("PAYMENT_TIMEOUT_MS", "5000"),
         ]))
         .unwrap();
+        assert_eq!(config.payment_timeout, Duration::from_secs(5));
         assert_eq!(config.limits.request_timeout, Duration::from_millis(2500));
         assert_eq!(config.limits.max_concurrent_requests, 8);
         assert_eq!(config.http_db_connections, 3);
@@ -287,6 +302,8 @@ mod tests {
         );
         let error = Config::from_vars(vars(&[("HTTP_DB_CONNECTIONS", "0")])).unwrap_err();
         assert!(error.to_string().contains("HTTP_DB_CONNECTIONS"), "{error}");
+        let error = Config::from_vars(vars(&[("PAYMENT_TIMEOUT_MS", "10")])).unwrap_err();
+        assert!(error.to_string().contains("PAYMENT_TIMEOUT_MS"), "{error}");
     }
 
     #[test]
