@@ -70,6 +70,9 @@ macro_rules! order_types {
         pub struct Order {
             pub order_id: String,
             pub notes: Vec<u64>,
+            /// Set by a note, see [`NUL_NOTE`].
+            #[serde(default)]
+            pub remark: String,
             pub stage: Stage,
         }
 
@@ -98,6 +101,7 @@ macro_rules! order_saga {
                     Order {
                         order_id: e.order_id.clone(),
                         notes: Vec::new(),
+                        remark: String::new(),
                         stage: Stage::AwaitingPayment,
                     }
                 }
@@ -128,6 +132,9 @@ macro_rules! order_saga {
                 async fn noted(ctx: &mut SagaContext<Self>, e: Noted) -> Result<Stage, BoxError> {
                     if e.n == super::FAILING_NOTE {
                         return Err("this note always fails".into());
+                    }
+                    if e.n == super::NUL_NOTE {
+                        ctx.remark = "a\0b".into();
                     }
                     let mut notes = ctx.notes.clone();
                     // Read, wait, write: a step not serialized with another
@@ -224,6 +231,7 @@ macro_rules! order_saga_by_hand {
                         |e| Order {
                             order_id: e.order_id.clone(),
                             notes: Vec::new(),
+                            remark: String::new(),
                             stage: Stage::AwaitingPayment,
                         },
                         placed,
@@ -250,6 +258,9 @@ macro_rules! order_saga_by_hand {
 
 /// A note whose step always fails (in the sagas declared with `#[saga]`).
 const FAILING_NOTE: u64 = 666;
+/// A note whose step puts the character NUL in the state, which `jsonb`
+/// cannot store (in the sagas declared with `#[saga]`).
+const NUL_NOTE: u64 = 667;
 
 fn consumer(pool: &PgPool, group: &str) -> ConsumerBuilder {
     Consumer::builder(pool.clone())
@@ -484,6 +495,86 @@ async fn a_segment_taken_back_runs_its_steps_again_from_the_rolled_back_rows(poo
         o1_version, 3,
         "o1 was written once per step: placed, two notes"
     );
+}
+
+order_saga!(
+    nul_state,
+    "saga-test-nul-state",
+    "saga-test-nul-state-timeouts",
+    ignore
+);
+
+/// A step that leaves in its state a string PostgreSQL's `jsonb` cannot
+/// store (the character NUL) fails like a failing step, with the reason:
+/// retried, then dead-lettered, its instance unchanged, while the other
+/// steps of the batch (written together at the segment's end) are applied
+/// and the consumer goes on.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_step_whose_state_jsonb_cannot_store_is_dead_lettered_and_the_batch_goes_on(
+    pool: PgPool,
+) {
+    init_tracing();
+    nul_state::reset().await;
+    let on_0 = |m: TestMessage| m.on_partition(0);
+    let placed = |order: &str| {
+        on_0(msg(
+            Uuid::now_v7(),
+            "Placed",
+            order,
+            json!({ "timeout_ms": 3_600_000 }),
+        ))
+    };
+    let noted = |order: &str, n: u64| {
+        on_0(msg(
+            Uuid::now_v7(),
+            "Noted",
+            order,
+            json!({ "n": n, "pause_ms": 0 }),
+        ))
+    };
+    produce(
+        &brokers(),
+        nul_state::ORDERS,
+        &[
+            placed("o1"),
+            placed("o2"),
+            noted("o2", 7),
+            noted("o1", NUL_NOTE),
+            noted("o1", 5),
+            noted("o2", 8),
+        ],
+    )
+    .await;
+    let handle = consumer(&pool, &unique_topic("nul-state"))
+        .saga::<nul_state::Order>()
+        .max_attempts(2)
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            handle.counts().dead_lettered >= 1
+                && state(&pool, nul_state::NAME, "o1").await["notes"] == json!([5])
+        })
+        .await,
+        "{:?}",
+        handle.counts()
+    );
+    let counts = handle.counts();
+    handle.shutdown().await.unwrap();
+    assert_eq!(counts.dead_lettered, 1, "{counts:?}");
+    assert_eq!(
+        state(&pool, nul_state::NAME, "o2").await["notes"],
+        json!([7, 8])
+    );
+    assert_eq!(
+        state(&pool, nul_state::NAME, "o1").await["remark"],
+        json!("")
+    );
+    let error: String = sqlx::query_scalar("SELECT error FROM dead_letter")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(error.contains("NUL"), "{error}");
 }
 
 order_saga!(

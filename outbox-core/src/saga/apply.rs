@@ -3,8 +3,10 @@
 //! drop what changes nothing (no instance, completed, a stale timeout,
 //! another stage), run the step, write the state back (`version + 1`) and
 //! what the step recorded into the outbox. [`SagaHandler`] is the inbox
-//! handler of one message type of one saga; [`Prefetched`] holds the
-//! instances a batch's lock plan already read.
+//! handler of one message type of one saga. In a dedup batch, the
+//! instances come from and go back to the batch's
+//! [`Prefetched`](super::Prefetched), which the consumer writes once per
+//! segment.
 
 use std::any::Any;
 use std::collections::BTreeMap;
@@ -12,6 +14,7 @@ use std::collections::BTreeMap;
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
+use super::batch::{Instance, holds_nul};
 use super::counts::bump;
 use super::journal::{StepOutcome, note};
 use super::{MessageSteps, OtherStage, Saga, SagaContext, SagaTimeout, StepFn, stage_name};
@@ -55,69 +58,6 @@ fn conflict(error: &(dyn std::error::Error + Send + Sync + 'static)) -> bool {
         .and_then(|e| e.as_database_error())
         .and_then(|e| e.code())
         .is_some_and(|code| matches!(&*code, "40P01" | "40001" | "55P03"))
-}
-
-#[derive(Debug)]
-struct Instance {
-    state: serde_json::Value,
-    timeouts: serde_json::Value,
-    completed: bool,
-}
-
-/// Saga instances as a consumer's batch transaction holds them: locked
-/// (`FOR UPDATE`, in the batch's lock plan) and read at once before its
-/// handlers ran, then each one as its last step wrote it. A step takes its
-/// instance from here instead of locking and reading it again (a round trip
-/// per step) and puts back what it wrote; a step that finds nothing here
-/// locks and reads the row. The rows stay locked until the transaction
-/// ends, so nothing else changes them meanwhile; the consumer
-/// [`clear`](Self::clear)s it whenever it takes back part of the
-/// transaction (a rollback to a savepoint), whose writes are then undone.
-#[derive(Debug, Default)]
-pub struct Prefetched(std::sync::Mutex<std::collections::HashMap<(String, String), Instance>>);
-
-impl Prefetched {
-    /// Keeps instance `saga_id` of saga type `saga_type` as read.
-    pub fn insert(
-        &self,
-        (saga_type, saga_id): (String, String),
-        state: serde_json::Value,
-        timeouts: serde_json::Value,
-        completed: bool,
-    ) {
-        let instance = Instance {
-            state,
-            timeouts,
-            completed,
-        };
-        self.lock().insert((saga_type, saga_id), instance);
-    }
-
-    /// Forgets every instance: part of the transaction was taken back.
-    pub fn clear(&self) {
-        self.lock().clear();
-    }
-
-    /// How many instances are kept.
-    pub fn len(&self) -> usize {
-        self.lock().len()
-    }
-
-    /// Whether none is kept.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    fn take(&self, saga_type: &str, saga_id: &str) -> Option<Instance> {
-        self.lock()
-            .remove(&(saga_type.to_owned(), saga_id.to_owned()))
-    }
-
-    fn lock(
-        &self,
-    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<(String, String), Instance>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
 }
 
 async fn lock(conn: &mut PgConnection, saga: &str, id: &str) -> sqlx::Result<Option<Instance>> {
@@ -166,9 +106,9 @@ impl<S: Saga, M: DomainEvent> SagaHandler<S, M> {
             return Ok(StepOutcome::Missing); // another saga's timeout on a shared topic
         }
         let saga_id = (self.steps.correlate)(&event);
-        let prefetched = ctx.prefetched().and_then(|p| p.take(S::NAME, &saga_id));
+        let batch = ctx.prefetched();
         let conn = ctx.connection();
-        let mut instance = match prefetched {
+        let mut instance = match batch.and_then(|b| b.get(S::NAME, &saga_id)) {
             Some(instance) => Some(instance),
             None => lock(conn, S::NAME, &saga_id).await?,
         };
@@ -176,17 +116,28 @@ impl<S: Saga, M: DomainEvent> SagaHandler<S, M> {
         if instance.is_none()
             && let Some((init, _)) = &self.steps.start
         {
-            let state = init(&event);
+            let initial = init(&event);
+            let stage = stage_name(initial.stage());
+            let state = serde_json::to_value(&initial)?;
             created = sqlx::query(CREATE)
                 .bind(S::NAME)
                 .bind(&saga_id)
-                .bind(serde_json::to_value(&state)?)
-                .bind(stage_name(state.stage()))
+                .bind(&state)
+                .bind(stage)
                 .execute(&mut *conn)
                 .await?
                 .rows_affected()
                 == 1;
-            instance = lock(conn, S::NAME, &saga_id).await?;
+            instance = match created {
+                // As inserted (and locked by the insert).
+                true => Some(Instance {
+                    state,
+                    timeouts: serde_json::json!({}),
+                    completed: false,
+                }),
+                // Another transaction's insert won: read what it wrote.
+                false => lock(conn, S::NAME, &saga_id).await?,
+            };
         }
         let Some(instance) = instance else {
             bump(S::NAME, |c| c.missing += 1);
@@ -245,28 +196,46 @@ impl<S: Saga, M: DomainEvent> SagaHandler<S, M> {
         }
         let conn = ctx.connection();
         let state = serde_json::to_value(&step.state)?;
+        if holds_nul(&state) {
+            return Err(format!(
+                "saga `{}` instance `{}`: its state holds the character NUL, which PostgreSQL's \
+                 jsonb cannot store",
+                S::NAME,
+                step.saga_id
+            )
+            .into());
+        }
         let timeouts = serde_json::to_value(&step.timeouts)?;
-        sqlx::query(WRITE)
-            .bind(S::NAME)
-            .bind(&step.saga_id)
-            .bind(&state)
-            .bind(stage_name(step.state.stage()))
-            .bind(&timeouts)
-            .bind(step.completed)
-            .execute(&mut *conn)
-            .await?;
+        let stage = stage_name(step.state.stage());
+        match batch {
+            // Written with the segment's other steps (`Prefetched::flush`).
+            Some(batch) => batch.stepped(
+                (S::NAME.to_owned(), step.saga_id.clone()),
+                Instance {
+                    state,
+                    timeouts,
+                    completed: step.completed,
+                },
+                stage,
+            ),
+            None => {
+                sqlx::query(WRITE)
+                    .bind(S::NAME)
+                    .bind(&step.saga_id)
+                    .bind(&state)
+                    .bind(stage)
+                    .bind(&timeouts)
+                    .bind(step.completed)
+                    .execute(&mut *conn)
+                    .await?;
+            }
+        }
         for id in &step.cancelled {
             crate::uow::cancel_scheduled(&mut *conn, *id).await?;
         }
         crate::uow::insert_scheduled_after(&mut *conn, std::mem::take(&mut step.scheduled)).await?;
         for message in std::mem::take(&mut step.recorded) {
             ctx.record_message(message);
-        }
-        if let Some(prefetched) = ctx.prefetched() {
-            // The row as this transaction now holds it (and keeps locked),
-            // for the instance's next step in the batch.
-            let key = (S::NAME.to_owned(), std::mem::take(&mut step.saga_id));
-            prefetched.insert(key, state, timeouts, step.completed);
         }
         bump(S::NAME, |c| c.steps += 1);
         Ok(match created {

@@ -25,10 +25,12 @@ use crate::handler::BoxError;
 use crate::message::OutboxMessage;
 
 mod apply;
+mod batch;
 mod counts;
 mod journal;
 
-pub use apply::{Prefetched, SagaHandler};
+pub use apply::SagaHandler;
+pub use batch::Prefetched;
 pub use counts::{SagaCounts, all_saga_counts, saga_counts};
 pub use journal::StepOutcome;
 #[doc(hidden)]

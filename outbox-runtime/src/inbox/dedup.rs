@@ -71,6 +71,12 @@ pub(crate) const PROCESSED: Statement = Statement {
     needs: "SELECT, INSERT ON processed_event",
 };
 
+/// Writing a segment's saga steps (`Prefetched::flush`).
+pub(crate) const SAGA_WRITE: Statement = Statement {
+    name: "consumer: write the saga instances a segment's steps moved",
+    needs: "SELECT, UPDATE ON outbox_saga",
+};
+
 /// The `BEGIN` of a handlers' transaction, which arms the commit guard.
 pub(crate) const TX_GUARD: Statement = Statement {
     name: "consumer: arm the commit guard",
@@ -751,6 +757,13 @@ async fn run_segments(
             }
         }
         let Some((i, handler, error)) = failed else {
+            // The segment's saga steps, written in one statement.
+            if let Some(batch) = handling.prefetched {
+                batch
+                    .flush(&mut *tx)
+                    .await
+                    .map_err(|e| apply::bookkeeping(e, SAGA_WRITE))?;
+            }
             if !undone.is_empty() {
                 sqlx::query(UNDO_PROCESSED)
                     .bind(&config.group)
@@ -769,7 +782,8 @@ async fn run_segments(
             stop = n;
             continue;
         };
-        // The saga instances it wrote are as they were again.
+        // The saga instances its steps moved are as they were again (and
+        // what the steps left unwritten goes with them).
         if let Some(prefetched) = handling.prefetched {
             prefetched.clear();
         }
