@@ -10,8 +10,9 @@
 //!   the application's (`INSERT … ON CONFLICT DO NOTHING` on `Placed`,
 //!   `UPDATE … SET notes = notes + 1` on `Noted`, `UPDATE … SET done` on
 //!   `Paid`): what an application without sagas writes;
-//! - `saga`: a `#[saga]` whose steps do the same (the instance's row locked,
-//!   its state read, the step run, the state written back).
+//! - `saga`: a `#[saga]` whose steps do the same (in dedup mode the batch's
+//!   instances are locked and read in one statement, and a segment's steps
+//!   written back in one).
 //!
 //! Rates are from the consumer's start (group join included) to the last
 //! message applied; each stage's ratio is against `noop` and `table`.
