@@ -84,7 +84,7 @@ pub struct HandlerContext<'c> {
     /// The handler was given the connection (mutably): it may have run a
     /// statement. See [`touched`](Self::touched).
     touched: bool,
-    /// Saga instances the consumer's lock plan read while locking them.
+    /// The batch's saga instances (dedup mode), see `with_prefetched`.
     prefetched: Option<&'c crate::saga::Prefetched>,
 }
 
@@ -114,8 +114,9 @@ impl<'c> HandlerContext<'c> {
     }
 
     /// The saga instances the consumer locked and read for the batch
-    /// before its handlers ran: a saga step takes its instance from there
-    /// instead of reading it again. Used by the consumer runtime.
+    /// before its handlers ran: a saga step reads its instance from there
+    /// and leaves its result there, for the consumer to write at the end
+    /// of the segment. Used by the consumer runtime.
     #[doc(hidden)]
     pub fn with_prefetched(mut self, prefetched: Option<&'c crate::saga::Prefetched>) -> Self {
         self.prefetched = prefetched;

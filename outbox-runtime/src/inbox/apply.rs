@@ -237,7 +237,8 @@ pub(crate) struct Handling<'r> {
     /// handler that breaks it without saying so is named. Used after a
     /// [`Failure::Suspect`].
     pub careful: bool,
-    /// The saga instances the batch's lock plan read (dedup mode).
+    /// The batch's saga instances, read by its lock plan and written at
+    /// each segment's end (dedup mode).
     pub prefetched: Option<&'r outbox_core::saga::Prefetched>,
 }
 

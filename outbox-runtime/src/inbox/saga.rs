@@ -4,7 +4,9 @@
 //! batch's lock plan ([`lock_instances`]): the instances a dedup batch's
 //! messages route to, locked in `(saga_type, saga_id)` order before any
 //! handler runs, so two batches never lock two instances in opposite
-//! orders, and read in the same statement for their first steps.
+//! orders, and read in the same statement ([`Prefetched`]): the steps read
+//! their instances from there and leave their results there, and the
+//! consumer writes a segment's in one statement at its end.
 
 use std::collections::BTreeSet;
 
@@ -37,8 +39,8 @@ impl ConsumerBuilder {
 
 /// Locks the existing instances that the events of `records` (those not
 /// set aside) move, in `(saga_type, saga_id)` order, and reads them: their
-/// steps take them from the returned [`Prefetched`] instead of reading them
-/// again. Instances created by a start message are not locked here: their
+/// steps read them from the returned [`Prefetched`] instead of reading the
+/// rows, and leave their results there for the segment's flush. Instances created by a start message are not locked here: their
 /// insert waits for another transaction's insert of the same key instead.
 const LOCK_ALL: &str = "\
 SELECT s.saga_type, s.saga_id, s.state, s.timeouts, s.completed_at IS NOT NULL
