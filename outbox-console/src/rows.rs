@@ -220,7 +220,13 @@ async fn parked_detail_page(console: &Console, headers: &HeaderMap, id: &str) ->
             tr { th { "attempts" } td { (row.attempts) } }
             tr { th { "created" } td { (row.created_at) } }
             @if row.passed {
-                tr { th { "published" } td #passed { "yes: its lane's position passed it (the progress mode keeps no time per event)" } }
+                tr { th { "published" } td #passed {
+                    @if let Some(by) = &row.published_by {
+                        "by " (by) " (the first position recorded past it: at most a minute late for older events)"
+                    } @else {
+                        "yes: its lane's position passed it (before the oldest position kept)"
+                    }
+                } }
             }
             @for (label, value) in [
                 ("published", &row.published_at),

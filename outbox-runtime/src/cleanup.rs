@@ -200,7 +200,8 @@ pub struct CleanupReport {
     /// Partitions past the window left for the next pass: their table
     /// stayed locked longer than the lock timeout.
     pub partitions_busy: u64,
-    /// Positions of the progress mode no lane stands at any more.
+    /// Positions of the progress mode no lane stands at any more (of those
+    /// recorded within the window, one a minute per set of slots stays).
     pub positions: u64,
     /// Completed saga instances (`outbox_saga`).
     pub sagas: u64,
@@ -307,8 +308,9 @@ pub async fn cleanup(pool: &PgPool, retention: &Retention) -> Result<CleanupRepo
     report.partitions_kept = dropped.kept;
     report.partitions_busy = dropped.busy;
 
-    // Positions of the progress mode no lane stands at any more.
-    report.positions = crate::relay::progress::prune(pool).await?;
+    // Positions of the progress mode no lane stands at any more (one a
+    // minute kept within the window: the events' publication times).
+    report.positions = crate::relay::progress::prune(pool, cutoff).await?;
 
     // Published outbox rows, in id order.
     for table in partition::row_cleaned(pool, "outbox_event").await? {

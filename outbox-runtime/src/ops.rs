@@ -578,6 +578,13 @@ pub struct OutboxRow {
     /// Published in the progress mode: its lane's position passed it (the
     /// relay writes no time per row there; `published_at` stays empty).
     pub passed: bool,
+    /// For a row [`passed`](Self::passed): when it was published at the
+    /// latest (UTC, RFC 3339), the time of the first position recorded
+    /// past it — exact to its batch while the positions are fresh, at most
+    /// a minute late once the cleanup thinned them to one a minute, and
+    /// unknown (`None`) for a row older than the positions kept (those of
+    /// the retention window).
+    pub published_by: Option<String>,
 }
 
 impl OutboxRow {
@@ -605,7 +612,7 @@ pub async fn outbox_row(pool: &PgPool, id: i64) -> Result<Option<OutboxRow>> {
     let sql = format!(
         "{}SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version, topic,
                 partition_key, payload, headers, attempts, last_error, {}, {}, {}, {}, {},
-                discard_reason, published_at IS NULL AND {} AS passed
+                discard_reason, published_at IS NULL AND {} AS passed, {}
          FROM outbox_event WHERE id = $1",
         published.with,
         ts("created_at"),
@@ -614,6 +621,16 @@ pub async fn outbox_row(pool: &PgPool, id: i64) -> Result<Option<OutboxRow>> {
         ts("held_until"),
         ts("discarded_at"),
         published.condition,
+        if published.progress {
+            format!(
+                "CASE WHEN published_at IS NULL AND {} THEN to_char({} AT TIME ZONE 'UTC', {TS})
+                 END AS published_by",
+                published.condition,
+                crate::relay::progress::published_by("outbox_event"),
+            )
+        } else {
+            "NULL::text AS published_by".into()
+        },
     );
     Ok(sqlx::query_as(&sql).bind(id).fetch_optional(pool).await?)
 }

@@ -15,6 +15,7 @@ use outbox_core::UnitOfWork;
 use outbox_runtime::relay::progress;
 use outbox_runtime::{Relay, ops};
 use sqlx::PgPool;
+use sqlx::types::chrono;
 
 fn relay(pool: &PgPool) -> outbox_runtime::RelayBuilder {
     Relay::builder(pool.clone())
@@ -520,6 +521,182 @@ async fn status_gauges_and_cleanup_follow_the_positions(pool: PgPool) {
     .await;
     let all: Vec<uuid::Uuid> = committed.iter().chain(&later).copied().collect();
     assert_eq!(verify(&all, &received), 0);
+}
+
+/// When was this event published? In the progress mode no time is
+/// written per event: an event's page answers with the time of the first
+/// position recorded past it. The cleanup thins the positions of the
+/// retention window to one a minute per set of slots (the time then at most
+/// a minute late) and deletes older ones, never the newest of a set.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn an_event_published_without_a_mark_is_dated_by_its_position_to_the_minute(pool: PgPool) {
+    let topic = unique_topic("progress-dated");
+    create_topic(&brokers(), &topic).await;
+    progress::enable(&pool).await.unwrap();
+    let first = commit_messages(&pool, &topic, 300, 10, 30).await;
+    let handle = relay(&pool).batch_size(20).spawn().unwrap();
+    assert!(wait_until_done(&pool, Duration::from_secs(30)).await);
+    // A second batch of events, published later than the first.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let between: String = sqlx::query_scalar(
+        r#"SELECT to_char(clock_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"')"#,
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let second = commit_messages(&pool, &topic, 300, 10, 30).await;
+    assert!(wait_until_done(&pool, Duration::from_secs(30)).await);
+    handle.shutdown().await.unwrap();
+    let unpublished = commit_messages(&pool, &topic, 5, 5, 5).await;
+
+    // (id, created, published by) of each event, as its page says.
+    let dated = |events: Vec<uuid::Uuid>| {
+        let pool = pool.clone();
+        async move {
+            let mut rows = Vec::new();
+            for event_id in events {
+                let id: i64 = sqlx::query_scalar("SELECT id FROM outbox_event WHERE event_id = $1")
+                    .bind(event_id)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+                let row = ops::outbox_row(&pool, id).await.unwrap().unwrap();
+                rows.push((row.state(), row.passed, row.created_at, row.published_by));
+            }
+            rows
+        }
+    };
+    let time = |t: &str| chrono::DateTime::parse_from_rfc3339(t).unwrap();
+    let before = dated(first.clone()).await;
+    for (state, passed, created, by) in &before {
+        assert_eq!((*state, *passed), (ops::RowState::Published, true));
+        let by = by.as_deref().expect("a published event has a time");
+        assert!(
+            time(by) >= time(created),
+            "published by {by}, created {created}"
+        );
+    }
+    let later = dated(second.clone()).await;
+    let latest_first = before.iter().map(|r| time(r.3.as_ref().unwrap())).max();
+    let earliest_second = later.iter().map(|r| time(r.3.as_ref().unwrap())).min();
+    assert!(
+        latest_first < Some(time(&between)) && earliest_second > Some(time(&between)),
+        "the first batch dated before the second was written, the second after: \
+         {latest_first:?} {between} {earliest_second:?}"
+    );
+    for (state, passed, _, by) in dated(unpublished.clone()).await {
+        assert_eq!(
+            (state, passed, by),
+            (ops::RowState::Unpublished, false, None)
+        );
+    }
+
+    // Move the positions back in time, in id order: the first half spread
+    // over 50 to 40 minutes ago, the second over the last 3 minutes; the
+    // events made older than all of them.
+    sqlx::query(
+        "UPDATE outbox_progress p
+         SET recorded_at = now() - CASE WHEN r.n * 2 <= r.total
+             THEN make_interval(secs => 3000 - 600.0 * r.n * 2 / r.total)
+             ELSE make_interval(secs => 180.0 * (1 - (r.n * 2 - r.total)::float8 / r.total)) END
+         FROM (SELECT id, row_number() OVER (ORDER BY id) AS n, count(*) OVER () AS total
+               FROM outbox_progress) r
+         WHERE p.id = r.id",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("UPDATE outbox_event SET created_at = now() - interval '2 hours'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let spread = dated(first.iter().chain(&second).copied().collect()).await;
+    let positions_before: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_progress")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let newest_before: Vec<String> = progress::positions(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| format!("{} {} {:?} {:?}", p.slots, p.done, p.upto, p.after_id))
+        .collect();
+    let crowded: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT 1 FROM outbox_progress
+         GROUP BY slots, date_trunc('minute', recorded_at) HAVING count(*) > 1) m",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        crowded > 0,
+        "some lane recorded several positions in a minute"
+    );
+    // Keep what was recorded within the last 30 minutes, one a minute.
+    let cutoff: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT now() - interval '30 minutes'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let pruned = progress::prune(&pool, cutoff).await.unwrap();
+    assert!(pruned > 0);
+    let (old, per_minute): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM outbox_progress p WHERE recorded_at < $1
+                 AND EXISTS (SELECT 1 FROM outbox_progress n WHERE n.slots = p.slots
+                             AND n.id > p.id)),
+                (SELECT coalesce(max(c), 0) FROM (
+                    SELECT count(*) AS c FROM outbox_progress
+                    WHERE recorded_at >= $1
+                    GROUP BY slots, date_trunc('minute', recorded_at)) m)",
+    )
+    .bind(cutoff)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        old, 0,
+        "positions before the window go, but each set's newest"
+    );
+    assert_eq!(
+        per_minute, 1,
+        "one a minute per set of slots within the window"
+    );
+    let newest_after: Vec<String> = progress::positions(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| format!("{} {} {:?} {:?}", p.slots, p.done, p.upto, p.after_id))
+        .collect();
+    assert_eq!(newest_after, newest_before, "where each set stands is kept");
+    let positions_after: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_progress")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(positions_before - positions_after, pruned as i64);
+
+    // Every event's time after the thinning is never earlier than before;
+    // published within the window, at most a minute later. (An event
+    // published before the window would have been deleted by the same
+    // cleanup pass, created before it: here it keeps a later bound, or
+    // none.)
+    let thinned = dated(first.iter().chain(&second).copied().collect()).await;
+    let mut within = 0;
+    for (was, now) in spread.iter().zip(&thinned) {
+        assert_eq!((now.0, now.1), (ops::RowState::Published, true));
+        let was = time(was.3.as_ref().unwrap());
+        if was < cutoff {
+            assert!(now.3.as_ref().is_none_or(|by| time(by) >= was));
+            continue;
+        }
+        let by = time(now.3.as_ref().expect("published within the window: dated"));
+        assert!(by >= was, "thinning never dates an event earlier");
+        assert!(
+            (by - was).num_seconds() < 60,
+            "at most a minute later: {was} -> {by}"
+        );
+        within += 1;
+    }
+    assert!(within > 0, "some events were published within the window");
 }
 
 /// Turning the mode on releases the rows held back after failures (the

@@ -655,14 +655,39 @@ WHERE e.published_at IS NULL AND e.parked_at IS NULL
 });
 
 /// Deletes the positions no slot stands at any more (every slot of theirs
-/// has a newer one); returns how many. Run by the cleanup pass.
+/// has a newer one), but keeps, of those recorded at or after `$1`, the
+/// newest of each set of slots and minute: what [`published_by`] answers
+/// from, to the minute, for as long as the rows are kept. Returns how many
+/// went. Run by the cleanup pass.
 static PRUNE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
-        "WITH RECURSIVE {POSITIONS}
-DELETE FROM outbox_progress WHERE id < (SELECT max(id) FROM pos)
-  AND id NOT IN (SELECT id FROM pos)"
+        "WITH RECURSIVE {POSITIONS},
+ranked AS (
+    SELECT q.id, q.recorded_at,
+           row_number() OVER (PARTITION BY q.slots, date_trunc('minute', q.recorded_at)
+                              ORDER BY q.id DESC) AS nth
+    FROM outbox_progress q)
+DELETE FROM outbox_progress p USING ranked r
+WHERE p.id = r.id AND p.id < (SELECT max(id) FROM pos)
+  AND p.id NOT IN (SELECT id FROM pos)
+  AND (r.recorded_at < $1 OR r.nth > 1)"
     )
 });
+
+/// When the row `e` was published in the progress mode, at the latest:
+/// the time of the first position kept that passes it (a position is
+/// recorded once its batch was delivered; the cleanup keeps one a minute
+/// of the older ones, so the time is at most a minute late once thinned).
+/// NULL for a row no position kept passes.
+pub(crate) fn published_by(e: &str) -> String {
+    format!(
+        "(SELECT min(q.recorded_at) FROM outbox_progress q
+          WHERE {e}.lane_slot = ANY(q.slots) AND q.recorded_at >= {e}.created_at
+            AND (pg_visible_in_snapshot({e}.txid, q.done)
+                 OR (q.upto IS NOT NULL AND pg_visible_in_snapshot({e}.txid, q.upto)
+                     AND {e}.id <= q.after_id)))"
+    )
+}
 
 /// Where a set of lane slots stands (see [`positions`]).
 #[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
@@ -720,9 +745,19 @@ pub async fn held_topics(pool: &sqlx::PgPool) -> Result<Vec<HeldTopic>> {
 }
 
 /// Deletes the positions no slot stands at any more (every slot of theirs
-/// has a newer one); returns how many. Run by the cleanup pass.
-pub async fn prune(pool: &sqlx::PgPool) -> Result<u64> {
-    Ok(sqlx::query(&PRUNE).execute(pool).await?.rows_affected())
+/// has a newer one), but keeps, of those recorded at or after `keep_since`,
+/// the newest of each set of slots and minute (the events' publication
+/// times, to the minute: see `ops::OutboxRow::published_by`); returns how
+/// many went. Run by the cleanup pass, with its retention's cutoff.
+pub async fn prune(
+    pool: &sqlx::PgPool,
+    keep_since: sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc>,
+) -> Result<u64> {
+    Ok(sqlx::query(&PRUNE)
+        .bind(keep_since)
+        .execute(pool)
+        .await?
+        .rows_affected())
 }
 
 /// How many events are not published yet in the progress mode: those the
