@@ -693,3 +693,39 @@ async fn saga_pages_show_stages_stuck_instances_and_one_instance(pool: PgPool) {
     let bad = get(&app, "/sagas?idle=soon", None).await;
     assert_eq!(bad.status, StatusCode::BAD_REQUEST);
 }
+
+/// In the progress mode an event is published without a time of its own:
+/// its page says when it had gone out at the latest, the time of the first
+/// position recorded past it (here recorded as a relay records one).
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn an_event_page_in_the_progress_mode_dates_the_event_by_its_position(pool: PgPool) {
+    outbox_runtime::relay::progress::enable(&pool)
+        .await
+        .unwrap();
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload,
+                                   topic, partition_key, headers)
+         VALUES (gen_random_uuid(), 'Order', 'o-1', 'OrderPlaced', '{}', 'orders', 'o-1', '{}')
+         RETURNING id",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let app = writable(&pool);
+    let page = get(&app, &format!("/parked/{id}"), None).await.body;
+    assert!(page.contains(">unpublished<"), "{page}");
+    assert!(!page.contains("id=\"passed\""), "{page}");
+
+    let recorded: String = sqlx::query_scalar(
+        r#"INSERT INTO outbox_progress (slots, done)
+           SELECT ARRAY[lane_slot], pg_current_snapshot() FROM outbox_event WHERE id = $1
+           RETURNING to_char(recorded_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"')"#,
+    )
+    .bind(id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let page = get(&app, &format!("/parked/{id}"), None).await.body;
+    assert!(page.contains(">published<"), "{page}");
+    assert!(page.contains(&format!("by {recorded}")), "{page}");
+}
