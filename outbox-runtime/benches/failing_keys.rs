@@ -10,7 +10,12 @@
 //! the back-off floor: the busiest failing key's failing events times the
 //! back-offs each waits before its dead letter (no run can finish sooner).
 //!
-//! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--stages 0,0.1,1,5] [--max-attempts N] [--backoff-ms N] [--spread hot|all] [--json PATH]`
+//! With `--memory-retries-ms 0,1000` every stage runs twice: failing
+//! events set aside in `inbox_event` (0, the default), then retried from
+//! the consumer's memory within a 1,000 ms window
+//! (`ConsumerBuilder::memory_retries`).
+//!
+//! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--stages 0,0.1,1,5] [--max-attempts N] [--backoff-ms N] [--spread hot|all] [--memory-retries-ms 0,1000] [--json PATH]`
 //!
 //! Needs PostgreSQL (DATABASE_URL names the server; the benchmark creates
 //! its own database `outbox_bench_failing_keys`) and a broker (KAFKA_BROKERS).
@@ -58,6 +63,10 @@ struct Args {
     /// Inbox processors of the consumer (they split the partitions).
     #[arg(long, default_value_t = 1)]
     processors: usize,
+    /// Windows of retries from memory to run the stages with, in ms (0:
+    /// off, failing events set aside in `inbox_event`).
+    #[arg(long, value_delimiter = ',', default_values_t = [0])]
+    memory_retries_ms: Vec<u64>,
     /// Rows an inbox processor claims per round (the consumer's default
     /// if not given).
     #[arg(long)]
@@ -201,7 +210,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     preload(&brokers, a.events).await?;
     let mut stages = Vec::new();
     let mut base_rate = None;
-    for per_million in a.stages.iter().map(|p| (p * 10_000.0).round() as u64) {
+    let runs: Vec<(u64, u64)> = a
+        .memory_retries_ms
+        .iter()
+        .flat_map(|m| {
+            a.stages
+                .iter()
+                .map(move |p| (*m, (p * 10_000.0).round() as u64))
+        })
+        .collect();
+    for (memory_ms, per_million) in runs {
         let failing: Vec<u64> = (0..a.events)
             .filter(|s| fails(*s, per_million, a.spread))
             .collect();
@@ -233,8 +251,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         if let Some(n) = a.processor_batch {
             builder = builder.processor_batch_size(n);
         }
+        if memory_ms > 0 {
+            builder = builder.memory_retries(Duration::from_millis(memory_ms));
+        }
         let handle = builder
-            .group(format!("bench-failing-{per_million}"))
+            .group(format!("bench-failing-{per_million}-{memory_ms}"))
             .brokers(&brokers)
             .max_attempts(a.max_attempts)
             .retry_backoff(backoff, backoff * 10)
@@ -267,9 +288,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let base = *base_rate.get_or_insert(rate);
         let clean_s = clean_done.unwrap_or(took).as_secs_f64();
         println!(
-            "{:>5.1} % failing ({:>5} events, {:>3} keys): {rate:>8.0} events/s = {:.2} x all-good; \
+            "memory retries {memory_ms:>4} ms, {:>5.1} % failing ({:>5} events, {:>3} keys): \
+             {rate:>8.0} events/s = {:.2} x all-good; \
              other keys' events all applied after {clean_s:.2} s; dead-lettered {}, set aside {}; \
-             took {:.2} s, back-off floor {floor_s:.2} s",
+             took {:.2} s, back-off floor {floor_s:.2} s; {} transactions",
             per_million as f64 / 10_000.0,
             failing.len(),
             keys_failing,
@@ -277,8 +299,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             counts.dead_lettered,
             counts.stored,
             took.as_secs_f64(),
+            counts.batches,
         );
         stages.push(serde_json::json!({
+            "memory_retries_ms": memory_ms,
             "failing_percent": per_million as f64 / 10_000.0,
             "failing_events": failing.len(),
             "events_per_s": rate.round(),
@@ -286,6 +310,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "other_keys_applied_s": (clean_s * 1000.0).round() / 1000.0,
             "dead_lettered": counts.dead_lettered,
             "set_aside": counts.stored,
+            "batches": counts.batches,
             "took_s": (took.as_secs_f64() * 1000.0).round() / 1000.0,
             "backoff_floor_s": (floor_s * 1000.0).round() / 1000.0,
         }));

@@ -39,6 +39,7 @@ use super::backoff;
 use super::db::pg_text;
 use super::dead_letter::{self, DeadLetterReason, NewDeadLetter};
 use super::dispatch::Registry;
+use super::held::Held;
 use super::poller::Shared;
 use super::record::{Body, Record};
 use super::txn::GuardedConn;
@@ -130,13 +131,17 @@ const SET_ASIDE_STATEMENT: Statement = Statement {
 /// applied.
 #[derive(Clone, Debug)]
 enum Aside {
-    /// Its handler failed: the processor retries it after a back-off.
+    /// Its handler failed (`attempts` times so far): the processor retries
+    /// it after a back-off.
     Failed {
         handler: &'static str,
         error: String,
+        attempts: u32,
     },
     /// An earlier event of its key is set aside.
     Behind,
+    /// Held in memory with its key (`held.rs`): not applied, not written.
+    Memory,
 }
 
 /// The (topic, partition key) of an event record.
@@ -171,6 +176,8 @@ pub(crate) struct Applier<'a> {
     /// Wakes the inbox processor when events were set aside (it then
     /// waits for the first one's retry).
     pub wake: Option<&'a tokio::sync::Notify>,
+    /// Failing keys held in memory (`ConsumerConfig::memory_retries`).
+    pub held: Box<Held>,
 }
 
 impl Applier<'_> {
@@ -198,6 +205,7 @@ impl Applier<'_> {
                     {
                         return;
                     }
+                    self.held.settled(self.shared, &batch[i]);
                     self.shared.completed(&batch[i..=i]);
                     start = i + 1;
                     end = n;
@@ -215,6 +223,13 @@ impl Applier<'_> {
                 Ok(report) => {
                     self.db.up();
                     self.account(report);
+                    if !self.held.is_empty() {
+                        for (r, a) in batch[start..end].iter().zip(&aside[start..end]) {
+                            if !matches!(a, Some(Aside::Memory)) {
+                                self.held.settled(self.shared, r);
+                            }
+                        }
+                    }
                     self.shared.completed(&batch[start..end]);
                     start = end;
                     end = n;
@@ -265,7 +280,11 @@ impl Applier<'_> {
                         %error,
                         "handler failed: setting its key aside for the inbox processor to retry"
                     );
-                    aside[i] = Some(Aside::Failed { handler, error });
+                    aside[i] = Some(Aside::Failed {
+                        handler,
+                        error,
+                        attempts: 1,
+                    });
                     let key = key_of(&batch[i]).map(|(t, k)| (t.to_owned(), k.to_owned()));
                     for j in i + 1..n {
                         if aside[j].is_none()
@@ -279,7 +298,22 @@ impl Applier<'_> {
                 }
             }
         }
+        // The events held in memory join their keys' queues.
+        if aside.iter().any(|a| matches!(a, Some(Aside::Memory))) {
+            for (r, a) in batch.into_iter().zip(aside) {
+                if matches!(a, Some(Aside::Memory)) {
+                    self.held.queue(r);
+                }
+            }
+        }
+        self.held.end_batch();
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The events whose retry from memory is due, each key's in order (see
+    /// `held.rs`): applied as a batch of their own.
+    pub fn due(&mut self) -> Vec<Record> {
+        self.held.take_due(self.shared)
     }
 
     fn account(&self, report: Report) {
@@ -296,7 +330,15 @@ impl Applier<'_> {
         if !report.rejected.is_empty() {
             s.dead_lettered
                 .fetch_add(report.rejected.len() as u64, Ordering::Relaxed);
-            log_rejected(&self.config.group, &report.rejected);
+            // Handlers out of attempts were logged each (`hold_failures`).
+            let malformed: Vec<_> = report
+                .rejected
+                .into_iter()
+                .filter(|(reason, _)| *reason != DeadLetterReason::HandlerFailed)
+                .collect();
+            if !malformed.is_empty() {
+                log_rejected(&self.config.group, &malformed);
+            }
         }
     }
 
@@ -317,6 +359,18 @@ impl Applier<'_> {
             .begin()
             .await
             .map_err(|e| Failure::Outage(Trouble::from(e).during(TX_GUARD)))?;
+        // Events of keys waiting in memory join them.
+        if !self.held.is_empty() {
+            for (r, a) in records.iter().zip(aside.iter_mut()) {
+                if a.is_none()
+                    && !self.held.retrying(r)
+                    && Held::key(r).is_some_and(|k| self.held.holds(&k))
+                {
+                    *a = Some(Aside::Memory);
+                    self.held.pin(self.shared, r);
+                }
+            }
+        }
         let held = held_keys(&mut tx, &self.config.group, records, aside).await?;
         let mut set_aside: Vec<bool> = records
             .iter()
@@ -330,7 +384,14 @@ impl Applier<'_> {
             .collect();
         // An event PostgreSQL cannot store cannot wait behind its key:
         // dead-lettered (nothing lost; `outbox dead-letters retry` runs it).
-        for (r, aside) in records.iter_mut().zip(set_aside.iter_mut()) {
+        for ((r, aside), why) in records
+            .iter_mut()
+            .zip(set_aside.iter_mut())
+            .zip(aside.iter())
+        {
+            if matches!(why, Some(Aside::Memory)) {
+                continue; // held in memory, not stored
+            }
             if let (true, Body::Event(e)) = (*aside, &r.body)
                 && let Some(why) = unstorable(e)
             {
@@ -367,6 +428,15 @@ impl Applier<'_> {
         )
         .await?;
         handler_time += time;
+        if let Some(window) = self.config.memory_retries {
+            hold_failures(
+                (&mut *self.held, self.shared, self.config),
+                records,
+                aside,
+                &mut set_aside,
+                window,
+            );
+        }
         apply::seal(&mut tx).await?;
         follow_ups.write(&mut tx).await?;
         let (written, offered) =
@@ -457,6 +527,95 @@ impl Applier<'_> {
                     }
                 }
             }
+        }
+    }
+}
+
+/// Holds in memory, where `memory_retries` allows, the failures of this
+/// transaction (`Aside::Failed`) with the later events of their keys:
+/// the next attempt due within the window, room left, and not a first
+/// failure of an event released from its key's queue (a key failing that
+/// often goes to the inbox rather than have its queue run again and
+/// again). Out of attempts, the event is dead-lettered in this transaction
+/// instead and the later events of its key wait in memory, due at once.
+/// Otherwise it is set aside in `inbox_event` with its attempts so far.
+fn hold_failures(
+    (held, shared, config): (&mut Held, &Shared, &ConsumerConfig),
+    records: &mut [Record],
+    aside: &mut [Option<Aside>],
+    set_aside: &mut [bool],
+    window: std::time::Duration,
+) {
+    let n = records.len();
+    for i in 0..n {
+        let Some(Aside::Failed { handler, error, .. }) = &aside[i] else {
+            continue;
+        };
+        let (handler, error) = (*handler, error.clone());
+        let Some(key) = Held::key(&records[i]) else {
+            continue;
+        };
+        let attempts = held.attempts(&records[i]) + 1;
+        let behind: Vec<usize> = (i + 1..n)
+            .filter(|&j| {
+                matches!(aside[j], Some(Aside::Behind))
+                    && Held::key(&records[j]).as_ref() == Some(&key)
+            })
+            .collect();
+        let delay = backoff::delay(config.retry_backoff, config.retry_backoff_max, attempts);
+        let (due, head) = if attempts >= config.max_attempts {
+            let Body::Event(e) = &records[i].body else {
+                continue;
+            };
+            tracing::warn!(
+                group = %config.group,
+                event_id = %e.incoming.event_id,
+                event_type = %e.incoming.event_type,
+                handler,
+                attempts,
+                %error,
+                "handler kept failing: event dead-lettered (re-drive with `outbox dead-letters retry`)"
+            );
+            let rejected = e.rejected(
+                DeadLetterReason::HandlerFailed,
+                error,
+                Some(handler),
+                i32::try_from(attempts).unwrap_or(i32::MAX),
+            );
+            records[i].body = Body::Rejected(Box::new(rejected));
+            aside[i] = None;
+            set_aside[i] = false;
+            (tokio::time::Instant::now(), false)
+        } else if delay <= window
+            && held.room(1 + behind.len())
+            && !(attempts == 1 && held.was_released(&records[i]))
+        {
+            tracing::debug!(
+                offset = records[i].offset,
+                partition = records[i].partition,
+                handler,
+                attempts,
+                %error,
+                "handler failed: its key waits in memory for the next attempt"
+            );
+            held.failed(&records[i], attempts);
+            (tokio::time::Instant::now() + delay, true)
+        } else {
+            aside[i] = Some(Aside::Failed {
+                handler,
+                error,
+                attempts,
+            });
+            continue;
+        };
+        if !head && behind.is_empty() {
+            continue;
+        }
+        held.hold_key(key, due);
+        for j in head.then_some(i).into_iter().chain(behind) {
+            aside[j] = Some(Aside::Memory);
+            set_aside[j] = false;
+            held.pin(shared, &records[j]);
         }
     }
 }
@@ -576,13 +735,17 @@ async fn set_aside_rows(
     aside: &[Option<Aside>],
     set_aside: &[bool],
 ) -> Result<(u64, u64), Failure> {
-    let delay = backoff::delay(config.retry_backoff, config.retry_backoff_max, 1).as_secs_f64();
+    let delay = |attempts: u32| {
+        backoff::delay(config.retry_backoff, config.retry_backoff_max, attempts).as_secs_f64()
+    };
     let mut rows = SetAside::default();
+    // Events held in memory (`Aside::Memory`) are not applied either, and
+    // not written.
     for ((r, a), _) in records
         .iter()
         .zip(aside)
         .zip(set_aside)
-        .filter(|(_, set)| **set)
+        .filter(|((_, a), set)| **set && !matches!(a, Some(Aside::Memory)))
     {
         let Body::Event(e) = &r.body else { continue };
         let i = &e.incoming;
@@ -601,11 +764,16 @@ async fn set_aside_rows(
             .push(i32::try_from(i.event_version).unwrap_or(i32::MAX));
         rows.headers.push(i.headers.to_json());
         match a {
-            Some(Aside::Failed { handler, error }) => {
-                rows.attempts.push(1);
+            Some(Aside::Failed {
+                handler,
+                error,
+                attempts,
+            }) => {
+                rows.attempts
+                    .push(i32::try_from(*attempts).unwrap_or(i32::MAX));
                 rows.errors
                     .push(Some(pg_text(&format!("{handler}: {error}")).into_owned()));
-                rows.delays.push(delay);
+                rows.delays.push(delay(*attempts));
             }
             _ => {
                 rows.attempts.push(0);
@@ -826,7 +994,11 @@ fn set_key_aside(
         %error,
         "handler failed: setting its key aside for the inbox processor to retry"
     );
-    aside[i] = Some(Aside::Failed { handler, error });
+    aside[i] = Some(Aside::Failed {
+        handler,
+        error,
+        attempts: 1,
+    });
     set_aside[i] = true;
     let key = key_of(&records[i]).map(|(t, k)| (t.to_owned(), k.to_owned()));
     let mut behind = Vec::new();

@@ -76,6 +76,16 @@ impl Driver {
             registry,
             stats,
         } = consumer;
+        // The kit applies each delivery to the end: a failing event is set
+        // aside in `inbox_event` (its retries then wait on the test clock),
+        // never held in a memory that ends with the delivery.
+        let config = if config.memory_retries.is_some() {
+            let mut config = (*config).clone();
+            config.memory_retries = None;
+            Arc::new(config)
+        } else {
+            config
+        };
         Self {
             pool,
             config,
@@ -197,6 +207,7 @@ impl Driver {
                     latency: crate::metrics::ConsumerLatency::new(&self.config.group),
                     conn: GuardedConn::new(self.pool.clone(), self.config.handler_timeout),
                     wake: None,
+                    held: Box::default(),
                 };
                 applier.process(batch, &shutdown).await;
                 applier.conn.release().await;

@@ -47,6 +47,7 @@ mod dispatch;
 pub mod groups;
 #[cfg(feature = "testing")]
 pub(crate) mod harness;
+mod held;
 mod poller;
 mod processor;
 mod raw_headers;
@@ -136,6 +137,13 @@ pub struct ConsumerConfig {
     pub retry_backoff: Duration,
     /// Cap of the retry delay.
     pub retry_backoff_max: Duration,
+    /// Dedup mode: a failing event whose next retry is due within this
+    /// window is retried from the consumer's memory, its key's later events
+    /// queued behind it, instead of set aside in `inbox_event` (`None`, the
+    /// default: always set aside). The partition's committed offset stays
+    /// at the held event until it is applied or dead-lettered, so a crash
+    /// or a rebalance reads it again (see `ConsumerBuilder::memory_retries`).
+    pub memory_retries: Option<Duration>,
     /// A handler call taking longer fails its event (an attempt); also the
     /// `statement_timeout` of the handlers' transactions.
     pub handler_timeout: Duration,
@@ -203,6 +211,7 @@ impl std::fmt::Debug for ConsumerConfig {
             max_attempts,
             retry_backoff,
             retry_backoff_max,
+            memory_retries,
             handler_timeout,
             outage_backoff,
             outage_backoff_max,
@@ -230,6 +239,7 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("handler_timeout", handler_timeout)
             .field("retry_backoff", retry_backoff)
             .field("retry_backoff_max", retry_backoff_max)
+            .field("memory_retries", memory_retries)
             .field("outage_backoff", outage_backoff)
             .field("outage_backoff_max", outage_backoff_max)
             .field("max_payload_bytes", max_payload_bytes)
@@ -260,6 +270,7 @@ impl ConsumerConfig {
             max_attempts: 5,
             retry_backoff: Duration::from_millis(100),
             retry_backoff_max: Duration::from_secs(10),
+            memory_retries: None,
             handler_timeout: Duration::from_secs(30),
             outage_backoff: Duration::from_millis(100),
             outage_backoff_max: Duration::from_secs(5),
@@ -459,6 +470,23 @@ impl ConsumerBuilder {
     pub fn retry_backoff(mut self, first: Duration, max: Duration) -> Self {
         self.config.retry_backoff = first;
         self.config.retry_backoff_max = max;
+        self
+    }
+    /// Dedup mode: retries a failing event from memory while its next
+    /// attempt is due within `window` (off by default). The event and the
+    /// later events of its key wait in the consumer, the other keys of the
+    /// partition go on, and nothing is written for it: no `inbox_event`
+    /// row, no inbox processor round. The partition's committed offset
+    /// stays at the waiting event, so a crash or a rebalance has the
+    /// partition read again from it (the events after it that were applied
+    /// are duplicates by their dedup rows, and change nothing). An event
+    /// still failing when its next back-off passes the window is set aside
+    /// in `inbox_event` as without this setting, with its attempts so far;
+    /// at `max_attempts` it is dead-lettered. At most 10,000 events wait in
+    /// memory; past that, failures are set aside. Keep `window` well under
+    /// the stall timeout (the committed offset does not move meanwhile).
+    pub fn memory_retries(mut self, window: Duration) -> Self {
+        self.config.memory_retries = Some(window);
         self
     }
     /// How long one handler call may take (default 30 s). A slower call
@@ -1017,6 +1045,7 @@ impl Consumer {
                 latency: crate::metrics::ConsumerLatency::new(&config.group),
                 conn: txn::GuardedConn::new(pool.clone(), config.handler_timeout),
                 wake: Some(&wake),
+                held: Box::default(),
             }),
             Mode::Inbox => Sink::Store(store::Store {
                 pool: &pool,
@@ -1029,6 +1058,12 @@ impl Consumer {
         };
         loop {
             shared.set_idle(true);
+            // The first retry from memory due (dedup mode): the loop wakes
+            // for it when no batch comes.
+            let due = match &sink {
+                Sink::Dedup(applier) => applier.held.next_due(),
+                Sink::Store(_) => None,
+            };
             let batch = tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => None,
@@ -1042,9 +1077,21 @@ impl Consumer {
                     None
                 }
                 batch = rx.recv() => batch,
+                _ = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)),
+                    if due.is_some() => Some(Vec::new()),
             };
             shared.set_idle(false);
-            let Some(batch) = batch else { break };
+            let Some(mut batch) = batch else { break };
+            // The retries from memory now due go first, in the same
+            // transaction as the batch (their keys' later events in it
+            // follow them).
+            if let Sink::Dedup(applier) = &mut sink {
+                let mut retries = applier.due();
+                if !retries.is_empty() {
+                    retries.append(&mut batch);
+                    batch = retries;
+                }
+            }
             let batch = shared.begin_batch(batch);
             if !batch.is_empty() {
                 match &mut sink {

@@ -89,6 +89,10 @@ struct Assignment {
     owned: HashMap<Partition, u64>,
     /// Last offset committed (or queued for commit) per owned partition.
     committed: HashMap<Partition, i64>,
+    /// Per owned partition, the offset after the last message whose
+    /// transaction committed: what is committed, unless a pin holds it
+    /// back ([`Shared::pin`]).
+    applied: HashMap<Partition, i64>,
     /// Owned partitions being revoked: still committable, but no new batch
     /// may start applying their records.
     revoking: std::collections::HashSet<Partition>,
@@ -107,6 +111,10 @@ struct Progress {
 /// database task.
 pub(crate) struct Shared {
     completed: Mutex<Vec<Progress>>,
+    /// Offsets the committed offset may not pass, per partition and
+    /// assignment generation, with a count each: messages the database task
+    /// holds in memory (a failing key's first retries, see `dedup.rs`).
+    pins: Mutex<HashMap<(Partition, u64), std::collections::BTreeMap<i64, u32>>>,
     assignment: Mutex<Assignment>,
     stop: AtomicBool,
     idle: AtomicBool,
@@ -127,6 +135,7 @@ impl Shared {
     pub fn new(commit_offsets: bool) -> Self {
         Self {
             completed: Mutex::default(),
+            pins: Mutex::default(),
             assignment: Mutex::default(),
             stop: AtomicBool::new(false),
             idle: AtomicBool::new(true),
@@ -161,6 +170,46 @@ impl Shared {
             }
         }
         lock(&self.completed).extend(latest);
+    }
+
+    /// Holds the committed offset of `record`'s partition at or before
+    /// its offset until [`unpin`](Self::unpin): the database task keeps the
+    /// message in memory, not committed anywhere, so that a crash or a
+    /// revocation has the partition read again from it.
+    pub fn pin(&self, record: &Record) {
+        let key = ((record.topic.clone(), record.partition), record.generation);
+        *lock(&self.pins)
+            .entry(key)
+            .or_default()
+            .entry(record.offset)
+            .or_insert(0) += 1;
+    }
+
+    /// Releases a [`pin`](Self::pin) (once the message's transaction
+    /// committed); a record not pinned changes nothing.
+    pub fn unpin(&self, record: &Record) {
+        let key = ((record.topic.clone(), record.partition), record.generation);
+        let mut pins = lock(&self.pins);
+        let Some(offsets) = pins.get_mut(&key) else {
+            return;
+        };
+        if let Some(n) = offsets.get_mut(&record.offset) {
+            *n -= 1;
+            if *n == 0 {
+                offsets.remove(&record.offset);
+            }
+        }
+        if offsets.is_empty() {
+            pins.remove(&key);
+        }
+    }
+
+    /// Whether `record`'s partition is still owned by the generation it
+    /// was polled in, and not being revoked.
+    pub fn owns(&self, record: &Record) -> bool {
+        let a = lock(&self.assignment);
+        let partition = (record.topic.clone(), record.partition);
+        a.owned.get(&partition) == Some(&record.generation) && !a.revoking.contains(&partition)
     }
 
     /// Tells the database task's state: idle (waiting for a batch) or busy.
@@ -243,18 +292,36 @@ impl Shared {
         if !self.commit_offsets {
             return;
         }
+        // The smallest pinned offset of each partition and generation.
+        let pinned: HashMap<(Partition, u64), i64> = lock(&self.pins)
+            .iter()
+            .filter_map(|(key, offsets)| offsets.keys().next().map(|o| (key.clone(), *o)))
+            .collect();
         let mut tpl = TopicPartitionList::new();
         {
             let mut a = lock(&self.assignment);
-            let mut changed: HashMap<Partition, i64> = HashMap::new();
             for p in completed {
                 if a.owned.get(&p.partition) != Some(&p.generation) {
                     continue; // revoked since: the new owner re-reads it
                 }
-                let current = a.committed.get(&p.partition).copied().unwrap_or(-1);
-                if p.next > current {
-                    a.committed.insert(p.partition.clone(), p.next);
-                    changed.insert(p.partition, p.next);
+                let applied = a.applied.entry(p.partition).or_insert(-1);
+                *applied = (*applied).max(p.next);
+            }
+            let mut changed: HashMap<Partition, i64> = HashMap::new();
+            let applied: Vec<(Partition, i64)> =
+                a.applied.iter().map(|(p, n)| (p.clone(), *n)).collect();
+            for (partition, next) in applied {
+                let Some(&generation) = a.owned.get(&partition) else {
+                    continue;
+                };
+                let next = match pinned.get(&(partition.clone(), generation)) {
+                    Some(&pin) => next.min(pin),
+                    None => next,
+                };
+                let current = a.committed.get(&partition).copied().unwrap_or(-1);
+                if next > current {
+                    a.committed.insert(partition.clone(), next);
+                    changed.insert(partition, next);
                 }
             }
             let to_commit = if everything {
@@ -337,6 +404,7 @@ impl ConsumerContext for Context {
                 if let Some(topic) = a.topics.get(e.topic()).cloned() {
                     a.owned.remove(&(topic.clone(), e.partition()));
                     a.committed.remove(&(topic.clone(), e.partition()));
+                    a.applied.remove(&(topic.clone(), e.partition()));
                     a.revoking.remove(&(topic, e.partition()));
                 }
             }
