@@ -22,7 +22,9 @@
 //! Offsets are committed only here, and only what the database task
 //! reported as committed ([`Shared::completed`]): per partition the offset
 //! after the last message whose transaction committed, if the partition is
-//! still owned by the same assignment generation the message was polled in.
+//! still owned by the same assignment generation the message was polled in,
+//! and never past a message the database task holds in memory
+//! ([`Shared::pin`]: a failing key's retries from memory).
 //! Before partitions are revoked, the batch being applied is given time to
 //! commit (up to 10 s) and what is committable is committed synchronously;
 //! messages polled for revoked partitions and not yet applied are dropped

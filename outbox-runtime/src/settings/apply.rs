@@ -189,6 +189,9 @@ impl ConsumerBuilder {
         if let Some(n) = s.saga_stuck_after_ms {
             self = self.saga_stuck_after(ms(n));
         }
+        if let Some(n) = s.memory_retries_ms.filter(|n| *n > 0) {
+            self = self.memory_retries(ms(n));
+        }
         if let Some(on) = s.recheck_offset_gaps {
             self = self.recheck_offset_gaps(on);
         }
@@ -230,6 +233,7 @@ mod tests {
             ("OUTBOX_CONSUMER_GROUP", "g"),
             ("OUTBOX_CONSUMER_MODE", "inbox"),
             ("OUTBOX_CONSUMER_OUTAGE_BACKOFF_MS", "300"),
+            ("OUTBOX_CONSUMER_MEMORY_RETRIES_MS", "800"),
         ])
         .unwrap();
         let relay = crate::Relay::builder(pool.clone())
@@ -260,6 +264,7 @@ mod tests {
             (c.outage_backoff, c.outage_backoff_max),
             (ms(300), Duration::from_secs(5))
         );
+        assert_eq!(c.memory_retries, Some(ms(800)));
         let bad = ConsumerSettings {
             mode: Some("fast".into()),
             ..ConsumerSettings::default()

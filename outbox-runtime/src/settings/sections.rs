@@ -132,6 +132,9 @@ pub struct ConsumerSettings {
     /// A running saga instance without a step for this long, and no
     /// timeout still to come, is stuck (default 1 h).
     pub saga_stuck_after_ms: Option<u64>,
+    /// Dedup mode: retry a failing event from memory while its next
+    /// attempt is due within this many ms (default: off).
+    pub memory_retries_ms: Option<u64>,
     /// Read a partition again from the expected offset when a message
     /// arrives past it, once per gap (default true).
     pub recheck_offset_gaps: Option<bool>,
@@ -162,6 +165,7 @@ impl ConsumerSettings {
                 .or(self.processor_poll_interval_ms),
             stall_timeout_ms: higher.stall_timeout_ms.or(self.stall_timeout_ms),
             saga_stuck_after_ms: higher.saga_stuck_after_ms.or(self.saga_stuck_after_ms),
+            memory_retries_ms: higher.memory_retries_ms.or(self.memory_retries_ms),
             recheck_offset_gaps: higher.recheck_offset_gaps.or(self.recheck_offset_gaps),
         }
     }
