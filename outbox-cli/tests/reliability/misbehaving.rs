@@ -108,6 +108,17 @@ async fn dead_lettered(pool: &PgPool, group: &str) -> HashSet<Uuid> {
 /// each good one must be applied once, in per-key order.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn misbehaving_handlers_in_normal_traffic(pool: PgPool) {
+    misbehaving_handlers(pool, false).await;
+}
+
+/// The same with the failing events' retries held in the consumer's memory
+/// (`ConsumerBuilder::memory_retries`): the same outcome.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn misbehaving_handlers_with_retries_from_memory(pool: PgPool) {
+    misbehaving_handlers(pool, true).await;
+}
+
+async fn misbehaving_handlers(pool: PgPool, memory: bool) {
     let _serial = SERIAL.lock().await;
     init_tracing();
     let brokers = brokers();
@@ -115,17 +126,21 @@ async fn misbehaving_handlers_in_normal_traffic(pool: PgPool) {
     reset_topic(&brokers, topic).await;
     effect_table(&pool).await;
     let relay = relay(&pool, &brokers).await.spawn().unwrap();
-    let group = group_of(topic);
-    let consumer = Consumer::builder(pool_of(&pool, 3).await)
+    let group = format!("{}{}", group_of(topic), if memory { "-memory" } else { "" });
+    let builder = Consumer::builder(pool_of(&pool, 3).await)
         .group(&group)
         .brokers(&brokers)
         .batch_size(200)
         .max_attempts(2)
         .retry_backoff(Duration::from_millis(20), Duration::from_millis(50))
         .handler_timeout(Duration::from_millis(300))
-        .handler(Misbehaving)
-        .spawn()
-        .expect("consumer");
+        .handler(Misbehaving);
+    let builder = if memory {
+        builder.memory_retries(Duration::from_secs(1))
+    } else {
+        builder
+    };
+    let consumer = builder.spawn().expect("consumer");
     let writers = Writers::start(&pool, topic, Load::default()).await;
     tokio::time::sleep(scaled(Duration::from_secs(10))).await;
     let ledger = writers.stop().await;
@@ -161,7 +176,14 @@ async fn misbehaving_handlers_in_normal_traffic(pool: PgPool) {
     // letter: the checker counts an applied one as a phantom.
     evidence.expected_dead = bad.clone();
     evidence.dead_lettered = letters.clone();
-    let mut figures = checker::check("misbehaving handlers in normal traffic", &evidence);
+    let mut figures = checker::check(
+        if memory {
+            "misbehaving handlers, retries from memory"
+        } else {
+            "misbehaving handlers in normal traffic"
+        },
+        &evidence,
+    );
     let count = |a: Act| bad.iter().filter(|id| act(**id) == a).count();
     figures.note(
         "bad events: swallowed error / COMMIT / ROLLBACK / panic / hang",

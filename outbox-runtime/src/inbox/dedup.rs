@@ -359,10 +359,13 @@ impl Applier<'_> {
             .begin()
             .await
             .map_err(|e| Failure::Outage(Trouble::from(e).during(TX_GUARD)))?;
-        // Events of keys waiting in memory join them.
+        // Events of keys waiting in memory join them: those not set aside
+        // yet, and those marked behind a failure of their key in an earlier
+        // transaction of this batch (its failing event went to memory
+        // since, and so must they).
         if !self.held.is_empty() {
             for (r, a) in records.iter().zip(aside.iter_mut()) {
-                if a.is_none()
+                if matches!(a, None | Some(Aside::Behind))
                     && !self.held.retrying(r)
                     && Held::key(r).is_some_and(|k| self.held.holds(&k))
                 {
