@@ -119,33 +119,13 @@ fn consumer(pool: &PgPool, brokers: &str, group: &str) -> ConsumerBuilder {
 }
 
 /// The offsets `group` has committed on `topic`, summed over its partitions
-/// (a partition without a committed offset counts 0). Read by a client that
-/// does not join the group.
+/// (a partition without a committed offset counts 0).
 async fn committed(group: &str, topic: &str) -> i64 {
-    use rdkafka::consumer::{BaseConsumer, Consumer as _};
-    let (group, topic) = (group.to_owned(), topic.to_owned());
-    tokio::task::spawn_blocking(move || {
-        let client: BaseConsumer = rdkafka::ClientConfig::new()
-            .set("bootstrap.servers", brokers())
-            .set("group.id", &group)
-            .set("enable.auto.commit", "false")
-            .create()
-            .expect("client");
-        let mut tpl = rdkafka::TopicPartitionList::new();
-        for p in 0..PARTITIONS {
-            tpl.add_partition(&topic, p);
-        }
-        let offsets = client
-            .committed_offsets(tpl, Duration::from_secs(10))
-            .expect("committed offsets");
-        offsets
-            .elements()
-            .iter()
-            .map(|e| e.offset().to_raw().filter(|o| *o > 0).unwrap_or(0))
-            .sum()
-    })
-    .await
-    .unwrap()
+    committed_offsets(group, topic, PARTITIONS)
+        .await
+        .into_iter()
+        .map(|o| o.max(0))
+        .sum()
 }
 
 fault_event!(DbDownEvent, "consumer-test-db-outage");

@@ -16,48 +16,13 @@ use std::time::Duration;
 use common::*;
 use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler};
 use outbox_runtime::{Consumer, ConsumerBuilder};
-use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use uuid::Uuid;
 
-macro_rules! test_event {
-    ($name:ident, $topic:literal) => {
-        #[derive(Debug, Clone, Serialize, Deserialize)]
-        struct $name {
-            key: String,
-            seq: u64,
-            #[serde(default)]
-            fail: bool,
-        }
+/// The event of `messages` that fails (key k0): the fifth.
+const FAILING_SEQ: u64 = 4;
 
-        impl DomainEvent for $name {
-            const TOPIC: &'static str = $topic;
-            const AGGREGATE_TYPE: &'static str = "Order";
-            const EVENT_TYPES: &'static [&'static str] = &["OrderPlaced"];
-            fn event_type(&self) -> &'static str {
-                "OrderPlaced"
-            }
-            fn event_version(&self) -> u32 {
-                1
-            }
-            fn aggregate_id(&self) -> String {
-                self.key.clone()
-            }
-        }
-
-        impl Marked for $name {
-            fn parts(&self) -> (&str, u64, bool) {
-                (&self.key, self.seq, self.fail)
-            }
-        }
-    };
-}
-
-trait Marked: DomainEvent {
-    fn parts(&self) -> (&str, u64, bool);
-}
-
-/// Writes each event's effect, then fails the events marked `fail` while
+/// Writes each event's effect, then fails the event `FAILING_SEQ` while
 /// `failing` is on (having written: its segment is taken back).
 struct Recorder<E> {
     failing: Arc<AtomicBool>,
@@ -75,7 +40,23 @@ impl<E> Recorder<E> {
     }
 }
 
-impl<E: Marked> InboxHandler for Recorder<E> {
+/// The fields the recorder reads.
+trait Keyed: DomainEvent {
+    fn parts(&self) -> (&str, u64);
+}
+
+macro_rules! event {
+    ($name:ident, $topic:literal) => {
+        keyed_event!($name, $topic);
+        impl Keyed for $name {
+            fn parts(&self) -> (&str, u64) {
+                (&self.key, self.seq)
+            }
+        }
+    };
+}
+
+impl<E: Keyed> InboxHandler for Recorder<E> {
     type Event = E;
     const NAME: &'static str = "record_effect";
 
@@ -85,7 +66,7 @@ impl<E: Marked> InboxHandler for Recorder<E> {
     {
         Box::pin(async move {
             self.calls.fetch_add(1, Ordering::SeqCst);
-            let (key, seq, fail) = event.parts();
+            let (key, seq) = event.parts();
             let event_id = ctx.incoming().event_id;
             sqlx::query("INSERT INTO effect (event_id, key, seq) VALUES ($1, $2, $3)")
                 .bind(event_id)
@@ -93,7 +74,7 @@ impl<E: Marked> InboxHandler for Recorder<E> {
                 .bind(seq as i64)
                 .execute(&mut **ctx)
                 .await?;
-            if fail && self.failing.load(Ordering::SeqCst) {
+            if seq == FAILING_SEQ && self.failing.load(Ordering::SeqCst) {
                 return Err(format!("payment provider refused order {key}").into());
             }
             Ok(())
@@ -151,16 +132,16 @@ fn consumer(pool: &PgPool, group: &str) -> ConsumerBuilder {
         .memory_retries(Duration::from_secs(1))
 }
 
-/// 40 events over four keys interleaved on partition 0, the fifth (key k0,
-/// seq 4) marked to fail; returns the messages, the ids, and k0's ids from
-/// the failing one on.
+/// 40 events over four keys interleaved on partition 0 (the fifth, key k0,
+/// fails); returns the messages, the ids, and k0's ids from the failing one
+/// on.
 fn messages() -> (Vec<TestMessage>, Vec<Uuid>, Vec<Uuid>) {
     let mut messages = Vec::new();
     let mut ids = Vec::new();
     for seq in 0..40u64 {
         let id = Uuid::now_v7();
         let key = format!("k{}", seq % 4);
-        let body = serde_json::json!({ "key": key, "seq": seq, "fail": seq == 4 });
+        let body = serde_json::json!({ "key": key, "seq": seq });
         messages.push(TestMessage::event(id, "OrderPlaced", &key, body).on_partition(0));
         ids.push(id);
     }
@@ -176,30 +157,25 @@ async fn scalar(pool: &PgPool, sql: &str, group: &str) -> i64 {
         .unwrap()
 }
 
-/// The offset `group` has committed on partition 0 of `topic` (-1: none),
-/// read by a client that does not join the group.
+/// The offset `group` has committed on partition 0 of `topic` (-1: none).
 async fn committed(group: &str, topic: &str) -> i64 {
-    use rdkafka::consumer::{BaseConsumer, Consumer as _};
-    let (group, topic) = (group.to_owned(), topic.to_owned());
-    tokio::task::spawn_blocking(move || {
-        let client: BaseConsumer = rdkafka::ClientConfig::new()
-            .set("bootstrap.servers", brokers())
-            .set("group.id", &group)
-            .set("enable.auto.commit", "false")
-            .create()
-            .expect("client");
-        let mut tpl = rdkafka::TopicPartitionList::new();
-        tpl.add_partition(&topic, 0);
-        let offsets = client
-            .committed_offsets(tpl, Duration::from_secs(10))
-            .expect("committed offsets");
-        offsets.elements()[0].offset().to_raw().unwrap_or(-1)
-    })
-    .await
-    .unwrap()
+    committed_offsets(group, topic, 1).await[0]
 }
 
-test_event!(WaitEvent, "memory-retries-wait");
+/// A test's start: its topic emptied, the effect table, `messages()`
+/// produced (one record batch per message: the test broker answers a fetch
+/// that starts inside a batch wrongly, see `produce_unbatched`); returns
+/// the ids, k0's from the failing one on, and a new group.
+async fn start(pool: &PgPool, topic: &str) -> (Vec<Uuid>, Vec<Uuid>, String) {
+    init_tracing();
+    reset_topic(&brokers(), topic).await;
+    effect_table(pool).await;
+    let (messages, ids, behind) = messages();
+    produce_unbatched(&brokers(), topic, &messages).await;
+    (ids, behind, unique_topic(topic))
+}
+
+event!(WaitEvent, "memory-retries-wait");
 
 /// The failing event and the later events of its key wait in memory while
 /// every other key of the partition is applied; nothing is written to
@@ -208,15 +184,8 @@ test_event!(WaitEvent, "memory-retries-wait");
 /// with the tables.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_failing_event_waits_in_memory_and_holds_back_only_its_key(pool: PgPool) {
-    init_tracing();
     let topic = WaitEvent::TOPIC;
-    reset_topic(&brokers(), topic).await;
-    effect_table(&pool).await;
-    let (messages, ids, behind) = messages();
-    // One record batch per message: the test broker answers a fetch that
-    // starts inside a batch wrongly (see `produce_unbatched`).
-    produce_unbatched(&brokers(), topic, &messages).await;
-    let group = unique_topic("memory-wait");
+    let (ids, behind, group) = start(&pool, topic).await;
     let recorder = Recorder::<WaitEvent>::new();
     let (failing, calls) = (recorder.failing.clone(), recorder.calls.clone());
     let handle = consumer(&pool, &group)
@@ -324,7 +293,7 @@ async fn a_failing_event_waits_in_memory_and_holds_back_only_its_key(pool: PgPoo
     assert!(calls.load(Ordering::SeqCst) >= 48 + 5);
 }
 
-test_event!(StopEvent, "memory-retries-stop");
+event!(StopEvent, "memory-retries-stop");
 
 /// A consumer stopped while a key waits in memory, then one started after
 /// the handler is fixed: every event applied once, k0's in order. The
@@ -333,15 +302,8 @@ test_event!(StopEvent, "memory-retries-stop");
 /// come back as duplicates).
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_consumer_stopped_while_a_key_waits_in_memory_loses_nothing(pool: PgPool) {
-    init_tracing();
     let topic = StopEvent::TOPIC;
-    reset_topic(&brokers(), topic).await;
-    effect_table(&pool).await;
-    let (messages, ids, behind) = messages();
-    // One record batch per message: the test broker answers a fetch that
-    // starts inside a batch wrongly (see `produce_unbatched`).
-    produce_unbatched(&brokers(), topic, &messages).await;
-    let group = unique_topic("memory-stop");
+    let (ids, behind, group) = start(&pool, topic).await;
     let first = consumer(&pool, &group)
         .handler(Recorder::<StopEvent>::new())
         .max_attempts(1_000)
@@ -422,22 +384,15 @@ async fn a_consumer_stopped_while_a_key_waits_in_memory_loses_nothing(pool: PgPo
     );
 }
 
-test_event!(DeadEvent, "memory-retries-dead");
+event!(DeadEvent, "memory-retries-dead");
 
 /// Out of attempts, an event retried from memory is dead-lettered with its
 /// attempts, and the later events of its key follow it, in order; nothing
 /// was set aside in the database.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn out_of_attempts_in_memory_the_event_is_dead_lettered_and_its_key_goes_on(pool: PgPool) {
-    init_tracing();
     let topic = DeadEvent::TOPIC;
-    reset_topic(&brokers(), topic).await;
-    effect_table(&pool).await;
-    let (messages, ids, behind) = messages();
-    // One record batch per message: the test broker answers a fetch that
-    // starts inside a batch wrongly (see `produce_unbatched`).
-    produce_unbatched(&brokers(), topic, &messages).await;
-    let group = unique_topic("memory-dead");
+    let (ids, behind, group) = start(&pool, topic).await;
     let handle = consumer(&pool, &group)
         .handler(Recorder::<DeadEvent>::new())
         .max_attempts(3)
@@ -484,22 +439,15 @@ async fn out_of_attempts_in_memory_the_event_is_dead_lettered_and_its_key_goes_o
     assert_eq!(rows, vec![0, 8, 12, 16, 20, 24, 28, 32, 36]);
 }
 
-test_event!(SpillEvent, "memory-retries-spill");
+event!(SpillEvent, "memory-retries-spill");
 
 /// A retry due after the window is not held in memory: the event is set
 /// aside in `inbox_event` with its attempts so far, the later events of its
 /// key behind it, and the inbox processor takes over from there.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_retry_due_after_the_window_is_set_aside_with_its_attempts(pool: PgPool) {
-    init_tracing();
     let topic = SpillEvent::TOPIC;
-    reset_topic(&brokers(), topic).await;
-    effect_table(&pool).await;
-    let (messages, ids, behind) = messages();
-    // One record batch per message: the test broker answers a fetch that
-    // starts inside a batch wrongly (see `produce_unbatched`).
-    produce_unbatched(&brokers(), topic, &messages).await;
-    let group = unique_topic("memory-spill");
+    let (ids, behind, group) = start(&pool, topic).await;
     let recorder = Recorder::<SpillEvent>::new();
     let failing = recorder.failing.clone();
     // Back-offs 100 ms, 200 ms, …: the second retry is due after the window.

@@ -905,6 +905,37 @@ pub fn database_url(pool: &PgPool) -> String {
     )
 }
 
+/// The offset `group` has committed on each of `topic`'s first
+/// `partitions` partitions (-1: none), read by a client that does not join
+/// the group.
+#[allow(dead_code)]
+pub async fn committed_offsets(group: &str, topic: &str, partitions: i32) -> Vec<i64> {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    let (group, topic) = (group.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let client: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .set("group.id", &group)
+            .set("enable.auto.commit", "false")
+            .create()
+            .expect("client");
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        for p in 0..partitions {
+            tpl.add_partition(&topic, p);
+        }
+        let offsets = client
+            .committed_offsets(tpl, Duration::from_secs(10))
+            .expect("committed offsets");
+        offsets
+            .elements()
+            .iter()
+            .map(|e| e.offset().to_raw().filter(|o| *o >= 0).unwrap_or(-1))
+            .collect()
+    })
+    .await
+    .expect("committed offsets")
+}
+
 /// Defines an event type bound to one test's topic, as derived events are:
 /// `{ key, seq }`, event type `OrderPlaced` of aggregate `Order`, the key as
 /// aggregate id.
