@@ -124,30 +124,6 @@ impl<E: TestEvent> InboxHandler for Recorder<E> {
     }
 }
 
-async fn effect_table(pool: &PgPool) {
-    sqlx::query(
-        "CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL, key text, seq bigint)",
-    )
-    .execute(pool)
-    .await
-    .unwrap();
-}
-
-/// Effects per event id, for `ids`.
-async fn effects_of(pool: &PgPool, ids: &[Uuid]) -> Vec<i64> {
-    let mut out = Vec::with_capacity(ids.len());
-    let rows: Vec<(Uuid, i64)> =
-        sqlx::query_as("SELECT event_id, count(*) FROM effect GROUP BY event_id")
-            .fetch_all(pool)
-            .await
-            .unwrap();
-    let map: std::collections::HashMap<Uuid, i64> = rows.into_iter().collect();
-    for id in ids {
-        out.push(map.get(id).copied().unwrap_or(0));
-    }
-    out
-}
-
 async fn effect_count(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM effect")
         .fetch_one(pool)

@@ -82,28 +82,6 @@ impl<E: Keyed> InboxHandler for Recorder<E> {
     }
 }
 
-async fn effect_table(pool: &PgPool) {
-    sqlx::query(
-        "CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL, key text, seq bigint)",
-    )
-    .execute(pool)
-    .await
-    .unwrap();
-}
-
-/// Effects per event id, for `ids`.
-async fn effects_of(pool: &PgPool, ids: &[Uuid]) -> Vec<i64> {
-    let rows: Vec<(Uuid, i64)> =
-        sqlx::query_as("SELECT event_id, count(*) FROM effect GROUP BY event_id")
-            .fetch_all(pool)
-            .await
-            .unwrap();
-    let map: std::collections::HashMap<Uuid, i64> = rows.into_iter().collect();
-    ids.iter()
-        .map(|id| map.get(id).copied().unwrap_or(0))
-        .collect()
-}
-
 /// Each key's effects in the order they were written: in its events'
 /// order, each once.
 async fn assert_in_order(pool: &PgPool, keys: usize, per_key: usize) {

@@ -905,6 +905,32 @@ pub fn database_url(pool: &PgPool) -> String {
     )
 }
 
+/// The `effect` table handlers of the consumer tests write: one row per
+/// application of an event (its id, key and number).
+#[allow(dead_code)]
+pub async fn effect_table(pool: &PgPool) {
+    sqlx::query(
+        "CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL, key text, seq bigint)",
+    )
+    .execute(pool)
+    .await
+    .expect("effect table");
+}
+
+/// Rows of `effect` per event id, for `ids`, in their order.
+#[allow(dead_code)]
+pub async fn effects_of(pool: &PgPool, ids: &[uuid::Uuid]) -> Vec<i64> {
+    let rows: Vec<(uuid::Uuid, i64)> =
+        sqlx::query_as("SELECT event_id, count(*) FROM effect GROUP BY event_id")
+            .fetch_all(pool)
+            .await
+            .expect("effects");
+    let map: HashMap<uuid::Uuid, i64> = rows.into_iter().collect();
+    ids.iter()
+        .map(|id| map.get(id).copied().unwrap_or(0))
+        .collect()
+}
+
 /// The offset `group` has committed on each of `topic`'s first
 /// `partitions` partitions (-1: none), read by a client that does not join
 /// the group.
