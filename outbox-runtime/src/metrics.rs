@@ -412,10 +412,11 @@ async fn sample_backlog(pool: PgPool) -> Result<i64, sqlx::Error> {
 /// last value; and the transaction last seen holding windows back, with
 /// when this process first saw it (its age when `pg_stat_activity` does not
 /// show it).
-static PROGRESS_SEEN: std::sync::Mutex<(
-    std::collections::BTreeSet<(String, String)>,
-    Option<(i64, Instant)>,
-)> = std::sync::Mutex::new((std::collections::BTreeSet::new(), None));
+static PROGRESS_SEEN: std::sync::Mutex<(LaneLabels, Option<(i64, Instant)>)> =
+    std::sync::Mutex::new((std::collections::BTreeSet::new(), None));
+
+/// The `lane` and `lanes` labels of the lanes' gauges.
+type LaneLabels = std::collections::BTreeSet<(String, String)>;
 
 /// Sets the progress mode's gauges: each lane's lag and oldest event, and
 /// the age of the transaction holding windows back (0 when none). When
