@@ -164,19 +164,9 @@ pub(crate) async fn run(ctx: Ctx, command: Command) -> Result<(), Error> {
             } else if positions.is_empty() {
                 println!("progress mode: off (`outbox progress enable` turns it on)");
             } else {
-                println!(
-                    "{:<28} {:>10} {:>12}  window",
-                    "slots", "after id", "recorded"
-                );
-                for p in positions {
-                    println!(
-                        "{:<28} {:>10} {:>11.1}s  {} .. {}",
-                        p.slots,
-                        p.after_id.map_or("-".to_owned(), |a| a.to_string()),
-                        p.recorded_secs_ago,
-                        p.done,
-                        p.upto.as_deref().unwrap_or("(next)")
-                    );
+                // The positions with each lane's lag, and what holds them.
+                if let Some(lag) = ops::progress_lag(&pool).await? {
+                    crate::output::print_progress(&lag);
                 }
                 for h in held {
                     println!(

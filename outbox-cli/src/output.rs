@@ -1,5 +1,6 @@
-//! Text output of the `outbox` command: the status tables, lane lists and
-//! ages for people.
+//! Text output of the `outbox` command: the status tables (with the
+//! progress mode's lanes and the transaction holding them back), lane lists
+//! and ages for people.
 
 use outbox_runtime::ops;
 
@@ -73,6 +74,10 @@ pub(crate) fn print_status(s: &ops::Status) {
             );
         }
     }
+    if let Some(progress) = &s.progress {
+        println!("progress mode: each lane's position and the events it has not passed");
+        print_progress(progress);
+    }
     println!("outbox: schema {}", s.schema);
     println!(
         "notify: {} (channel {})",
@@ -105,6 +110,79 @@ pub(crate) fn print_status(s: &ops::Status) {
                 &rows
             )
         );
+    }
+}
+
+/// The progress mode's lanes (position, lag, oldest event) and the
+/// transaction holding their windows back (`outbox status`, `outbox
+/// progress status`).
+pub(crate) fn print_progress(p: &ops::ProgressLag) {
+    let more = |n: i64| {
+        if n > ops::LAG_EXACT_UP_TO {
+            format!(">{}", ops::LAG_EXACT_UP_TO)
+        } else {
+            n.to_string()
+        }
+    };
+    // A lane by its number (its slots follow from the count); the single
+    // position `enable` records is every slot's; another set by its slots.
+    let rows: Vec<[String; 6]> = p
+        .lanes
+        .iter()
+        .map(|l| {
+            [
+                match l.lane_count {
+                    Some(1) => "all slots".into(),
+                    Some(count) => format!("{} of {count}", l.lane),
+                    None => l.slots.clone(),
+                },
+                more(l.events),
+                l.oldest_secs.map_or_else(|| "-".into(), ops_age),
+                l.after_id.map_or_else(|| "-".into(), |a| a.to_string()),
+                ops_age(l.recorded_secs_ago),
+                format!("{} .. {}", l.done, l.upto.as_deref().unwrap_or("(next)")),
+            ]
+        })
+        .collect();
+    let header = [
+        "LANE",
+        "LAG (EVENTS)",
+        "OLDEST",
+        "AFTER ID",
+        "RECORDED",
+        "WINDOW",
+    ];
+    print!("{}", table(&header, &rows));
+    match &p.holding {
+        None => println!("held back by: no transaction (none open in the lanes' snapshots)"),
+        Some(h) => {
+            let pid = h
+                .pid
+                .map_or_else(|| "no backend (prepared?)".into(), |p| format!("pid {p}"));
+            let age = h.age_secs.map_or_else(
+                || "open for an unknown time (needs pg_read_all_stats)".into(),
+                |a| format!("open for {}", ops_age(a)),
+            );
+            let mut seen = Vec::new();
+            if let Some(state) = &h.state {
+                seen.push(state.clone());
+            }
+            if let Some(app) = h.application_name.as_deref().filter(|a| !a.is_empty()) {
+                seen.push(format!("application {app}"));
+            }
+            if let Some(user) = &h.user {
+                seen.push(format!("role {user}"));
+            }
+            let seen = if seen.is_empty() {
+                String::new()
+            } else {
+                format!(", {}", seen.join(", "))
+            };
+            println!(
+                "held back by: transaction {} ({pid}, {age}{seen}), in the snapshots of {} lane(s)",
+                h.xid, h.lanes
+            );
+        }
     }
 }
 

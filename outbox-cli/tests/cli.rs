@@ -715,3 +715,75 @@ async fn sagas_summary_list_and_show(pool: PgPool) {
         .map(|r| r["stuck"].clone());
     assert_eq!(stuck, Some(serde_json::json!(1)), "{rows}");
 }
+
+/// In the progress mode, `outbox status` (text and JSON) and `outbox
+/// progress status` show each lane's lag and the transaction holding the
+/// lanes' windows back, with its pid and age. The position is recorded as
+/// a relay records one, while a transaction that wrote an event is open;
+/// three events commit after it.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn status_shows_the_lanes_lag_and_the_transaction_holding_them(pool: PgPool) {
+    let url = url_of(&pool);
+    outbox_runtime::relay::progress::enable(&pool)
+        .await
+        .unwrap();
+    let topic = unique_topic("cli-lag");
+    commit_messages(&pool, &topic, 12, 3, 4).await;
+    let mut holder = pool.begin().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    let held = [message(&topic, "held", 0)];
+    outbox_core::insert_messages(&mut holder, &held, &outbox_core::Headers::default())
+        .await
+        .unwrap();
+    commit_messages(&pool, &topic, 5, 1, 5).await;
+    sqlx::query(
+        "INSERT INTO outbox_progress (slots, done)
+         SELECT ARRAY(SELECT generate_series(0, 63))::int2[], pg_current_snapshot()",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    commit_messages(&pool, &topic, 3, 3, 3).await;
+
+    let json = |o: &Output| -> serde_json::Value {
+        assert!(o.status.success(), "{:?}", text(o));
+        serde_json::from_slice(&o.stdout).expect("JSON status")
+    };
+    let lag = |status: &serde_json::Value| -> i64 {
+        let lanes = status["progress"]["lanes"].as_array().expect("lanes");
+        lanes.iter().map(|l| l["events"].as_i64().unwrap()).sum()
+    };
+    let status = json(&outbox(Some(&url), &["status", "--json"]).await);
+    assert_eq!(lag(&status), 3, "{status}");
+    let holding = &status["progress"]["holding"];
+    assert_eq!(holding["pid"], pid, "{status}");
+    assert!(holding["age_secs"].as_f64().unwrap() > 0.0, "{status}");
+    assert_eq!(holding["state"], "idle in transaction", "{status}");
+
+    for args in [&["status"][..], &["progress", "status"]] {
+        let o = outbox(Some(&url), args).await;
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{out}{err}");
+        assert!(out.contains("LAG (EVENTS)"), "{args:?}: {out}");
+        assert!(
+            out.contains("all slots"),
+            "the position `enable` recorded: {out}"
+        );
+        assert!(
+            out.contains("held back by: transaction ")
+                && out.contains(&format!("pid {pid}, open for ")),
+            "{args:?}: {out}"
+        );
+    }
+
+    // Committed, its event is lag too, and nothing holds the lanes back.
+    holder.commit().await.unwrap();
+    let status = json(&outbox(Some(&url), &["status", "--json"]).await);
+    assert_eq!(lag(&status), 4, "{status}");
+    assert!(status["progress"]["holding"].is_null(), "{status}");
+    let (out, _) = text(&outbox(Some(&url), &["progress", "status"]).await);
+    assert!(out.contains("held back by: no transaction"), "{out}");
+}

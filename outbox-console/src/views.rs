@@ -1,6 +1,7 @@
 //! The read-only pages about the whole outbox: the overview (per topic
 //! backlog, oldest unpublished age, throughput, the live chart and its JSON
-//! endpoint), the relays and their lanes, the consumer groups (their lag
+//! endpoint; in the progress mode each lane's lag and the transaction
+//! holding the lanes back), the relays and their lanes, the consumer groups (their lag
 //! from [`crate::lag`]).
 
 use axum::Json;
@@ -115,6 +116,7 @@ async fn overview_page(console: &Console, headers: &HeaderMap) -> Page {
                 }
             }
         }
+        @if let Some(p) = &s.progress { (progress_section(p)) }
         p.muted {
             "Outbox table in schema " code { (s.schema) } "; commit-time NOTIFY "
             (if s.notify_enabled { "on" } else { "off" })
@@ -180,6 +182,7 @@ pub async fn overview_json(State(console): State<Shared>) -> Response {
                 "oldest_unpublished": age(s.oldest_unpublished_secs),
                 "relays": s.relays.len(),
                 "topics": topics,
+                "progress": s.progress,
                 "points": snap.points,
             }))
             .into_response()
@@ -187,6 +190,63 @@ pub async fn overview_json(State(console): State<Shared>) -> Response {
         Err(error) => {
             let (status, _, text) = ConsoleError::from(error).parts();
             (status, Json(json!({ "error": text }))).into_response()
+        }
+    }
+}
+
+/// The progress mode's lanes (events their position has not passed, the
+/// oldest one's age, the position) and the transaction holding them back.
+fn progress_section(p: &ops::ProgressLag) -> maud::Markup {
+    let more = |n: i64| {
+        if n > ops::LAG_EXACT_UP_TO {
+            format!("more than {}", ops::LAG_EXACT_UP_TO)
+        } else {
+            n.to_string()
+        }
+    };
+    html! {
+        h2 { "Lanes (progress mode)" }
+        p #holding {
+            @match &p.holding {
+                None => { "No transaction holds the lanes' windows back." }
+                Some(h) => {
+                    b { "Held back by transaction " (h.xid) }
+                    " (" (h.pid.map_or_else(|| "no backend: prepared?".to_owned(), |p| format!("pid {p}")))
+                    ", " (h.age_secs.map_or_else(
+                        || "open for an unknown time: its age needs pg_read_all_stats".to_owned(),
+                        |a| format!("open for {}", age(Some(a)))))
+                    @if let Some(state) = &h.state { ", " (state) }
+                    @if let Some(app) = h.application_name.as_deref().filter(|a| !a.is_empty()) {
+                        ", application " (app)
+                    }
+                    @if let Some(user) = &h.user { ", role " (user) }
+                    "), in the snapshots of " (h.lanes) " lane(s): its events, if any, go out                      once it commits."
+                }
+            }
+        }
+        table #lanes {
+            thead { tr {
+                th { "lane" } th.num { "lag (events)" } th.num { "oldest" } th.num { "after id" }
+                th.num { "recorded" } th { "position (done .. window)" }
+            } }
+            tbody {
+                @for l in &p.lanes {
+                    tr {
+                        td {
+                            @match l.lane_count {
+                                Some(1) => { "all slots" }
+                                Some(count) => { (l.lane) " of " (count) }
+                                None => { (l.slots) }
+                            }
+                        }
+                        td.num data-lane=(l.lane) data-field="events" { (more(l.events)) }
+                        td.num { (age(l.oldest_secs)) }
+                        td.num { (l.after_id.map_or_else(|| "–".into(), |a| a.to_string())) }
+                        td.num { (age(Some(l.recorded_secs_ago))) " ago" }
+                        td { code { (l.done) " .. " (l.upto.as_deref().unwrap_or("(next)")) } }
+                    }
+                }
+            }
         }
     }
 }

@@ -729,3 +729,71 @@ async fn an_event_page_in_the_progress_mode_dates_the_event_by_its_position(pool
     assert!(page.contains(">published<"), "{page}");
     assert!(page.contains(&format!("by {recorded}")), "{page}");
 }
+
+/// In the progress mode the overview shows each lane's lag and the
+/// transaction holding the lanes' windows back (its pid and age), in the
+/// page and in `/api/overview`; once it commits, its event is lag and
+/// nothing is reported holding. The position is recorded as a relay
+/// records one, while the transaction is open.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn the_overview_shows_the_lanes_lag_and_the_transaction_holding_them(pool: PgPool) {
+    outbox_runtime::relay::progress::enable(&pool)
+        .await
+        .unwrap();
+    let insert = "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                            payload, topic, partition_key)
+                  SELECT gen_random_uuid(), 'A', 'a', 'E', '{}', 'lanes', 'k' || g
+                  FROM generate_series(1, $1) AS g";
+    let mut holder = pool.begin().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    sqlx::query(insert)
+        .bind(1)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    sqlx::query(insert).bind(5).execute(&pool).await.unwrap();
+    sqlx::query(
+        "INSERT INTO outbox_progress (slots, done)
+         SELECT ARRAY(SELECT generate_series(0, 63))::int2[], pg_current_snapshot()",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(insert).bind(3).execute(&pool).await.unwrap();
+
+    let app = writable(&pool);
+    let o: serde_json::Value =
+        serde_json::from_str(&get(&app, "/api/overview", None).await.body).unwrap();
+    let lag = |o: &serde_json::Value| -> i64 {
+        let lanes = o["progress"]["lanes"].as_array().expect("lanes");
+        lanes.iter().map(|l| l["events"].as_i64().unwrap()).sum()
+    };
+    assert_eq!(lag(&o), 3, "{o}");
+    assert_eq!(o["progress"]["holding"]["pid"], pid, "{o}");
+    let page = get(&app, "/", None).await.body;
+    assert!(page.contains("Lanes (progress mode)"), "{page}");
+    assert!(page.contains("Held back by transaction"), "{page}");
+    assert!(page.contains(&format!("pid {pid}, open for ")), "{page}");
+    assert!(page.contains("data-field=\"events\">3<"), "{page}");
+
+    holder.commit().await.unwrap();
+    // The next sample is at least a second after the last.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let o: serde_json::Value =
+            serde_json::from_str(&get(&app, "/api/overview", None).await.body).unwrap();
+        if lag(&o) == 4 && o["progress"]["holding"].is_null() {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{o}");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let page = get(&app, "/", None).await.body;
+    assert!(
+        page.contains("No transaction holds the lanes' windows back."),
+        "{page}"
+    );
+}

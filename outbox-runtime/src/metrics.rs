@@ -8,7 +8,8 @@
 //! atomic counters ([`RelayCounts`], [`ConsumerCounts`]); a task per relay
 //! or consumer copies their increments into the metrics every second, the
 //! relay's task samples the outbox's backlog every 5 seconds (one query on
-//! the partial indexes, see `BACKLOG`), a consumer's its dead letters (an
+//! the partial indexes, see `BACKLOG`; in the progress mode also each
+//! lane's lag, see `ops/lag.rs`), a consumer's its dead letters (an
 //! index-only count, see `DEAD_LETTERS`). Latencies are recorded once per
 //! batch (a consumer sums its handlers' time over the batch and records the
 //! mean).
@@ -34,6 +35,9 @@
 //! | `outbox_parked_events` | gauge | | parked events (dropped ones excluded) |
 //! | `outbox_scheduled` | gauge | | scheduled events waiting for their time, not in the backlog (exact up to 10,000; 10,001: more) |
 //! | `outbox_scheduled_overdue_seconds` | gauge | | how long ago the earliest of them was due (0 when none is overdue; growing: no relay releases them) |
+//! | `outbox_lane_backlog_events` | gauge | `lane`, `lanes` | progress mode: events of the lane (`lane` of `lanes` lanes) its position has not passed, held and parked ones excluded (exact up to 10,000; 10,001: more) |
+//! | `outbox_lane_oldest_unpublished_seconds` | gauge | `lane`, `lanes` | progress mode: age of the oldest of them (0 when none) |
+//! | `outbox_progress_blocking_transaction_seconds` | gauge | | progress mode: age of the oldest transaction still open in the lanes' newest snapshots, which holds their windows back (0 when none; counted from the first sample that saw it when the relay's role may not see its start) |
 //! | `outbox_consumer_received_total` | counter | `group` | messages received from Kafka |
 //! | `outbox_consumer_processed_total` | counter | `group` | events whose handlers ran and committed |
 //! | `outbox_consumer_duplicates_total` | counter | `group` | dedup hits: events skipped as already applied |
@@ -364,7 +368,8 @@ fn sample_begin() -> String {
 /// Samples the backlog gauges; returns the backlog.
 async fn sample_backlog(pool: PgPool) -> Result<i64, sqlx::Error> {
     type Backlog = (i64, Option<f64>, i64, i64);
-    let row: Result<(Backlog, (i64, f64)), sqlx::Error> = async {
+    type Sample = (Backlog, (i64, f64), Option<crate::ops::ProgressLag>);
+    let row: Result<Sample, sqlx::Error> = async {
         let mut tx = pool.begin_with(sample_begin()).await?;
         let progress: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM outbox_progress)")
             .fetch_one(&mut *tx)
@@ -376,12 +381,20 @@ async fn sample_backlog(pool: PgPool) -> Result<i64, sqlx::Error> {
         };
         let row = sqlx::query_as(sql).fetch_one(&mut *tx).await?;
         let scheduled: (i64, f64) = sqlx::query_as(SCHEDULED).fetch_one(&mut *tx).await?;
+        let lag = if progress {
+            Some(crate::ops::lag::read(&mut tx).await?)
+        } else {
+            None
+        };
         tx.commit().await?;
-        Ok((row, scheduled))
+        Ok((row, scheduled, lag))
     }
     .await;
     match row {
-        Ok(((backlog, oldest, parked, held), (scheduled, overdue))) => {
+        Ok(((backlog, oldest, parked, held), (scheduled, overdue), lag)) => {
+            if let Some(lag) = lag {
+                set_progress_lag(&lag);
+            }
             gauge!("outbox_scheduled").set(scheduled as f64);
             gauge!("outbox_scheduled_overdue_seconds").set(overdue);
             gauge!("outbox_held_events").set(held as f64);
@@ -392,6 +405,58 @@ async fn sample_backlog(pool: PgPool) -> Result<i64, sqlx::Error> {
         }
         Err(error) => Err(error),
     }
+}
+
+/// The lanes whose gauges were set (`lane`, `lanes` labels), so that a
+/// lane no position stands at any more is set to 0 rather than left at its
+/// last value; and the transaction last seen holding windows back, with
+/// when this process first saw it (its age when `pg_stat_activity` does not
+/// show it).
+static PROGRESS_SEEN: std::sync::Mutex<(LaneLabels, Option<(i64, Instant)>)> =
+    std::sync::Mutex::new((std::collections::BTreeSet::new(), None));
+
+/// The `lane` and `lanes` labels of the lanes' gauges.
+type LaneLabels = std::collections::BTreeSet<(String, String)>;
+
+/// Sets the progress mode's gauges: each lane's lag and oldest event, and
+/// the age of the transaction holding windows back (0 when none). When
+/// this role may not see the transaction's start (another role's session,
+/// without `pg_read_all_stats`), its age is counted from the first sample
+/// that saw it: a lower bound.
+fn set_progress_lag(lag: &crate::ops::ProgressLag) {
+    let mut seen = PROGRESS_SEEN.lock().unwrap_or_else(|p| p.into_inner());
+    let (lanes, holder) = &mut *seen;
+    let mut now = std::collections::BTreeSet::new();
+    for l in &lag.lanes {
+        let count = l.lane_count.map_or_else(|| "-".into(), |c| c.to_string());
+        now.insert((l.lane.clone(), count.clone()));
+        let labels = [("lane", l.lane.clone()), ("lanes", count)];
+        gauge!("outbox_lane_backlog_events", &labels).set(l.events as f64);
+        gauge!("outbox_lane_oldest_unpublished_seconds", &labels).set(l.oldest_secs.unwrap_or(0.0));
+    }
+    for (lane, count) in lanes.difference(&now) {
+        let labels = [("lane", lane.clone()), ("lanes", count.clone())];
+        gauge!("outbox_lane_backlog_events", &labels).set(0.0);
+        gauge!("outbox_lane_oldest_unpublished_seconds", &labels).set(0.0);
+    }
+    *lanes = now;
+    let age = match &lag.holding {
+        None => {
+            *holder = None;
+            0.0
+        }
+        Some(h) => {
+            let first = match holder {
+                Some((xid, at)) if *xid == h.xid => *at,
+                _ => {
+                    *holder = Some((h.xid, Instant::now()));
+                    Instant::now()
+                }
+            };
+            h.age_secs.unwrap_or_else(|| first.elapsed().as_secs_f64())
+        }
+    };
+    gauge!("outbox_progress_blocking_transaction_seconds").set(age);
 }
 
 /// Samples the `outbox_dead_letters` gauge of `group`.

@@ -32,9 +32,11 @@ use crate::relay::lanes::SCOPE_LOCKS;
 use crate::scope::{Lock, OutboxScope};
 
 pub(crate) mod backlog;
+pub(crate) mod lag;
 pub mod sagas;
 
 pub use backlog::{BACKLOG_COUNTED_UP_TO, BACKLOG_EXACT_UP_TO};
+pub use lag::{HoldingTransaction, LAG_EXACT_UP_TO, LaneLag, ProgressLag, progress_lag};
 
 /// Backlog of one topic.
 #[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
@@ -108,6 +110,9 @@ pub struct Status {
     pub schema: String,
     /// The NOTIFY channel of this outbox's wake-up trigger.
     pub channel: String,
+    /// In the progress mode: each lane's lag and position, and the
+    /// transaction holding windows back (`None` in the default mode).
+    pub progress: Option<ProgressLag>,
 }
 
 /// A running relay and the lanes it owns, read from the advisory locks it
@@ -352,6 +357,11 @@ pub async fn status(pool: &PgPool) -> Result<Status> {
         notify_enabled: notify_enabled(pool).await?,
         topics,
         relays: relays(pool).await?,
+        progress: if progress {
+            progress_lag(pool).await?
+        } else {
+            None
+        },
     })
 }
 

@@ -22,6 +22,7 @@ const ALERTS: &[&str] = &[
     "OutboxStatementRefused",
     "OutboxConsumerStalled",
     "OutboxScheduledOverdue",
+    "OutboxProgressHeldBack",
 ];
 
 fn promtool(args: &[&str]) -> Output {

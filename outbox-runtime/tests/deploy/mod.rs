@@ -12,6 +12,15 @@ use std::path::PathBuf;
 /// Labels Prometheus adds to every series of a target at scrape time.
 pub const TARGET_LABELS: &[&str] = &["job", "instance"];
 
+/// Series only a relay in the progress mode emits: the rules that use them
+/// are checked against a scrape in that mode (`progress_lag.rs`), not in
+/// `metrics_series.rs`.
+pub const PROGRESS_SERIES: &[&str] = &[
+    "outbox_lane_backlog_events",
+    "outbox_lane_oldest_unpublished_seconds",
+    "outbox_progress_blocking_transaction_seconds",
+];
+
 /// A file of the repository's `deploy/` directory.
 pub fn path(relative: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -1,0 +1,260 @@
+//! The progress mode's lag, as an operator sees it (see
+//! [`crate::relay::progress`]): per lane (a set of lane slots, as its
+//! positions are recorded), the events its position has not passed and the
+//! age of the oldest, and where it stands; and the transaction that holds
+//! the lanes' windows back — the oldest transaction in flight in their
+//! newest snapshots, with its backend pid and its age. Read by `status`,
+//! the relay's gauges and the console.
+//!
+//! The events are read as the backlog gauges read the progress mode's
+//! queue: over the progress index, from each slot's position on (the
+//! transactions of its snapshot's `xip` list probed one by one, then the
+//! range after its `xmax`), at most [`LAG_EXACT_UP_TO`] + 1 rows per slot
+//! and counted up to that bound per lane (10,001: more), so that a sample
+//! costs about its bound on a table of ten million rows. Rows with a state
+//! of their own (held, parked) are not counted here: `status` counts them
+//! per topic.
+//!
+//! A transaction in flight when a lane's snapshot was taken is in the
+//! snapshot's `xip` list: its events, if it writes any, go out only in a
+//! later window, after it commits; until then nobody can see them, not even
+//! to count them. Its backend is found by its transaction id: the pid from
+//! `pg_locks` (a transaction holds the lock on its own id; `pg_locks` is
+//! open to every role), its start, state and application from
+//! `pg_stat_activity`, which shows them for another role's sessions only
+//! to superusers and members of `pg_read_all_stats` (otherwise the age and
+//! the state are unknown: `None`).
+
+use serde::Serialize;
+use sqlx::{PgConnection, PgPool};
+
+use crate::error::Result;
+
+/// Events of a lane counted exactly; a lane with more shows this + 1.
+pub const LAG_EXACT_UP_TO: i64 = 10_000;
+
+/// Where a lane stands and what it has not passed.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LaneLag {
+    /// The lane (`l` of [`LaneLag::lane_count`] lanes: the slots `l`,
+    /// `l + 64 / lane_count`, …), or the slots' list when the set is not a
+    /// lane's.
+    pub lane: String,
+    /// The lane count its slots were recorded with (1: the single position
+    /// `enable` records for every slot; `None`: not a lane's set).
+    pub lane_count: Option<i32>,
+    /// The slots as recorded (`{3,19,35,51}`); only those still standing at
+    /// this position are counted.
+    pub slots: String,
+    /// Events of those slots the position has not passed, without a state
+    /// of their own; at most [`LAG_EXACT_UP_TO`] + 1 (more).
+    pub events: i64,
+    /// Age in seconds of the oldest of them (of those read, past the bound).
+    pub oldest_secs: Option<f64>,
+    /// Every event of the slots visible in this snapshot is published.
+    pub done: String,
+    /// The window being published, if one is.
+    pub upto: Option<String>,
+    /// Events of the window up to this id are published.
+    pub after_id: Option<i64>,
+    /// Seconds since the position was recorded.
+    pub recorded_secs_ago: f64,
+    /// The oldest transaction in flight in the position's snapshots (its
+    /// `xid8`), still running: it holds the lane's window back.
+    pub held_back_by: Option<i64>,
+}
+
+/// A transaction holding windows back (see the module docs).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HoldingTransaction {
+    /// Its transaction id (`xid8`).
+    pub xid: i64,
+    /// Its backend's pid (`None`: a prepared transaction, which has none).
+    pub pid: Option<i32>,
+    /// Seconds since it began (`None`: another role's session, and this
+    /// role is neither superuser nor a member of `pg_read_all_stats`).
+    pub age_secs: Option<f64>,
+    /// Its backend's state (`idle in transaction`, `active`, …), if shown.
+    pub state: Option<String>,
+    /// Its backend's `application_name`, if shown.
+    pub application_name: Option<String>,
+    /// Its role, if shown.
+    pub user: Option<String>,
+    /// How many lanes it holds back.
+    pub lanes: usize,
+}
+
+/// The progress mode's lag: every lane, and the oldest transaction holding
+/// one back.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ProgressLag {
+    /// Per lane, by slots.
+    pub lanes: Vec<LaneLag>,
+    /// The oldest transaction still running in the lanes' newest snapshots.
+    pub holding: Option<HoldingTransaction>,
+}
+
+impl ProgressLag {
+    /// Events the lanes' positions have not passed (each lane's count up to
+    /// its bound).
+    pub fn events(&self) -> i64 {
+        self.lanes.iter().map(|l| l.events).sum()
+    }
+}
+
+/// Per lane (the newest position of each slot, grouped by position): the
+/// rows not passed, capped, their oldest `created_at`, and the oldest
+/// transaction of the position's snapshots still in progress.
+static LANES: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    let passed = crate::relay::progress::passed("e");
+    let cap = LAG_EXACT_UP_TO + 1;
+    format!(
+        "WITH RECURSIVE {positions},
+per_slot AS (
+    SELECT pos.id, c.n, c.oldest FROM pos CROSS JOIN LATERAL (
+        SELECT count(*) AS n, min(r.created_at) AS oldest FROM (
+            (SELECT e.created_at FROM pg_snapshot_xip(pos.done) AS x(txid)
+             CROSS JOIN LATERAL (
+                 SELECT e.id, e.topic, e.txid, e.created_at FROM outbox_event e
+                 WHERE e.lane_slot = pos.slot AND e.txid = x.txid
+                   AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3
+                 OFFSET 0) e
+             WHERE NOT {passed})
+            UNION ALL
+            (SELECT e.created_at FROM outbox_event e
+             WHERE e.lane_slot = pos.slot AND e.txid >= pg_snapshot_xmax(pos.done)
+               AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3 AND NOT {passed}
+             LIMIT {cap})) r) c)
+SELECT p.slots, p.slots::text AS slots_text, p.done::text AS done, p.upto::text AS upto,
+       p.after_id, EXTRACT(EPOCH FROM now() - p.recorded_at)::float8 AS recorded_secs_ago,
+       least(sum(s.n), {cap})::int8 AS events,
+       EXTRACT(EPOCH FROM now() - min(s.oldest))::float8 AS oldest_secs,
+       (SELECT min(x.txid)::text::int8
+        FROM (SELECT pg_snapshot_xip(p.done) UNION ALL SELECT pg_snapshot_xip(p.upto)) AS x(txid)
+        WHERE pg_xact_status(x.txid) = 'in progress') AS held_back_by
+FROM per_slot s JOIN outbox_progress p ON p.id = s.id
+GROUP BY p.id ORDER BY p.slots",
+        positions = crate::relay::progress::POSITIONS,
+    )
+});
+
+/// The backend of the transaction `$1` (an `xid8`): the pid holding the
+/// lock on its id (its 32-bit form), and what `pg_stat_activity` shows of
+/// it to this role.
+const HOLDER: &str = "
+SELECT l.pid, EXTRACT(EPOCH FROM now() - a.xact_start)::float8 AS age_secs, a.state::text,
+       a.application_name::text, a.usename::text
+FROM (SELECT ($1::int8 % 4294967296)::text::xid AS xid) t
+LEFT JOIN pg_locks l ON l.locktype = 'transactionid' AND l.transactionid = t.xid
+                    AND l.mode = 'ExclusiveLock' AND l.granted
+LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+LIMIT 1";
+
+type LaneRow = (
+    Vec<i16>,
+    String,
+    String,
+    Option<String>,
+    Option<i64>,
+    f64,
+    i64,
+    Option<f64>,
+    Option<i64>,
+);
+
+/// The lane a set of slots is (`l` of `64 / slots`), if it is one.
+fn lane_of(slots: &[i16]) -> Option<(i16, i32)> {
+    let n = slots.len();
+    if n == 0 || 64 % n != 0 {
+        return None;
+    }
+    let count = (64 / n) as i16;
+    let first = *slots.first()?;
+    let regular = first < count
+        && slots
+            .iter()
+            .enumerate()
+            .all(|(i, s)| *s == first + i as i16 * count);
+    regular.then_some((first, i32::from(count)))
+}
+
+/// Reads the lag of every lane and the transaction holding them back, on
+/// `conn` (in the caller's transaction, if any). Empty lanes: the progress
+/// mode is off.
+pub(crate) async fn read(conn: &mut PgConnection) -> std::result::Result<ProgressLag, sqlx::Error> {
+    let rows: Vec<LaneRow> = sqlx::query_as(&LANES).fetch_all(&mut *conn).await?;
+    let lanes: Vec<LaneLag> = rows
+        .into_iter()
+        .map(
+            |(slots, text, done, upto, after_id, recorded, events, oldest, held_back_by)| {
+                let (lane, lane_count) = match lane_of(&slots) {
+                    Some((lane, count)) => (lane.to_string(), Some(count)),
+                    None => (text.clone(), None),
+                };
+                LaneLag {
+                    lane,
+                    lane_count,
+                    slots: text,
+                    events,
+                    oldest_secs: oldest,
+                    done,
+                    upto,
+                    after_id,
+                    recorded_secs_ago: recorded,
+                    held_back_by,
+                }
+            },
+        )
+        .collect();
+    let oldest = lanes.iter().filter_map(|l| l.held_back_by).min();
+    let holding = match oldest {
+        None => None,
+        Some(xid) => {
+            type Holder = (
+                Option<i32>,
+                Option<f64>,
+                Option<String>,
+                Option<String>,
+                Option<String>,
+            );
+            let (pid, age_secs, state, application_name, user): Holder = sqlx::query_as(HOLDER)
+                .bind(xid)
+                .fetch_one(&mut *conn)
+                .await?;
+            Some(HoldingTransaction {
+                xid,
+                pid,
+                age_secs,
+                state,
+                application_name,
+                user,
+                lanes: lanes.iter().filter(|l| l.held_back_by == Some(xid)).count(),
+            })
+        }
+    };
+    Ok(ProgressLag { lanes, holding })
+}
+
+/// The progress mode's lag (see the module docs); `None` when the outbox is
+/// in the default mode.
+pub async fn progress_lag(pool: &PgPool) -> Result<Option<ProgressLag>> {
+    let mut conn = pool.acquire().await?;
+    let lag = read(&mut conn).await?;
+    Ok((!lag.lanes.is_empty()).then_some(lag))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lane_of;
+
+    #[test]
+    fn slot_sets_name_their_lane() {
+        assert_eq!(lane_of(&[3, 19, 35, 51]), Some((3, 16)));
+        let all: Vec<i16> = (0..64).collect();
+        assert_eq!(lane_of(&all), Some((0, 1)));
+        assert_eq!(lane_of(&[5]), Some((5, 64)));
+        assert_eq!(lane_of(&[3, 20, 35, 51]), None);
+        assert_eq!(lane_of(&[19, 35, 51]), None);
+        assert_eq!(lane_of(&[]), None);
+    }
+}

@@ -1,0 +1,328 @@
+//! What an operator sees of the progress mode's lag (`ops::progress_lag`,
+//! in `ops::status` and the relay's gauges): per lane, the events its
+//! position has not passed and the oldest one's age; the transaction left
+//! open that holds the lanes' windows back, with its pid and its age. Real
+//! PostgreSQL, real broker. Its own test binary: one metrics recorder per
+//! process.
+
+mod common;
+mod deploy;
+
+use std::time::Duration;
+
+use common::*;
+use outbox_runtime::relay::progress;
+use outbox_runtime::{Relay, ops};
+use sqlx::PgPool;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+async fn scrape(addr: std::net::SocketAddr) -> String {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = String::new();
+    stream.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+/// Every sample of `name` (labels, value).
+fn samples(body: &str, name: &str) -> Vec<(String, f64)> {
+    body.lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix(name)?;
+            let (set, v) = match rest.strip_prefix('{') {
+                Some(r) => r.split_once("} ")?,
+                None => ("", rest.strip_prefix(' ')?),
+            };
+            Some((set.to_owned(), v.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// The sum of the samples of `name`.
+fn sum(body: &str, name: &str) -> f64 {
+    samples(body, name).iter().map(|(_, v)| v).sum()
+}
+
+/// The lane (of 16) a key's events are in.
+async fn lane_of_key(pool: &PgPool, key: &str) -> String {
+    let slot: i32 = sqlx::query_scalar("SELECT (abs(hashtext($1)) % 64)::int4")
+        .bind(key)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    (slot % 16).to_string()
+}
+
+/// The lag of the progress mode, which is on.
+async fn lag(pool: &PgPool) -> ops::ProgressLag {
+    ops::progress_lag(pool)
+        .await
+        .unwrap()
+        .expect("the progress mode is on")
+}
+
+/// A transaction writes three events of one key and stays open while other
+/// writers commit: the relay publishes the others; `status`, the lag and
+/// the gauges report the open transaction (its pid, a positive age) and no
+/// lag for the others. While a relay cannot deliver, the gauges count the
+/// lanes' events. The transaction commits while no relay runs: its lane
+/// counts its three events, as old as the transaction. A relay publishes
+/// them: every lane at 0, no transaction reported, the gauges at 0.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_transaction_left_open_is_reported_and_its_lane_drains_once_it_commits(pool: PgPool) {
+    let server = outbox_runtime::metrics::serve("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let addr = server.local_addr();
+    let topic = unique_topic("progress-lag");
+    create_topic(&brokers(), &topic).await;
+    progress::enable(&pool).await.unwrap();
+    let lag0 = lag(&pool).await;
+    assert_eq!(lag0.events(), 0, "{lag0:?}");
+    assert_eq!(lag0.holding, None);
+
+    // Before any relay: every committed event is lag, with an age.
+    let mut committed = commit_messages(&pool, &topic, 40, 8, 10).await;
+    let before = lag(&pool).await;
+    assert_eq!(before.events(), 40, "{before:?}");
+    assert!(
+        before
+            .lanes
+            .iter()
+            .all(|l| (l.events == 0) == l.oldest_secs.is_none()),
+        "{before:?}"
+    );
+
+    // A relay that cannot reach its broker publishes nothing: its gauges
+    // say so (40 events, an age), not "fine".
+    let stuck = Relay::builder(pool.clone())
+        .brokers(format!("127.0.0.1:{}", free_port()))
+        .delivery_timeout(Duration::from_secs(2))
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            let body = scrape(addr).await;
+            sum(&body, "outbox_lane_backlog_events") == 40.0
+                && sum(&body, "outbox_lane_oldest_unpublished_seconds") > 0.0
+        })
+        .await,
+        "{}",
+        scrape(addr).await
+    );
+    stuck.shutdown().await.unwrap();
+
+    // The holder: three events of its own key, left uncommitted.
+    let mut holder = pool.begin().await.unwrap();
+    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    let held: Vec<_> = (0..3).map(|seq| message(&topic, "held", seq)).collect();
+    let held_ids =
+        outbox_core::insert_messages(&mut holder, &held, &outbox_core::Headers::default())
+            .await
+            .unwrap();
+    let holder_xid: i64 = sqlx::query_scalar("SELECT pg_current_xact_id()::text::int8")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+
+    let relay = Relay::builder(pool.clone())
+        .brokers(brokers())
+        .delivery_timeout(Duration::from_secs(10))
+        .spawn()
+        .unwrap();
+    // Others commit while it is open (after it: their windows have it in
+    // flight); the relay publishes them.
+    committed.extend(commit_messages(&pool, &topic, 60, 8, 10).await);
+    let reported = eventually(Duration::from_secs(30), || async {
+        let status = ops::status(&pool).await.unwrap();
+        let Some(p) = status.progress else {
+            return false;
+        };
+        p.events() == 0
+            && p.holding.as_ref().is_some_and(|h| {
+                h.pid == Some(holder_pid)
+                    && h.xid == holder_xid
+                    && h.age_secs.is_some_and(|a| a > 0.0)
+                    && h.state.as_deref() == Some("idle in transaction")
+            })
+    })
+    .await;
+    assert!(reported, "{:?}", ops::status(&pool).await.unwrap().progress);
+    let lanes = lag(&pool).await;
+    let holding = lanes.holding.clone().unwrap();
+    assert!(holding.lanes >= 1, "{holding:?}");
+    assert!(
+        lanes
+            .lanes
+            .iter()
+            .filter(|l| l.held_back_by.is_some())
+            .all(|l| l.held_back_by == Some(holder_xid)),
+        "{lanes:?}"
+    );
+    // The gauges too: the age of the open transaction, no lane's lag.
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            let body = scrape(addr).await;
+            sum(&body, "outbox_progress_blocking_transaction_seconds") > 0.0
+                && sum(&body, "outbox_lane_backlog_events") == 0.0
+        })
+        .await,
+        "{}",
+        scrape(addr).await
+    );
+    relay.shutdown().await.unwrap();
+
+    // It commits while no relay runs: its lane counts its three events,
+    // which are as old as the transaction.
+    let open_for: f64 =
+        sqlx::query_scalar("SELECT EXTRACT(EPOCH FROM clock_timestamp() - now())::float8")
+            .fetch_one(&mut *holder)
+            .await
+            .unwrap();
+    holder.commit().await.unwrap();
+    let after = lag(&pool).await;
+    let lane = lane_of_key(&pool, "held").await;
+    let its = after
+        .lanes
+        .iter()
+        .find(|l| l.lane == lane && l.lane_count == Some(16))
+        .unwrap_or_else(|| panic!("lane {lane} in {after:?}"));
+    assert_eq!(its.events, 3, "{after:?}");
+    assert!(
+        its.oldest_secs.is_some_and(|a| a >= open_for),
+        "{its:?}, open for {open_for}"
+    );
+    assert_eq!(after.events(), 3, "{after:?}");
+    assert_eq!(after.holding, None, "{after:?}");
+
+    // A relay publishes them: nothing left, nothing holding.
+    let relay = Relay::builder(pool.clone())
+        .brokers(brokers())
+        .delivery_timeout(Duration::from_secs(10))
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            let l = lag(&pool).await;
+            l.events() == 0 && l.holding.is_none()
+        })
+        .await,
+        "{:?}",
+        lag(&pool).await
+    );
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            let body = scrape(addr).await;
+            let lane = format!("lane=\"{lane}\",lanes=\"16\"");
+            samples(&body, "outbox_lane_backlog_events")
+                .iter()
+                .any(|(labels, _)| labels.contains(&lane))
+                && sum(&body, "outbox_lane_backlog_events") == 0.0
+                && sum(&body, "outbox_lane_oldest_unpublished_seconds") == 0.0
+                && samples(&body, "outbox_progress_blocking_transaction_seconds")
+                    == vec![(String::new(), 0.0)]
+        })
+        .await,
+        "{}",
+        scrape(addr).await
+    );
+    // Every series the alert rules use of the progress mode is emitted.
+    let body = scrape(addr).await;
+    let scrape_now = deploy::Scrape::parse(&body);
+    let mut used = 0;
+    for rule in deploy::rules() {
+        if deploy::PROGRESS_SERIES
+            .iter()
+            .any(|s| rule.expr.contains(s))
+        {
+            used += 1;
+            assert_eq!(
+                scrape_now.missing(&rule.expr),
+                Vec::<String>::new(),
+                "{}",
+                rule.alert
+            );
+        }
+    }
+    assert!(used > 0, "an alert rule uses the progress mode's series");
+    relay.shutdown().await.unwrap();
+
+    committed.extend(held_ids);
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(60)).await;
+    assert_eq!(verify(&committed, &received), 0, "each once");
+}
+
+/// The relay's role (the guide's grants, no `pg_read_all_stats`) reads the
+/// lag while a transaction of the application's role holds a window back:
+/// its pid and transaction id are shown, its age and state unknown — not
+/// an error; granted `pg_read_all_stats`, its age and state too. The
+/// position is recorded as a relay records one (no broker needed).
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn the_relay_role_sees_the_holders_pid_and_its_age_only_with_pg_read_all_stats(pool: PgPool) {
+    use common::roles::*;
+    let roles = Roles::create(&pool).await;
+    roles
+        .sql("GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_held_topic TO outbox_relay")
+        .await;
+    progress::enable(&pool).await.unwrap();
+    let app = roles.pool("outbox_app", 2);
+    let mut holder = app.begin().await.unwrap();
+    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    let held = [message("lag-roles", "held", 0)];
+    outbox_core::insert_messages(&mut holder, &held, &outbox_core::Headers::default())
+        .await
+        .unwrap();
+    let holder_xid: i64 = sqlx::query_scalar("SELECT pg_current_xact_id()::text::int8")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    commit_messages(&app, "lag-roles", 5, 1, 5).await;
+    sqlx::query(
+        "INSERT INTO outbox_progress (slots, done)
+         SELECT ARRAY(SELECT generate_series(0, 63))::int2[], pg_current_snapshot()",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    let relay_role = roles.pool("outbox_relay", 1);
+    let seen = lag(&relay_role).await;
+    assert_eq!(seen.events(), 0, "{seen:?}");
+    let h = seen.holding.clone().expect("the holder is reported");
+    assert_eq!((h.xid, h.pid), (holder_xid, Some(holder_pid)), "{h:?}");
+    assert_eq!((h.age_secs, h.state.as_deref()), (None, None), "{h:?}");
+    assert_eq!(h.lanes, 1, "{h:?}");
+    // `status` reads the same, as any role that may read the tables.
+    let status = ops::status(&relay_role).await.unwrap();
+    let shown = status.progress.and_then(|p| p.holding);
+    assert_eq!(shown, Some(h), "{seen:?}");
+
+    roles.sql("GRANT pg_read_all_stats TO outbox_relay").await;
+    let relay_role = roles.pool("outbox_relay", 1);
+    let h = lag(&relay_role)
+        .await
+        .holding
+        .expect("the holder is reported");
+    assert_eq!(h.pid, Some(holder_pid), "{h:?}");
+    assert!(h.age_secs.is_some_and(|a| a > 0.0), "{h:?}");
+    assert_eq!(h.state.as_deref(), Some("idle in transaction"), "{h:?}");
+
+    // Committed, its event is the lane's lag (its transaction was in flight
+    // in the position's snapshot); nothing holds the windows back.
+    holder.commit().await.unwrap();
+    let after = lag(&relay_role).await;
+    assert_eq!(after.events(), 1, "{after:?}");
+    assert_eq!(after.holding, None, "{after:?}");
+    app.close().await;
+    relay_role.close().await;
+    roles.drop_all().await;
+}
