@@ -18,7 +18,10 @@
 //! A transaction in flight when a lane's snapshot was taken is in the
 //! snapshot's `xip` list: its events, if it writes any, go out only in a
 //! later window, after it commits; until then nobody can see them, not even
-//! to count them. Its backend is found by its transaction id: the pid from
+//! to count them. Snapshots are the whole cluster's: only a transaction of
+//! this database (its backend's `datid`, or a prepared transaction's
+//! database) is reported as holding the lanes back; another database's
+//! cannot write this outbox. Its backend is found by its transaction id: the pid from
 //! `pg_locks` (a transaction holds the lock on its own id; `pg_locks` is
 //! open to every role), its start, state and application from
 //! `pg_stat_activity`, which shows them for another role's sessions only
@@ -131,7 +134,15 @@ SELECT p.slots, p.slots::text AS slots_text, p.done::text AS done, p.upto::text 
        EXTRACT(EPOCH FROM now() - min(s.oldest))::float8 AS oldest_secs,
        (SELECT min(x.txid)::text::int8
         FROM (SELECT pg_snapshot_xip(p.done) UNION ALL SELECT pg_snapshot_xip(p.upto)) AS x(txid)
-        WHERE pg_xact_status(x.txid) = 'in progress') AS held_back_by
+        WHERE pg_xact_status(x.txid) = 'in progress'
+          AND (EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                       WHERE l.locktype = 'transactionid' AND l.granted
+                         AND l.transactionid = (x.txid::text::int8 % 4294967296)::text::xid
+                         AND a.datid = (SELECT oid FROM pg_database
+                                        WHERE datname = current_database()))
+               OR EXISTS (SELECT 1 FROM pg_prepared_xacts t
+                          WHERE t.transaction = (x.txid::text::int8 % 4294967296)::text::xid
+                            AND t.database = current_database()))) AS held_back_by
 FROM per_slot s JOIN outbox_progress p ON p.id = s.id
 GROUP BY p.id ORDER BY p.slots",
         positions = crate::relay::progress::POSITIONS,
