@@ -326,3 +326,64 @@ async fn the_relay_role_sees_the_holders_pid_and_its_age_only_with_pg_read_all_s
     relay_role.close().await;
     roles.drop_all().await;
 }
+
+/// Snapshots are the whole cluster's: a transaction left open in another
+/// database is in the lanes' snapshots too, but cannot write this outbox
+/// and holds nothing back. It is not reported; one of this database is.
+/// (A transaction is in a snapshot's list of those in progress once a later
+/// one has completed: each is followed by a committed write here.)
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_transaction_of_another_database_is_not_reported_as_holding(pool: PgPool) {
+    progress::enable(&pool).await.unwrap();
+    // The server's database the tests connect to, beside the test's own.
+    let elsewhere = sqlx::PgPool::connect(&std::env::var("DATABASE_URL").unwrap())
+        .await
+        .unwrap();
+    let name = "SELECT current_database()";
+    let here: String = sqlx::query_scalar(name).fetch_one(&pool).await.unwrap();
+    let there: String = sqlx::query_scalar(name)
+        .fetch_one(&elsewhere)
+        .await
+        .unwrap();
+    assert_ne!(here, there);
+    let write = "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                           payload, topic, partition_key)
+                 VALUES (gen_random_uuid(), 'A', 'a', 'E', '{}', 'lanes', 'k')";
+    let record = || async {
+        sqlx::query(write).execute(&pool).await.unwrap();
+        sqlx::query(
+            "INSERT INTO outbox_progress (slots, done)
+             SELECT ARRAY(SELECT generate_series(0, 63))::int2[], pg_current_snapshot()",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+    };
+    let mut other = elsewhere.begin().await.unwrap();
+    let theirs: i64 = sqlx::query_scalar("SELECT pg_current_xact_id()::text::int8")
+        .fetch_one(&mut *other)
+        .await
+        .unwrap();
+    record().await;
+    let seen = lag(&pool).await;
+    assert!(
+        seen.lanes[0].done.contains(&theirs.to_string()),
+        "the other database's transaction is in the snapshot: {seen:?}"
+    );
+    assert!(seen.holding.is_none(), "{seen:?}");
+
+    let mut mine = pool.begin().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *mine)
+        .await
+        .unwrap();
+    sqlx::query(write).execute(&mut *mine).await.unwrap();
+    record().await;
+    let seen = lag(&pool).await;
+    let Some(holding) = seen.holding.clone() else {
+        panic!("this database's transaction: {seen:?}");
+    };
+    assert_eq!(holding.pid, Some(pid));
+    other.rollback().await.unwrap();
+    mine.rollback().await.unwrap();
+}
