@@ -311,7 +311,8 @@ impl Applier<'_> {
     }
 
     /// The events whose retry from memory is due, each key's in order (see
-    /// `held.rs`): applied as a batch of their own.
+    /// `held.rs`): the consumer's loop puts them before the next batch, in
+    /// its transaction.
     pub fn due(&mut self) -> Vec<Record> {
         self.held.take_due(self.shared)
     }
