@@ -17,7 +17,6 @@ use common::*;
 use outbox_core::{DomainEvent, HandlerContext, HandlerFuture, InboxHandler, UnitOfWork};
 use outbox_runtime::{Consumer, Relay, ops};
 use sqlx::PgPool;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 keyed_event!(Placed, "series-orders");
 keyed_event!(Opened, "series-tickets");
@@ -78,17 +77,6 @@ impl InboxHandler for FailBad {
             Ok(())
         })
     }
-}
-
-async fn scrape(addr: std::net::SocketAddr) -> String {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut out = String::new();
-    stream.read_to_string(&mut out).await.unwrap();
-    out
 }
 
 /// The value of the first sample of `name` whose labels contain all of

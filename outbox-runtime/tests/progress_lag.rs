@@ -14,18 +14,6 @@ use common::*;
 use outbox_runtime::relay::progress;
 use outbox_runtime::{Relay, ops};
 use sqlx::PgPool;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-async fn scrape(addr: std::net::SocketAddr) -> String {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut out = String::new();
-    stream.read_to_string(&mut out).await.unwrap();
-    out
-}
 
 /// Every sample of `name` (labels, value).
 fn samples(body: &str, name: &str) -> Vec<(String, f64)> {

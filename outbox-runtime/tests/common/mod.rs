@@ -905,6 +905,21 @@ pub fn database_url(pool: &PgPool) -> String {
     )
 }
 
+/// The text of one scrape of the metrics endpoint at `addr`, headers
+/// included.
+#[allow(dead_code)]
+pub async fn scrape(addr: SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = String::new();
+    stream.read_to_string(&mut out).await.unwrap();
+    out
+}
+
 /// The `effect` table handlers of the consumer tests write: one row per
 /// application of an event (its id, key and number).
 #[allow(dead_code)]
