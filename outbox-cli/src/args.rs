@@ -462,7 +462,16 @@ pub(crate) enum ProgressCommand {
     /// again afterwards, with lanes. Unpublished events stay unpublished,
     /// parked ones parked; rows held back are released. Does nothing the
     /// second time.
-    Enable,
+    ///
+    /// With `--consumer GROUP`: switch that inbox-mode consumer group's
+    /// processor to the progress mode instead (stop every instance of the
+    /// group first, start them again afterwards). Stored events not yet
+    /// processed are processed in the new mode.
+    Enable {
+        /// An inbox-mode consumer group to switch, instead of the outbox.
+        #[arg(long)]
+        consumer: Option<String>,
+    },
     /// Where each set of lane slots stands: its position, and how long ago
     /// it was recorded.
     Status {

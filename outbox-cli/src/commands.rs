@@ -142,10 +142,17 @@ pub(crate) async fn run(ctx: Ctx, command: Command) -> Result<(), Error> {
         Command::Replay(args) => replay_events(&ctx, args).await?,
         Command::Cleanup(args) => cleanup(&ctx, args).await?,
         Command::Partitions(command) => partitions(&ctx, command).await?,
-        Command::Progress(ProgressCommand::Enable) => {
+        Command::Progress(ProgressCommand::Enable { consumer: None }) => {
             let pool = ctx.pool(2).await?;
             outbox_runtime::relay::progress::enable(&pool).await?;
             println!("progress mode: on (start the relays again, with lanes)");
+        }
+        Command::Progress(ProgressCommand::Enable {
+            consumer: Some(group),
+        }) => {
+            let pool = ctx.pool(2).await?;
+            outbox_runtime::inbox::progress::enable(&pool, &group).await?;
+            println!("progress mode of consumer group `{group}`: on (start its instances again)");
         }
         Command::Progress(ProgressCommand::Status { json }) => {
             let pool = ctx.pool(2).await?;

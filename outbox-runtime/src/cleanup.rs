@@ -338,6 +338,11 @@ pub async fn cleanup(pool: &PgPool, retention: &Retention) -> Result<CleanupRepo
         )
         .await?;
     }
+    // Inbox rows of consumers in the progress mode that their positions
+    // passed (never marked processed).
+    let (rows, statements) = crate::inbox::progress::cleanup(pool, cutoff, retention).await?;
+    report.inbox_events += rows;
+    report.statements += statements;
     if retention.resolved_dead_letters.is_some() || retention.dead_letters.is_some() {
         let mut cutoffs = [None, None];
         for (at, age) in cutoffs

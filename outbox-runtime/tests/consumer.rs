@@ -360,15 +360,23 @@ async fn graceful_shutdown_commits_offsets_and_the_next_consumer_continues(pool:
 }
 
 test_event!(HeldKeyEvent, "consumer-test-failing-key");
+test_event!(HeldKeyInboxEvent, "consumer-test-failing-key-inbox");
+test_event!(HeldKeyProgressEvent, "consumer-test-failing-key-progress");
 
 /// A failing event holds back its key alone, in both modes: on one
 /// partition, four keys interleaved, the fifth message (key k0) fails until
 /// the handler is fixed. Meanwhile every event of the other three keys is
 /// applied, and none of k0's after the failing one; then k0's are applied
-/// after it, in order. The counts agree with the tables.
-async fn a_failing_event_holds_back_only_its_key(pool: PgPool, mode: Mode) {
+/// after it, in order. The counts agree with the tables. In the progress
+/// mode (`progress`), only the rows that waited are marked processed: the
+/// others are passed by positions.
+async fn a_failing_event_holds_back_only_its_key<E: TestEvent>(
+    pool: PgPool,
+    mode: Mode,
+    progress: bool,
+) {
     init_tracing();
-    let topic = HeldKeyEvent::TOPIC;
+    let topic = E::TOPIC;
     reset_topic(&brokers(), topic).await;
     effect_table(&pool).await;
     let (messages, ids) = events(40, 4);
@@ -384,7 +392,12 @@ async fn a_failing_event_holds_back_only_its_key(pool: PgPool, mode: Mode) {
     produce(&brokers(), topic, &messages).await;
 
     let group = unique_topic("held-key");
-    let recorder = Recorder::<HeldKeyEvent>::new();
+    if progress {
+        outbox_runtime::inbox::progress::enable(&pool, &group)
+            .await
+            .unwrap();
+    }
+    let recorder = Recorder::<E>::new();
     let failing = recorder.failing.clone();
     let handle = consumer(&pool, &group)
         .mode(mode)
@@ -474,16 +487,220 @@ async fn a_failing_event_holds_back_only_its_key(pool: PgPool, mode: Mode) {
     assert_eq!(counts.dead_lettered as i64, letters);
     assert_eq!(letters, 0);
     assert_eq!(counts.received, 40, "nothing read twice: {counts:?}");
+    if progress {
+        let marked = scalar(
+            "SELECT count(*) FROM inbox_event WHERE consumer = $1 AND processed_at IS NOT NULL",
+        )
+        .await;
+        assert_eq!(
+            marked,
+            behind.len() as i64,
+            "only the failing event and k0's behind it are marked"
+        );
+        let positions = scalar("SELECT count(*) FROM inbox_progress WHERE consumer = $1").await;
+        assert!(positions > 0, "no position recorded");
+    }
 }
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_failing_event_holds_back_only_its_key_in_dedup_mode(pool: PgPool) {
-    a_failing_event_holds_back_only_its_key(pool, Mode::Dedup).await;
+    a_failing_event_holds_back_only_its_key::<HeldKeyEvent>(pool, Mode::Dedup, false).await;
 }
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_failing_event_holds_back_only_its_key_in_inbox_mode(pool: PgPool) {
-    a_failing_event_holds_back_only_its_key(pool, Mode::Inbox).await;
+    a_failing_event_holds_back_only_its_key::<HeldKeyInboxEvent>(pool, Mode::Inbox, false).await;
+}
+
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_failing_event_holds_back_only_its_key_in_the_inbox_progress_mode(pool: PgPool) {
+    a_failing_event_holds_back_only_its_key::<HeldKeyProgressEvent>(pool, Mode::Inbox, true).await;
+}
+
+test_event!(ProgressEvent, "consumer-test-inbox-progress");
+
+/// The inbox processor in the progress mode, switched to with stored
+/// events pending: 120 events stored by a store-only consumer (the default
+/// mode's way), the mode enabled, 120 more produced, the consumer stopped
+/// mid-stream and started again. Every event is applied once, each key in
+/// order, and no row is marked processed: the positions pass them.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn the_inbox_progress_mode_applies_each_event_once_across_a_switch_and_a_restart(
+    pool: PgPool,
+) {
+    init_tracing();
+    let topic = ProgressEvent::TOPIC;
+    reset_topic(&brokers(), topic).await;
+    effect_table(&pool).await;
+    let (messages, ids) = events(240, 8);
+    let on = |m: Vec<TestMessage>| -> Vec<TestMessage> {
+        m.into_iter()
+            .enumerate()
+            .map(|(i, m)| m.on_partition((i % 8 % PARTITIONS as usize) as i32))
+            .collect()
+    };
+    let (first, second) = messages.split_at(120);
+    produce(&brokers(), topic, &on(first.to_vec())).await;
+    let group = unique_topic("inbox-progress");
+    let store_only = consumer(&pool, &group)
+        .mode(Mode::Inbox)
+        .processors(0)
+        .handler(Recorder::<ProgressEvent>::new())
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            store_only.counts().stored >= 120
+        })
+        .await,
+        "{:?}",
+        store_only.counts()
+    );
+    store_only.shutdown().await.unwrap();
+    assert_eq!(effect_count(&pool).await, 0);
+
+    outbox_runtime::inbox::progress::enable(&pool, &group)
+        .await
+        .unwrap();
+    produce(&brokers(), topic, &on(second.to_vec())).await;
+    let paced = consumer(&pool, &group)
+        .mode(Mode::Inbox)
+        .processor_batch_size(10)
+        .handler(Recorder::<ProgressEvent>::new().paced(Duration::from_millis(5)))
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            effect_count(&pool).await >= 60
+        })
+        .await,
+        "{:?}",
+        paced.counts()
+    );
+    paced.shutdown().await.unwrap();
+    let halfway = effect_count(&pool).await;
+    assert!(halfway < 240, "stopped mid-stream: {halfway}");
+
+    let again = consumer(&pool, &group)
+        .mode(Mode::Inbox)
+        .handler(Recorder::<ProgressEvent>::new())
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            effects_of(&pool, &ids).await.iter().all(|n| *n >= 1)
+        })
+        .await,
+        "{:?}",
+        again.counts()
+    );
+    again.shutdown().await.unwrap();
+    assert_eq!(
+        effects_of(&pool, &ids).await,
+        vec![1; ids.len()],
+        "each event applied once"
+    );
+    let rows: Vec<(String, i64)> = sqlx::query_as("SELECT key, seq FROM effect ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    for k in 0..8 {
+        let key = format!("k{k}");
+        let seqs: Vec<i64> = rows
+            .iter()
+            .filter(|(r, _)| *r == key)
+            .map(|(_, s)| *s)
+            .collect();
+        assert!(seqs.is_sorted(), "{key} out of order: {seqs:?}");
+    }
+    let (marked, pending): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE processed_at IS NOT NULL),
+                count(*) FILTER (WHERE NOT processed)
+         FROM inbox_event WHERE consumer = $1",
+    )
+    .bind(&group)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(marked, 0, "no row marked processed");
+    assert_eq!(pending, 0, "no row in the default mode's queue");
+}
+
+test_event!(LateEvent, "consumer-test-inbox-progress-late");
+
+/// Stores an event of `key` for `group` on partition 0 as the progress
+/// mode's ingest does, on `conn`.
+async fn store_row(
+    conn: &mut sqlx::PgConnection,
+    group: &str,
+    topic: &str,
+    key: &str,
+    offset: i64,
+) -> Uuid {
+    let id = Uuid::now_v7();
+    sqlx::query(
+        r#"INSERT INTO inbox_event (event_id, payload, consumer, topic, "partition",
+               "offset", partition_key, event_type, event_version, headers, processed)
+           VALUES ($1, $2, $3, $4, 0, $5, $6, 'OrderPlaced', 1, '{}', true)"#,
+    )
+    .bind(id)
+    .bind(serde_json::json!({ "key": key, "seq": offset }))
+    .bind(group)
+    .bind(topic)
+    .bind(offset)
+    .bind(key)
+    .execute(conn)
+    .await
+    .unwrap();
+    id
+}
+
+/// The progress mode's windows do not pass over a row whose transaction
+/// commits after later rows of its partition: a row stored by a
+/// transaction left open (its `seq` drawn first) waits for its commit while
+/// a row stored after it is applied, and is then applied too, once.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn the_inbox_progress_mode_applies_a_row_committed_late_once(pool: PgPool) {
+    init_tracing();
+    let topic = LateEvent::TOPIC;
+    reset_topic(&brokers(), topic).await;
+    effect_table(&pool).await;
+    let group = unique_topic("inbox-progress-late");
+    outbox_runtime::inbox::progress::enable(&pool, &group)
+        .await
+        .unwrap();
+    let mut late = pool.begin().await.unwrap();
+    let first = store_row(&mut late, &group, topic, "a", 0).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let second = store_row(&mut conn, &group, topic, "b", 1).await;
+    let handle = consumer(&pool, &group)
+        .mode(Mode::Inbox)
+        .processor_poll_interval(Duration::from_millis(20))
+        .handler(Recorder::<LateEvent>::new())
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            effects_of(&pool, &[second]).await == vec![1]
+        })
+        .await,
+        "{:?}",
+        handle.counts()
+    );
+    // Rounds pass while the first row's transaction is open.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(effects_of(&pool, &[first]).await, vec![0]);
+    late.commit().await.unwrap();
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            effects_of(&pool, &[first]).await == vec![1]
+        })
+        .await,
+        "the row committed late was passed over: {:?}",
+        handle.counts()
+    );
+    handle.shutdown().await.unwrap();
+    assert_eq!(effects_of(&pool, &[first, second]).await, vec![1, 1]);
 }
 
 test_event!(BatchFailEvent, "consumer-test-failures-in-a-batch");

@@ -81,6 +81,17 @@ pub async fn groups(pool: &PgPool) -> Result<Vec<GroupSummary>> {
         g.inbox_pending = n;
         g.oldest_pending_secs = oldest;
     }
+    // The progress mode's pending rows are those its positions do not pass
+    // (the query above counts only the rows set aside or failed there).
+    for (name, n, oldest) in super::progress::pending(pool).await? {
+        let g = by_name.entry(name.clone()).or_default();
+        g.group = name;
+        g.inbox_pending += n;
+        g.oldest_pending_secs = match (g.oldest_pending_secs, oldest) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+    }
     let open: Vec<(String, String, i64)> =
         sqlx::query_as(OPEN_DEAD_LETTERS).fetch_all(pool).await?;
     for (name, status, n) in open {

@@ -50,6 +50,25 @@ pub(crate) mod harness;
 mod held;
 mod poller;
 mod processor;
+pub mod progress;
+
+/// Whether consumer group `group` is in the progress mode (inbox mode; see
+/// [`progress`]); `false` when the database does not answer (its rows are
+/// then stored the default mode's way, which the progress mode reads too).
+async fn progress_mode(pool: &sqlx::PgPool, group: &str) -> bool {
+    let result = async {
+        let mut conn = pool.acquire().await?;
+        progress::start(&mut conn, group).await
+    }
+    .await;
+    match result {
+        Ok(start) => start.is_some(),
+        Err(error) => {
+            tracing::warn!(%error, group, "could not read whether the consumer is in the progress mode");
+            false
+        }
+    }
+}
 mod raw_headers;
 mod record;
 mod redrive;
@@ -1056,6 +1075,7 @@ impl Consumer {
                 shared: &shared,
                 wake: &wake,
                 db: health(),
+                progress: progress_mode(&pool, &config.group).await,
             }),
         };
         loop {

@@ -83,10 +83,10 @@ WHERE id = $1 AND status = 'retry' AND retries = $6";
 const REQUEUE: &str = r#"
 INSERT INTO inbox_event
     (event_id, payload, consumer, topic, "partition", "offset", partition_key,
-     event_type, event_version, headers)
-VALUES ($1, $2::jsonb, $3, $4, $5, $6, $7, $8, $9, $10::jsonb)
+     event_type, event_version, headers, next_attempt_at)
+VALUES ($1, $2::jsonb, $3, $4, $5, $6, $7, $8, $9, $10::jsonb, now())
 ON CONFLICT (consumer, event_id) DO UPDATE
-SET dead_lettered_at = NULL, attempts = 0, next_attempt_at = NULL, last_error = NULL
+SET dead_lettered_at = NULL, attempts = 0, next_attempt_at = now(), last_error = NULL
 WHERE inbox_event.dead_lettered_at IS NOT NULL AND NOT inbox_event.processed"#;
 
 const INSERT_PROCESSED: &str = "\

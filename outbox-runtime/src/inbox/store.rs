@@ -44,8 +44,8 @@ const STORE: Statement = Statement {
 const INSERT_INBOX: &str = r#"
 INSERT INTO inbox_event
     (event_id, payload, consumer, topic, "partition", "offset", partition_key,
-     event_type, event_version, headers)
-SELECT e, p::jsonb, $1, t, pa, o, k, et, ev, h::jsonb
+     event_type, event_version, headers, processed)
+SELECT e, p::jsonb, $1, t, pa, o, k, et, ev, h::jsonb, $11
 FROM UNNEST($2::uuid[], $3::text[], $4::text[], $5::int4[], $6::int8[], $7::text[],
             $8::text[], $9::int4[], $10::text[])
      WITH ORDINALITY AS u(e, p, t, pa, o, k, et, ev, h, n)
@@ -60,6 +60,9 @@ pub(crate) struct Store<'a> {
     pub shared: &'a Shared,
     pub wake: &'a Notify,
     pub db: Health,
+    /// The consumer is in the progress mode: rows are stored out of the
+    /// default mode's queue (see [`super::progress`]).
+    pub progress: bool,
 }
 
 /// What one stored batch did.
@@ -155,7 +158,7 @@ impl Store<'_> {
 
     async fn store_with(&self, records: &[Record], method: Method) -> Result<Report, sqlx::Error> {
         let mut tx = self.pool.begin().await?;
-        let report = insert(&mut tx, &self.config.group, records, method).await?;
+        let report = insert(&mut tx, &self.config.group, records, method, self.progress).await?;
         tx.commit().await?;
         Ok(report)
     }
@@ -215,7 +218,7 @@ fn is_unique_violation(error: &sqlx::Error) -> bool {
 const COPY_INBOX: &str = r#"
 COPY inbox_event
     (event_id, payload, consumer, topic, "partition", "offset", partition_key,
-     event_type, event_version, headers)
+     event_type, event_version, headers, processed)
 FROM STDIN WITH (FORMAT binary)"#;
 
 /// Writes the events of `records` with one binary `COPY` and their
@@ -224,6 +227,7 @@ async fn copy(
     conn: &mut PgConnection,
     group: &str,
     records: &[Record],
+    progress: bool,
 ) -> Result<Report, sqlx::Error> {
     let mut data = Vec::with_capacity(records.len() * 512 + 32);
     data.extend_from_slice(b"PGCOPY\n\xff\r\n\0");
@@ -237,7 +241,7 @@ async fn copy(
         match &r.body {
             Body::Event(e) => {
                 let i = &e.incoming;
-                data.extend_from_slice(&10_i16.to_be_bytes());
+                data.extend_from_slice(&11_i16.to_be_bytes());
                 field(&mut data, i.event_id.as_bytes());
                 jsonb(&mut data, &e.payload);
                 field(&mut data, group.as_bytes());
@@ -249,6 +253,7 @@ async fn copy(
                 let version = i32::try_from(i.event_version).unwrap_or(i32::MAX);
                 field(&mut data, &version.to_be_bytes());
                 jsonb(&mut data, i.headers.to_json().as_bytes());
+                field(&mut data, &[u8::from(progress)]);
                 events += 1;
             }
             Body::Ignored => ignored += 1,
@@ -314,9 +319,10 @@ async fn insert(
     group: &str,
     records: &[Record],
     method: Method,
+    progress: bool,
 ) -> Result<Report, sqlx::Error> {
     if method == Method::Copy {
-        return copy(conn, group, records).await;
+        return copy(conn, group, records, progress).await;
     }
     let n = records.len();
     let mut ids = Vec::with_capacity(n);
@@ -368,6 +374,7 @@ async fn insert(
             .bind(&types)
             .bind(&versions)
             .bind(&headers)
+            .bind(progress)
             .execute(&mut *conn)
             .await?
             .rows_affected();

@@ -49,6 +49,8 @@ use super::dedup::UNDO;
 use super::dispatch::{Registry, Route};
 use super::record::{Event, Rejected};
 use super::txn::{self, Broken, GuardedConn};
+
+mod window;
 use super::{ConsumerConfig, Stats};
 use crate::backoff::Health;
 use crate::refusal::{Statement, Trouble};
@@ -275,17 +277,20 @@ SET processed = true, processed_at = now(), attempts = attempts + $2,
     last_attempt_at = now(), next_attempt_at = NULL
 WHERE consumer = $3 AND event_id = ANY($1)";
 
+/// A failed attempt on a row not applied yet (`processed_at` NULL: in the
+/// progress mode rows are stored with `processed` true, see
+/// [`super::progress`]; the row goes back to the per-key claim's queue).
 const RECORD_FAILURE: &str = "\
 UPDATE inbox_event
-SET attempts = attempts + 1, last_error = $2, last_attempt_at = now(),
+SET processed = false, attempts = attempts + 1, last_error = $2, last_attempt_at = now(),
     next_attempt_at = now() + make_interval(secs => $3)
-WHERE consumer = $4 AND event_id = $1 AND NOT processed";
+WHERE consumer = $4 AND event_id = $1 AND processed_at IS NULL";
 
 const MARK_DEAD: &str = "\
 UPDATE inbox_event
-SET attempts = attempts + $3, last_error = $2, last_attempt_at = now(),
+SET processed = false, attempts = attempts + $3, last_error = $2, last_attempt_at = now(),
     dead_lettered_at = now(), next_attempt_at = NULL
-WHERE consumer = $4 AND event_id = $1 AND NOT processed";
+WHERE consumer = $4 AND event_id = $1 AND processed_at IS NULL";
 
 /// Moves the claimed retries that are their key's only row in the batch
 /// (every retry, as the claims take them: a key's retry is claimed without
@@ -320,6 +325,12 @@ fn retries_first(rows: &mut Vec<Row>) {
 
 #[derive(sqlx::FromRow)]
 struct Row {
+    /// Received order (read by the progress mode's windows only).
+    #[sqlx(default)]
+    seq: i64,
+    /// Payload, headers and key, in bytes (the progress mode's windows).
+    #[sqlx(default)]
+    bytes: i64,
     event_id: Uuid,
     topic: String,
     partition: i32,
@@ -354,8 +365,14 @@ pub(crate) struct Processor {
     workers: usize,
     candidates_sql: String,
     claim_sql: String,
-    /// Dedup mode: the claim per key (see [`KEYS`]).
-    keyed: Option<(String, String)>,
+    /// Dedup mode and the progress mode: the claim per key (see [`KEYS`]).
+    keyed: (String, String),
+    /// The progress mode's start (see [`super::progress`]), once read:
+    /// `Some(None)` in the default mode.
+    progress: std::sync::OnceLock<Option<String>>,
+    /// The progress mode: the partitions' windows, as this processor last
+    /// recorded them.
+    windows: std::sync::Mutex<std::collections::HashMap<(String, i32), super::progress::Window>>,
     /// Dedup mode: when the last sweep ended (see [`SWEEP_INTERVAL`]).
     swept: std::sync::Mutex<Option<std::time::Instant>>,
     latency: crate::metrics::ConsumerLatency,
@@ -392,8 +409,7 @@ impl Processor {
     ) -> Self {
         let workers = config.processors.max(1);
         let latency = crate::metrics::ConsumerLatency::new(&config.group);
-        let keyed = (config.mode == super::Mode::Dedup)
-            .then(|| (keyed_candidates_sql(), keyed_claim_sql()));
+        let keyed = (keyed_candidates_sql(), keyed_claim_sql());
         Self {
             pool,
             config,
@@ -405,6 +421,8 @@ impl Processor {
             candidates_sql: candidates_sql(),
             claim_sql: claim_sql(),
             keyed,
+            progress: std::sync::OnceLock::new(),
+            windows: Default::default(),
             swept: std::sync::Mutex::new(None),
             latency,
         }
@@ -460,8 +478,12 @@ impl Processor {
     /// key in dedup mode, but the way inbox mode claims at the start and
     /// every [`SWEEP_INTERVAL`], until a round claims no row the per-key
     /// claim misses ([`Self::swept`]).
-    fn claim_statements(&self) -> (&str, &str, Claiming) {
-        if let Some((candidates, claim)) = &self.keyed {
+    fn claim_statements(&self, claiming: Option<Claiming>) -> (&str, &str, Claiming) {
+        let (candidates, claim) = &self.keyed;
+        if claiming == Some(Claiming::PerKey) {
+            return (candidates, claim, Claiming::PerKey);
+        }
+        if self.config.mode == super::Mode::Dedup {
             let swept = self.swept.lock().unwrap_or_else(|p| p.into_inner());
             if swept.is_some_and(|at| at.elapsed() < SWEEP_INTERVAL) {
                 return (candidates, claim, Claiming::PerKey);
@@ -492,17 +514,61 @@ impl Processor {
         secs.map(|s| std::time::Duration::from_secs_f64(s.clamp(0.0, 86_400.0)))
     }
 
-    /// One transaction: lock partitions, claim their next rows, process
-    /// them. Returns how many rows were settled (processed, dead-lettered
-    /// or failed).
+    /// One round: in the default mode, one transaction that locks
+    /// partitions, claims their next rows and processes them; in the
+    /// progress mode, a round of the per-key claim (rows set aside or
+    /// failed), then one of the windows (see [`super::progress`]). Returns
+    /// how many rows were settled (processed, dead-lettered or failed).
     pub(crate) async fn round(
         &self,
         conn: &mut GuardedConn,
         careful: bool,
     ) -> Result<Round, Trouble> {
+        let Some(start) = self.progress_start().await? else {
+            return self.claimed_round(conn, careful, None).await;
+        };
+        let keyed = match self
+            .claimed_round(conn, careful, Some(Claiming::PerKey))
+            .await?
+        {
+            Round::Settled(n) => n,
+            Round::Suspect => return Ok(Round::Suspect),
+        };
+        match self.window_round(conn, careful, &start).await? {
+            Round::Settled(n) => Ok(Round::Settled(keyed + n)),
+            Round::Suspect => Ok(Round::Suspect),
+        }
+    }
+
+    /// The progress mode's start, if the consumer is in that mode (inbox
+    /// mode only: a dedup-mode consumer's inbox rows are its rare path),
+    /// read once.
+    async fn progress_start(&self) -> Result<Option<String>, Trouble> {
+        if let Some(start) = self.progress.get() {
+            return Ok(start.clone());
+        }
+        let start = if self.config.mode == super::Mode::Inbox {
+            let mut conn = self.pool.acquire().await.map_err(during(CLAIM))?;
+            super::progress::start(&mut conn, &self.config.group)
+                .await
+                .map_err(|e| Trouble::from(e).during(CLAIM))?
+        } else {
+            None
+        };
+        Ok(self.progress.get_or_init(|| start).clone())
+    }
+
+    /// One transaction: lock partitions, claim their next rows (`claiming`,
+    /// or as the mode says), process them.
+    async fn claimed_round(
+        &self,
+        conn: &mut GuardedConn,
+        careful: bool,
+        claiming: Option<Claiming>,
+    ) -> Result<Round, Trouble> {
         let group = &self.config.group;
         let limit = i64::try_from(self.config.processor_batch_size).unwrap_or(i64::MAX);
-        let (candidates_sql, claim_sql, claiming) = self.claim_statements();
+        let (candidates_sql, claim_sql, claiming) = self.claim_statements(claiming);
         // The per-key statements are planned at each execution (unnamed): a
         // plan cached while the inbox was nearly empty scanned every
         // pending row per key once it had grown (1–1.7 s per statement at
@@ -549,7 +615,10 @@ impl Processor {
         let claim_time = claim_started.elapsed();
         let started = std::time::Instant::now();
         let mut items: Vec<Item> = rows.iter().map(|r| self.item(r)).collect();
-        let work = match self.segments(&mut tx, &rows, &mut items, careful).await {
+        let work = match self
+            .segments(&mut tx, &rows, &mut items, careful, true)
+            .await
+        {
             Ok(work) => work,
             Err(Failure::Outage(error)) => return Err(error),
             // Every event was checked and still: an outage of unknown cause.
@@ -581,6 +650,20 @@ impl Processor {
             }
         };
         tx.commit().await?;
+        let settled = self.committed(work, &rows, started, claim_time, locked.len());
+        Ok(Round::Settled(settled))
+    }
+
+    /// Reports a committed round's work; returns how many rows it settled.
+    fn committed(
+        &self,
+        work: Work,
+        rows: &[Row],
+        started: std::time::Instant,
+        claim_time: std::time::Duration,
+        partitions: usize,
+    ) -> usize {
+        let group = &self.config.group;
         self.latency.batch.record(started.elapsed());
         let batch = work.batch;
         if batch.processed > 0 {
@@ -596,7 +679,7 @@ impl Processor {
             claimed = rows.len(),
             settled,
             failed = work.failed.len(),
-            partitions = locked.len(),
+            partitions,
             claim_ms = claim_time.as_millis() as u64,
             ms = started.elapsed().as_millis() as u64,
             "round settled"
@@ -609,7 +692,7 @@ impl Processor {
             self.report_failure(&rows[failed.at], failed);
         }
         batch.apply(&self.stats);
-        Ok(Round::Settled(settled))
+        settled
     }
 
     /// Runs the claimed rows' handlers in the claiming transaction, one
@@ -632,6 +715,7 @@ impl Processor {
         rows: &[Row],
         items: &mut [Item],
         careful: bool,
+        mark: bool,
     ) -> Result<Work, Failure> {
         let n = rows.len();
         let mut work = Work::default();
@@ -714,14 +798,17 @@ impl Processor {
         }
         apply::seal(tx).await?;
         follow_ups.write(tx).await?;
-        sqlx::query(MARK_PROCESSED)
-            .bind(&work.ids)
-            .bind(1_i32)
-            .bind(&self.config.group)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| Failure::Outage(during(SETTLE)(e)))?;
+        if mark {
+            sqlx::query(MARK_PROCESSED)
+                .bind(&work.ids)
+                .bind(1_i32)
+                .bind(&self.config.group)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| Failure::Outage(during(SETTLE)(e)))?;
+        }
         work.settled = work.ids.len();
+        work.reached = reached;
         // Malformed rows reached (those left for later are not).
         let letters: Vec<(&Row, &Rejected)> = items[..reached]
             .iter()
@@ -761,6 +848,7 @@ impl Processor {
                 .map(|(_, r)| (r.reason, r.error.clone()))
                 .collect();
         }
+        work.left = left;
         Ok(work)
     }
 
@@ -1176,6 +1264,11 @@ struct Work {
     failed: Vec<Failed>,
     /// Rows settled: processed (or duplicates, ignored) and dead-lettered.
     settled: usize,
+    /// The rows before this index were reached (the others are claimed
+    /// again).
+    reached: usize,
+    /// The rows left for later: failed, or behind a failure of their key.
+    left: Vec<bool>,
 }
 
 impl Work {
