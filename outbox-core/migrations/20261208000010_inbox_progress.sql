@@ -38,3 +38,11 @@ CREATE TABLE IF NOT EXISTS inbox_progress (
 );
 CREATE INDEX IF NOT EXISTS ix_inbox_progress_partition
     ON inbox_progress (consumer, topic, "partition", id);
+
+-- Partition retention's check under the parent's lock (indexes only): a
+-- row stored into a partition since its first check (an event id of an old
+-- range, redelivered) keeps it. In the progress mode such a row is in no
+-- partial index of pending rows; its reception time, summarized per 128
+-- pages, tells.
+CREATE INDEX IF NOT EXISTS ix_inbox_event_received_brin
+    ON inbox_event USING brin (received_at timestamptz_minmax_multi_ops);

@@ -523,8 +523,10 @@ async fn retention_drops_old_partitions_and_keeps_those_with_rows_still_needed(p
     for (days_ago, processed) in [(40, true), (39, false)] {
         let (from, name) = at(&inbox, days_ago);
         sqlx::query(
-            "INSERT INTO inbox_event (consumer, event_id, payload, processed, processed_at)
-             VALUES ('c', $1, '{}', $2, CASE WHEN $2 THEN now() - interval '35 days' END)",
+            "INSERT INTO inbox_event (consumer, event_id, payload, processed, processed_at,
+                                      received_at)
+             VALUES ('c', $1, '{}', $2, CASE WHEN $2 THEN now() - interval '35 days' END,
+                     now() - interval '36 days')",
         )
         .bind(id_at(from + 1000))
         .bind(processed)
@@ -1127,4 +1129,76 @@ async fn a_cancelled_scheduled_event_does_not_keep_its_partition(pool: PgPool) {
         .await
         .unwrap();
     assert_eq!(reasons, ["dropped by an operator"]);
+}
+
+/// Partition retention and the inbox's progress mode, where rows are never
+/// marked processed: a partition whose row its partition's position does
+/// not pass yet is kept, as is one whose passed row was received within the
+/// window; one whose rows are passed and old goes. Once the position passes
+/// the kept row, its partition goes too.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn retention_keeps_inbox_partitions_until_the_progress_mode_passed_their_rows(pool: PgPool) {
+    partition::enable(&pool, &PartitionPlan::default())
+        .await
+        .unwrap();
+    let inbox = past_partitions(&pool, "inbox_event", 40).await;
+    let at = |days_ago: usize| inbox[inbox.len() - days_ago].clone();
+    outbox_runtime::inbox::progress::enable(&pool, "c")
+        .await
+        .unwrap();
+    let store = |days_ago: usize, received_days_ago: i32| {
+        let pool = pool.clone();
+        let id = id_at(at(days_ago).0 + 1000);
+        async move {
+            sqlx::query(
+                r#"INSERT INTO inbox_event (consumer, event_id, payload, topic, "partition",
+                       partition_key, processed, received_at)
+                   VALUES ('c', $1, '{}', 't', 0, 'k', true, now() - make_interval(days => $2))"#,
+            )
+            .bind(id)
+            .bind(received_days_ago)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    };
+    let record = || async {
+        sqlx::query(
+            r#"INSERT INTO inbox_progress (consumer, topic, "partition", done)
+               VALUES ('c', 't', 0, pg_current_snapshot())"#,
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+    };
+    // 38 and 37 days ago: rows the position passes (37's received
+    // yesterday); then 36 days ago a row stored after the position.
+    store(38, 35).await;
+    store(37, 1).await;
+    record().await;
+    store(36, 35).await;
+
+    let retention = Retention::new(Duration::from_secs(30 * 86_400));
+    cleanup::cleanup(&pool, &retention).await.unwrap();
+    let left: Vec<String> = partition::list(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
+    assert!(!left.contains(&at(38).1), "passed and old: dropped");
+    assert!(left.contains(&at(37).1), "received within the window: kept");
+    assert!(left.contains(&at(36).1), "not passed yet: kept");
+    assert_eq!(scalar(&pool, "SELECT count(*) FROM inbox_event").await, 2);
+
+    record().await;
+    cleanup::cleanup(&pool, &retention).await.unwrap();
+    let left: Vec<String> = partition::list(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
+    assert!(!left.contains(&at(36).1), "passed since: dropped");
+    assert!(left.contains(&at(37).1));
 }

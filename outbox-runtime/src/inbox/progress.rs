@@ -506,3 +506,19 @@ pub(crate) async fn cleanup(
     }
     Ok((rows, statements))
 }
+
+/// Whether the inbox row `e` is passed by its partition's newest position:
+/// stored by a transaction visible in `done`, or in the window up to
+/// `after_seq` (a row of a partition without a position is not).
+pub(crate) fn passed(e: &str) -> String {
+    format!(
+        r#"EXISTS (SELECT 1 FROM (SELECT q.done, q.upto, q.after_seq FROM inbox_progress q
+                         WHERE q.consumer = {e}.consumer AND q.topic = {e}.topic
+                           AND q."partition" = {e}."partition"
+                         ORDER BY q.id DESC LIMIT 1) n
+        WHERE {e}.txid IS NOT NULL
+          AND (pg_visible_in_snapshot({e}.txid, n.done)
+               OR (n.upto IS NOT NULL AND pg_visible_in_snapshot({e}.txid, n.upto)
+                   AND {e}.seq <= n.after_seq)))"#
+    )
+}

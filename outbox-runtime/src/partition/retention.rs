@@ -44,8 +44,11 @@ fn needed(table: &str, p: &str) -> Option<String> {
         ),
         "processed_event" => format!("EXISTS (SELECT 1 FROM {p} WHERE processed_at >= $1)"),
         "inbox_event" => format!(
-            "{} OR EXISTS (SELECT 1 FROM {p} WHERE processed_at >= $1)",
-            unfinished(table, p)?
+            "{} OR EXISTS (SELECT 1 FROM {p} WHERE processed_at >= $1)
+             OR EXISTS (SELECT 1 FROM {p} e WHERE e.processed AND e.processed_at IS NULL
+                        AND (e.received_at >= $1 OR NOT {passed}))",
+            unfinished(table, p)?,
+            passed = crate::inbox::progress::passed("e"),
         ),
         _ => return None,
     })
@@ -124,7 +127,8 @@ fn written_since(table: &str, p: &str) -> Option<String> {
         ),
         "processed_event" => format!("EXISTS (SELECT 1 FROM {p} WHERE processed_at >= $1)"),
         "inbox_event" => format!(
-            "{} OR EXISTS (SELECT 1 FROM {p} WHERE processed_at >= $1)",
+            "{} OR EXISTS (SELECT 1 FROM {p} WHERE processed_at >= $1)
+             OR EXISTS (SELECT 1 FROM {p} WHERE received_at >= $1)",
             unfinished(table, p)?
         ),
         _ => return None,
