@@ -1314,6 +1314,8 @@ mod tests {
 
     fn row(key: &str, attempts: i32, n: u8) -> Row {
         Row {
+            seq: i64::from(n),
+            bytes: 0,
             event_id: Uuid::from_bytes([n; 16]),
             topic: "t".into(),
             partition: 0,
