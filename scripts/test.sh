@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the whole test suite against real services, starting them as needed;
-# the consumer-groups scenario alone; then a subset of the reliability
+# the consumer-groups scenario alone (then again with the inbox group's
+# processor in the progress mode); then a subset of the reliability
 # scenarios again in the production
 # profile (every process as the README's role, 10-second partitions created
 # and dropped by a maintainer meanwhile: outbox-cli/tests/reliability/profile.rs);
@@ -19,6 +20,9 @@ export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
 cargo test --workspace "$@" -- --skip groups::consumer_groups_killed_and_restarted
 echo "== the consumer-groups reliability scenario, alone"
 cargo test -p outbox-cli --test reliability -- groups::consumer_groups_killed_and_restarted
+echo "== the consumer-groups scenario with the inbox group's processor in the progress mode, alone"
+OUTBOX_TEST_INBOX_MODE=progress cargo test -p outbox-cli --test reliability -- \
+    groups::consumer_groups_killed_and_restarted
 echo "== the reliability scenarios' production-profile subset"
 OUTBOX_TEST_PROFILE=production cargo test -p outbox-cli --test reliability -- \
     relay_sigkilled_repeatedly consumer_killed_between long_transaction

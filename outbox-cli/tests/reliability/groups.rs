@@ -2,7 +2,9 @@
 //! (a dedup-mode group and an inbox-mode group), SIGKILLed and restarted
 //! again and again while the writers commit, the broker frozen once. Every
 //! committed event must be applied by both groups, once, in per-key order,
-//! within a bound after the last fault (the recovery time).
+//! within a bound after the last fault (the recovery time). With
+//! `OUTBOX_TEST_INBOX_MODE=progress` the inbox-mode group's processor runs
+//! in the progress mode.
 
 use std::time::{Duration, Instant};
 
@@ -61,6 +63,14 @@ async fn consumer_groups_killed_and_restarted_keep_going(pool: PgPool) {
     let writers = Writers::start(&pool, topic, Load::default()).await;
     let url = database_url(&pool);
     let groups = [group_of(topic), format!("{}-inbox", group_of(topic))];
+    // `OUTBOX_TEST_INBOX_MODE=progress`: the inbox-mode group's processor in
+    // the progress mode (the test command runs the scenario both ways).
+    let inbox_progress = std::env::var("OUTBOX_TEST_INBOX_MODE").as_deref() == Ok("progress");
+    if inbox_progress {
+        outbox_runtime::inbox::progress::enable(&pool, &groups[1])
+            .await
+            .expect("the inbox progress mode");
+    }
     let logs = std::env::temp_dir().join(format!("outbox-groups-{}", *super::RUN));
     std::fs::create_dir_all(&logs).unwrap();
     let mut started = 0;
@@ -176,9 +186,20 @@ async fn consumer_groups_killed_and_restarted_keep_going(pool: PgPool) {
     relay.shutdown().await.unwrap();
     drop(broker);
 
-    let mut figures = checker::check("consumer groups killed and restarted", &evidence);
+    let mut figures = checker::check(
+        if inbox_progress {
+            "consumer groups killed and restarted, inbox progress mode"
+        } else {
+            "consumer groups killed and restarted"
+        },
+        &evidence,
+    );
     let figures_inbox = checker::check(
-        "consumer groups killed and restarted (inbox group)",
+        if inbox_progress {
+            "consumer groups killed and restarted (inbox group, progress mode)"
+        } else {
+            "consumer groups killed and restarted (inbox group)"
+        },
         &evidence_inbox,
     );
     figures.recovery_ms = recovered.map(|d| d.as_millis() as u64);

@@ -108,17 +108,36 @@ async fn dead_lettered(pool: &PgPool, group: &str) -> HashSet<Uuid> {
 /// each good one must be applied once, in per-key order.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn misbehaving_handlers_in_normal_traffic(pool: PgPool) {
-    misbehaving_handlers(pool, false).await;
+    misbehaving_handlers(pool, Variant::Dedup).await;
 }
 
 /// The same with the failing events' retries held in the consumer's memory
 /// (`ConsumerBuilder::memory_retries`): the same outcome.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn misbehaving_handlers_with_retries_from_memory(pool: PgPool) {
-    misbehaving_handlers(pool, true).await;
+    misbehaving_handlers(pool, Variant::Memory).await;
 }
 
-async fn misbehaving_handlers(pool: PgPool, memory: bool) {
+/// The same in inbox mode with the processor in the progress mode (no
+/// mark per event; failures and the rows behind them set aside): the same
+/// outcome.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn misbehaving_handlers_in_the_inbox_progress_mode(pool: PgPool) {
+    misbehaving_handlers(pool, Variant::InboxProgress).await;
+}
+
+/// How the misbehaving handlers' consumer runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    /// Dedup mode, failures set aside in the inbox.
+    Dedup,
+    /// Dedup mode, failures retried from memory first.
+    Memory,
+    /// Inbox mode, the processor in the progress mode.
+    InboxProgress,
+}
+
+async fn misbehaving_handlers(pool: PgPool, variant: Variant) {
     let _serial = SERIAL.lock().await;
     init_tracing();
     let brokers = brokers();
@@ -126,7 +145,15 @@ async fn misbehaving_handlers(pool: PgPool, memory: bool) {
     reset_topic(&brokers, topic).await;
     effect_table(&pool).await;
     let relay = relay(&pool, &brokers).await.spawn().unwrap();
-    let group = format!("{}{}", group_of(topic), if memory { "-memory" } else { "" });
+    let group = format!(
+        "{}{}",
+        group_of(topic),
+        match variant {
+            Variant::Dedup => "",
+            Variant::Memory => "-memory",
+            Variant::InboxProgress => "-inbox-progress",
+        }
+    );
     let builder = Consumer::builder(pool_of(&pool, 3).await)
         .group(&group)
         .brokers(&brokers)
@@ -135,10 +162,17 @@ async fn misbehaving_handlers(pool: PgPool, memory: bool) {
         .retry_backoff(Duration::from_millis(20), Duration::from_millis(50))
         .handler_timeout(Duration::from_millis(300))
         .handler(Misbehaving);
-    let builder = if memory {
-        builder.memory_retries(Duration::from_secs(1))
-    } else {
-        builder
+    let builder = match variant {
+        Variant::Dedup => builder,
+        Variant::Memory => builder.memory_retries(Duration::from_secs(1)),
+        Variant::InboxProgress => {
+            outbox_runtime::inbox::progress::enable(&pool, &group)
+                .await
+                .expect("the inbox progress mode");
+            builder
+                .mode(Mode::Inbox)
+                .processor_poll_interval(Duration::from_millis(50))
+        }
     };
     let consumer = builder.spawn().expect("consumer");
     let writers = Writers::start(&pool, topic, Load::default()).await;
@@ -177,10 +211,10 @@ async fn misbehaving_handlers(pool: PgPool, memory: bool) {
     evidence.expected_dead = bad.clone();
     evidence.dead_lettered = letters.clone();
     let mut figures = checker::check(
-        if memory {
-            "misbehaving handlers, retries from memory"
-        } else {
-            "misbehaving handlers in normal traffic"
+        match variant {
+            Variant::Dedup => "misbehaving handlers in normal traffic",
+            Variant::Memory => "misbehaving handlers, retries from memory",
+            Variant::InboxProgress => "misbehaving handlers, inbox progress mode",
         },
         &evidence,
     );
@@ -387,8 +421,9 @@ async fn inbox_consumer<H: InboxHandler>(
         .expect("inbox consumer")
 }
 
-/// Two services consume the same topic in inbox mode into one database:
-/// each must apply every event once, in per-key order.
+/// Two services consume the same topic in inbox mode into one database,
+/// the second with its processor in the progress mode: each must apply
+/// every event once, in per-key order.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn two_inbox_groups_in_one_database(pool: PgPool) {
     let _serial = SERIAL.lock().await;
@@ -404,6 +439,11 @@ async fn two_inbox_groups_in_one_database(pool: PgPool) {
     let relay = relay(&pool, &brokers).await.spawn().unwrap();
     let group = group_of(topic);
     let second = format!("{group}-second");
+    // The second group's processor in the progress mode: two services, one
+    // in each mode, in one database.
+    outbox_runtime::inbox::progress::enable(&pool, &second)
+        .await
+        .expect("the inbox progress mode");
     let a = inbox_consumer(&pool, &brokers, &group, Effect::<TwoGroupsEvent>::new()).await;
     let b = inbox_consumer(&pool, &brokers, &second, SecondGroup).await;
     let writers = Writers::start(&pool, topic, Load::default()).await;
@@ -453,7 +493,10 @@ async fn two_inbox_groups_in_one_database(pool: PgPool) {
         ..Evidence::default()
     };
     let mut figures = checker::check("two inbox-mode groups in one database", &evidence);
-    let figures_b = checker::check("two inbox-mode groups (second group)", &evidence_b);
+    let figures_b = checker::check(
+        "two inbox-mode groups (second group, progress mode)",
+        &evidence_b,
+    );
     figures.note("first group", format!("{:?}", a.counts()));
     figures.note("second group", format!("{:?}", b.counts()));
     figures.note(

@@ -10,7 +10,7 @@ use uuid::Uuid;
 use super::super::apply::Failure;
 use super::super::progress::{self, Listed, Window};
 use super::super::txn::GuardedConn;
-use super::{CLAIM, Item, LOCK_PARTITIONS, Processor, Round, Row, SETTLE, WAITING, during};
+use super::{CLAIM, Item, LOCK_PARTITIONS, Processor, Round, Row, SETTLE, during};
 use crate::refusal::Trouble;
 
 /// A window's rows (`$1` their `ctid`s, `$3` their event ids, of consumer
@@ -41,10 +41,18 @@ SELECT e.seq, e.event_id, e.topic, e."partition" AS partition,
          + octet_length(COALESCE(e.partition_key, '')))::int8 AS bytes
 FROM inbox_event e"#;
 
-/// The keys with rows waiting (set aside or failed), as [`WAITING`] finds
-/// them: `topic/key` → their first row's `seq`.
-static WAITING_KEYS: std::sync::LazyLock<String> =
-    std::sync::LazyLock::new(|| format!("{WAITING}\nSELECT w.keys::text FROM waiting w"));
+/// The keys with rows in the per-key claim's queue (set aside, failed and
+/// waiting for a retry, or due): `topic/key` → their first row's `seq`, as
+/// one `jsonb` object, over the small index of such rows. A window's row
+/// of such a key is set aside behind them. (Not [`super::WAITING`]: it
+/// leaves out a key whose first row is due and has not failed, a row set
+/// aside behind a failure since dead-lettered, which must still go first.)
+const WAITING_KEYS: &str = "
+SELECT COALESCE(jsonb_object_agg(k, s), '{}')::text FROM (
+    SELECT b.topic || '/' || b.partition_key AS k, min(b.seq) AS s FROM inbox_event b
+    WHERE b.consumer = $1 AND NOT b.processed AND b.dead_lettered_at IS NULL
+      AND b.next_attempt_at IS NOT NULL
+    GROUP BY 1) x";
 
 impl Processor {
     /// One round of the progress mode over `start` (where partitions
@@ -82,7 +90,7 @@ impl Processor {
         if locked.is_empty() {
             return Ok(Round::Settled(0));
         }
-        let waiting: String = sqlx::query_scalar(&WAITING_KEYS)
+        let waiting: String = sqlx::query_scalar(WAITING_KEYS)
             .bind(group)
             .fetch_one(&mut *tx)
             .await
@@ -129,7 +137,7 @@ impl Processor {
                 bytes += row.bytes;
                 upto = Some(row.seq);
                 let key = format!("{}/{}", row.topic, row.partition_key);
-                if waiting.get(&key).is_some_and(|first| *first < row.seq) {
+                if waiting.contains_key(&key) {
                     aside.push(row.event_id);
                 } else {
                     rows.push(row);
