@@ -500,6 +500,7 @@ fn needs(grant: &Grant) -> &'static [&'static str] {
         }
         ("SELECT", "outbox_event", _) => &["permission denied"],
         ("SELECT", "outbox_progress", _) => &["read the outbox's mode"],
+        ("SELECT", "inbox_progress_consumer", _) => &["read the processor's mode"],
         ("UPDATE", "outbox_event", Some("published_at")) => &["mark rows published"],
         ("UPDATE", "outbox_event", Some("held_until")) => &[
             "record failed deliveries",
@@ -620,8 +621,17 @@ async fn the_application_needs_each_of_its_grants_and_no_more(pool: PgPool) {
 /// dead-lettered after retries, the failing event's dead letter re-driven
 /// (and failing again): nothing refused.
 async fn consumer_paths(pool: &PgPool, roles: &Roles, logs: &Logs, mode: Mode) {
+    consumer_paths_in(pool, roles, logs, mode, false).await;
+}
+
+/// [`consumer_paths`], the processor in the progress mode if `progress`.
+async fn consumer_paths_in(pool: &PgPool, roles: &Roles, logs: &Logs, mode: Mode, progress: bool) {
     let inbound = Inbound::produce(roles, 8, 1).await;
-    let consumer = inbound.consumer(roles, mode);
+    let consumer = if progress {
+        inbound.consumer_in_progress_mode(roles).await
+    } else {
+        inbound.consumer(roles, mode)
+    };
     let settled = eventually(Duration::from_secs(60), || async {
         assert!(
             consumer_refusal(&consumer).is_none(),
@@ -694,12 +704,61 @@ async fn consumer_needs(pool: PgPool, mode: Mode, uses: impl Fn(&Grant) -> bool)
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn the_dedup_consumer_needs_each_of_its_grants_and_no_more(pool: PgPool) {
-    consumer_needs(pool, Mode::Dedup, |g| g.object != "inbox_event").await;
+    consumer_needs(pool, Mode::Dedup, |g| !g.object.starts_with("inbox_")).await;
 }
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn the_inbox_consumer_needs_each_of_its_grants_and_no_more(pool: PgPool) {
-    consumer_needs(pool, Mode::Inbox, |g| g.object == "inbox_event").await;
+    consumer_needs(pool, Mode::Inbox, |g| g.object.starts_with("inbox_")).await;
+}
+
+/// An inbox-mode consumer whose processor is in the progress mode, as its
+/// role with the block's grants and the mode's two: every path of
+/// [`consumer_paths`], nothing refused; without `INSERT` or `SELECT` on
+/// `inbox_progress` it is refused, saying what it needs, and applies
+/// nothing twice once granted again.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn the_inbox_progress_consumer_needs_its_two_grants(pool: PgPool) {
+    let logs = Logs::capture();
+    let roles = Roles::create(&pool).await;
+    roles
+        .sql("GRANT SELECT, INSERT ON inbox_progress TO outbox_consumer")
+        .await;
+    consumer_paths_in(&pool, &roles, &logs, Mode::Inbox, true).await;
+    for privilege in ["INSERT", "SELECT"] {
+        roles
+            .sql(&format!(
+                "REVOKE {privilege} ON inbox_progress FROM outbox_consumer"
+            ))
+            .await;
+        let inbound = Inbound::produce(&roles, 2, 0).await;
+        let consumer = inbound.consumer_in_progress_mode(&roles).await;
+        let refused = eventually(Duration::from_secs(30), || async {
+            refused_with(
+                consumer_refusal(&consumer).as_deref(),
+                &["SELECT, INSERT ON inbox_progress"],
+            )
+        })
+        .await;
+        assert!(refused, "{privilege}: {:?}", consumer.health());
+        assert_eq!(applied_of(&pool, &inbound.good).await, vec![0, 0]);
+        roles
+            .sql(&format!(
+                "GRANT {privilege} ON inbox_progress TO outbox_consumer"
+            ))
+            .await;
+        let settled = eventually(Duration::from_secs(30), || async {
+            applied_of(&pool, &inbound.good).await == vec![1, 1]
+        })
+        .await;
+        assert!(
+            settled,
+            "{privilege} granted again: {:?}",
+            consumer.health()
+        );
+        consumer.shutdown().await.unwrap();
+    }
+    roles.drop_all().await;
 }
 
 /// The sequences' grants, needed once the tables are partitioned (the

@@ -28,6 +28,8 @@ GRANT SELECT ON outbox_progress TO outbox_relay;
 -- a consumer: deduplication, the inbox, dead letters, follow-up events
 GRANT SELECT, INSERT ON processed_event TO outbox_consumer;
 GRANT SELECT, INSERT, UPDATE ON inbox_event, dead_letter TO outbox_consumer;
+-- an inbox-mode consumer: reads its processor's mode (see the progress mode, below)
+GRANT SELECT ON inbox_progress_consumer TO outbox_consumer;
 GRANT INSERT ON outbox_event TO outbox_consumer;
 -- a consumer: the commit guard of the transactions its handlers run in
 GRANT SELECT, INSERT, UPDATE ON outbox_tx_guard TO outbox_consumer;
@@ -256,8 +258,22 @@ impl Inbound {
     }
 
     pub fn consumer(&self, roles: &Roles, mode: Mode) -> ConsumerHandle {
+        self.consumer_of(roles, mode, &unique_topic("roles-group"))
+    }
+
+    /// An inbox-mode consumer whose processor is in the progress mode
+    /// (enabled by the owner).
+    pub async fn consumer_in_progress_mode(&self, roles: &Roles) -> ConsumerHandle {
+        let group = unique_topic("roles-group");
+        outbox_runtime::inbox::progress::enable(&roles.admin, &group)
+            .await
+            .unwrap();
+        self.consumer_of(roles, Mode::Inbox, &group)
+    }
+
+    fn consumer_of(&self, roles: &Roles, mode: Mode, group: &str) -> ConsumerHandle {
         Consumer::builder(roles.pool("outbox_consumer", 6))
-            .group(unique_topic("roles-group"))
+            .group(group)
             .brokers(brokers())
             .topic_prefix(&self.prefix)
             .mode(mode)

@@ -61,6 +61,12 @@ const CLAIM: Statement = Statement {
     needs: "SELECT, UPDATE ON inbox_event",
 };
 
+/// Reading whether the processor runs in the progress mode.
+const MODE: Statement = Statement {
+    name: "consumer (inbox): read the processor's mode",
+    needs: "SELECT ON inbox_progress_consumer",
+};
+
 /// Marking stored events processed, failed or dead-lettered.
 const SETTLE: Statement = Statement {
     name: "consumer (inbox): mark stored events processed, failed or dead-lettered",
@@ -548,10 +554,10 @@ impl Processor {
             return Ok(start.clone());
         }
         let start = if self.config.mode == super::Mode::Inbox {
-            let mut conn = self.pool.acquire().await.map_err(during(CLAIM))?;
+            let mut conn = self.pool.acquire().await.map_err(during(MODE))?;
             super::progress::start(&mut conn, &self.config.group)
                 .await
-                .map_err(|e| Trouble::from(e).during(CLAIM))?
+                .map_err(|e| Trouble::from(e).during(MODE))?
         } else {
             None
         };

@@ -120,7 +120,7 @@ impl Processor {
             let cached = cache.remove(&(topic.clone(), partition));
             let mut window = Window::load(&mut tx, group, start, (&topic, partition), cached)
                 .await
-                .map_err(|e| Trouble::from(e).during(CLAIM))?;
+                .map_err(|e| Trouble::from(e).during(POSITION))?;
             let listed = window
                 .next(&mut tx, group, limit - rows.len() - aside.len())
                 .await
@@ -312,8 +312,14 @@ impl Processor {
     }
 }
 
+/// Reading a partition's position.
+const POSITION: crate::refusal::Statement = crate::refusal::Statement {
+    name: "consumer (inbox): read the processed position",
+    needs: "SELECT, INSERT ON inbox_progress",
+};
+
 /// Recording the progress mode's positions.
 const RECORD: crate::refusal::Statement = crate::refusal::Statement {
     name: "consumer (inbox): record the processed position",
-    needs: "INSERT ON inbox_progress",
+    needs: "SELECT, INSERT ON inbox_progress",
 };
