@@ -2,7 +2,10 @@
 //! the relay's headers, read in the same run by (a) a raw rdkafka consumer
 //! (the limit), (b) the consumer in dedup mode with a trivial handler, (c)
 //! the consumer in inbox mode storing only (no processor), and (d) the inbox
-//! processor applying what (c) stored.
+//! processor applying what (c) stored; then (e) and (f), the same two for a
+//! group whose processor is in the progress mode (a position per partition
+//! and round instead of a mark per row). Printed for (d) and (f): the WAL
+//! and the row versions made dead per event processed.
 //!
 //! `cargo bench -p outbox-runtime --bench consumer -- [--events N] [--batch N] [--writers N] [-X key=value]... [--json PATH]`
 //!
@@ -219,6 +222,27 @@ fn consumer(
     )
 }
 
+/// WAL written so far, in bytes.
+async fn wal(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8")
+        .fetch_one(pool)
+        .await
+        .unwrap_or(0)
+}
+
+/// Row versions of `inbox_event` made dead so far (updated or deleted), as
+/// the statistics say once the sessions flushed them (they do at most once
+/// a second: read after a pause).
+async fn dead(pool: &PgPool) -> i64 {
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    sqlx::query_scalar(
+        "SELECT (n_tup_upd + n_tup_del)::int8 FROM pg_stat_user_tables WHERE relname = 'inbox_event'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap_or(0)
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = Args::parse();
@@ -290,12 +314,69 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .processor_batch_size(a.batch)
         .handler(Count(processed.clone()))
         .spawn()?;
+    let (wal0, dead0) = (wal(&pool).await, dead(&pool).await);
     let took = wait(&handle, start, "inbox processing", |c| c.processed >= n).await?;
     let reread = handle.counts().received;
     handle.shutdown().await?;
     let process_rate = a.events as f64 / took.as_secs_f64();
+    let (process_wal, process_dead) = (
+        (wal(&pool).await - wal0) as f64 / a.events as f64,
+        (dead(&pool).await - dead0) as f64 / a.events as f64,
+    );
     println!(
-        "(d) inbox processor, trivial handler {process_rate:>9.0} events/s   (messages read again: {reread})"
+        "(d) inbox processor, trivial handler {process_rate:>9.0} events/s   = {:.2} x ingest  \
+         (WAL {process_wal:.0} B/event, {process_dead:.2} dead row versions/event, messages read again: {reread})",
+        process_rate / ingest_rate
+    );
+
+    // (e) and (f): a group whose processor is in the progress mode.
+    let group = "bench-inbox-progress";
+    outbox_runtime::inbox::progress::enable(&pool, group).await?;
+    sqlx::query("VACUUM ANALYZE inbox_event")
+        .execute(&pool)
+        .await?;
+    let start = Instant::now();
+    let handle = consumer(&pool, &brokers, group, &a)
+        .mode(Mode::Inbox)
+        .writers(a.writers)
+        .processors(0)
+        .handler(Count(Arc::default()))
+        .spawn()?;
+    let took = wait(&handle, start, "inbox ingest (progress mode)", |c| {
+        c.stored >= n
+    })
+    .await?;
+    handle.shutdown().await?;
+    let ingest_progress_rate = a.events as f64 / took.as_secs_f64();
+    println!(
+        "(e) inbox ingest, progress mode     {ingest_progress_rate:>10.0} events/s   = {:.2} x raw",
+        ingest_progress_rate / raw_rate
+    );
+    sqlx::query("VACUUM ANALYZE inbox_event")
+        .execute(&pool)
+        .await?;
+    let processed = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let handle = consumer(&pool, &brokers, group, &a)
+        .mode(Mode::Inbox)
+        .processor_batch_size(a.batch)
+        .handler(Count(processed.clone()))
+        .spawn()?;
+    let (wal0, dead0) = (wal(&pool).await, dead(&pool).await);
+    let took = wait(&handle, start, "inbox processing (progress mode)", |c| {
+        c.processed >= n
+    })
+    .await?;
+    handle.shutdown().await?;
+    let progress_rate = a.events as f64 / took.as_secs_f64();
+    let (progress_wal, progress_dead) = (
+        (wal(&pool).await - wal0) as f64 / a.events as f64,
+        (dead(&pool).await - dead0) as f64 / a.events as f64,
+    );
+    println!(
+        "(f) inbox processor, progress mode  {progress_rate:>10.0} events/s   = {:.2} x ingest (e)  \
+         (WAL {progress_wal:.0} B/event, {progress_dead:.2} dead row versions/event)",
+        progress_rate / ingest_progress_rate
     );
 
     let json = serde_json::json!({
@@ -313,6 +394,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "inbox_ingest_over_raw": ((ingest_rate / raw_rate) * 1000.0).round() / 1000.0,
         "inbox_ingest_mean_batch": ingest_batch.round(),
         "inbox_process_events_per_s": process_rate.round(),
+        "inbox_process_over_ingest": ((process_rate / ingest_rate) * 1000.0).round() / 1000.0,
+        "inbox_process_wal_bytes_per_event": process_wal.round(),
+        "inbox_process_dead_versions_per_event": (process_dead * 100.0).round() / 100.0,
+        "progress_ingest_events_per_s": ingest_progress_rate.round(),
+        "progress_process_events_per_s": progress_rate.round(),
+        "progress_process_over_ingest": ((progress_rate / ingest_progress_rate) * 1000.0).round() / 1000.0,
+        "progress_process_wal_bytes_per_event": progress_wal.round(),
+        "progress_process_dead_versions_per_event": (progress_dead * 100.0).round() / 100.0,
     });
     println!("{json}");
     if let Some(path) = a.json {
