@@ -562,6 +562,7 @@ async fn the_inbox_progress_mode_applies_each_event_once_across_a_switch_and_a_r
     outbox_runtime::inbox::progress::enable(&pool, &group)
         .await
         .unwrap();
+    assert_eq!(pending(&pool, &group).await, 120, "the stored rows wait");
     produce(&brokers(), topic, &on(second.to_vec())).await;
     let paced = consumer(&pool, &group)
         .mode(Mode::Inbox)
@@ -613,7 +614,7 @@ async fn the_inbox_progress_mode_applies_each_event_once_across_a_switch_and_a_r
             .collect();
         assert!(seqs.is_sorted(), "{key} out of order: {seqs:?}");
     }
-    let (marked, pending): (i64, i64) = sqlx::query_as(
+    let (marked, queued): (i64, i64) = sqlx::query_as(
         "SELECT count(*) FILTER (WHERE processed_at IS NOT NULL),
                 count(*) FILTER (WHERE NOT processed)
          FROM inbox_event WHERE consumer = $1",
@@ -623,7 +624,50 @@ async fn the_inbox_progress_mode_applies_each_event_once_across_a_switch_and_a_r
     .await
     .unwrap();
     assert_eq!(marked, 0, "no row marked processed");
-    assert_eq!(pending, 0, "no row in the default mode's queue");
+    assert_eq!(queued, 0, "no row in the default mode's queue");
+    assert_eq!(pending(&pool, &group).await, 0, "none waits");
+
+    // The cleanup deletes the old rows the positions passed, and not a row
+    // stored since.
+    let mut conn = pool.acquire().await.unwrap();
+    let since = store_row(&mut conn, &group, topic, "k0", 10_000).await;
+    sqlx::query(
+        "UPDATE inbox_event SET received_at = now() - interval '30 days' WHERE consumer = $1",
+    )
+    .bind(&group)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let report = outbox_runtime::cleanup::cleanup(
+        &pool,
+        &outbox_runtime::cleanup::Retention::new(Duration::from_secs(8 * 86_400)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.inbox_events, 240, "{report:?}");
+    let left: Vec<Uuid> =
+        sqlx::query_scalar("SELECT event_id FROM inbox_event WHERE consumer = $1")
+            .bind(&group)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(left, vec![since]);
+    assert_eq!(
+        pending(&pool, &group).await,
+        1,
+        "the row stored since waits"
+    );
+}
+
+/// The group's pending inbox rows, as `outbox status` and the console
+/// count them.
+async fn pending(pool: &PgPool, group: &str) -> i64 {
+    outbox_runtime::inbox::groups::groups(pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|g| g.group == group)
+        .map_or(0, |g| g.inbox_pending)
 }
 
 test_event!(LateEvent, "consumer-test-inbox-progress-late");

@@ -414,8 +414,8 @@ pub async fn pending(pool: &sqlx::PgPool) -> Result<Vec<(String, i64, Option<f64
 }
 
 /// Up to `$6` rows of a partition (`$1`, `$2`, `$3`) its position passed
-/// (stored by a transaction before `done`'s `xmin`, `$4`), without a state
-/// of their own and received before `$5`, deleted.
+/// (stored by a transaction visible in `done`, `$4`), without a state of
+/// their own and received before `$5`, deleted.
 static CLEANUP: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         r#"
@@ -423,9 +423,11 @@ DELETE FROM inbox_event d
 WHERE d.consumer = $1 AND d.event_id = ANY(ARRAY(
     SELECT e.event_id FROM inbox_event e
     WHERE e.consumer = $1 AND e.topic = $2 AND e."partition" = $3
-      AND e.txid < pg_snapshot_xmin($4::pg_snapshot) AND e.received_at < $5 AND {NO_STATE}
+      AND e.txid < pg_snapshot_xmax($4::pg_snapshot)
+      AND pg_visible_in_snapshot(e.txid, $4::pg_snapshot)
+      AND e.received_at < $5 AND {NO_STATE}
     LIMIT $6 FOR UPDATE SKIP LOCKED))
-  AND d.txid < pg_snapshot_xmin($4::pg_snapshot) AND d.received_at < $5
+  AND pg_visible_in_snapshot(d.txid, $4::pg_snapshot) AND d.received_at < $5
   AND num_nonnulls(d.processed_at, d.next_attempt_at, d.dead_lettered_at) = 0"#
     )
 });
