@@ -10,12 +10,15 @@
 //! the back-off floor: the busiest failing key's failing events times the
 //! back-offs each waits before its dead letter (no run can finish sooner).
 //!
+//! `--mode inbox` runs the consumer in inbox mode, `--mode inbox-progress`
+//! in inbox mode with the processor in the progress mode.
+//!
 //! With `--memory-retries-ms 0,1000` every stage runs twice: failing
 //! events set aside in `inbox_event` (0, the default), then retried from
 //! the consumer's memory within a 1,000 ms window
 //! (`ConsumerBuilder::memory_retries`).
 //!
-//! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--stages 0,0.1,1,5] [--max-attempts N] [--backoff-ms N] [--spread hot|all] [--memory-retries-ms 0,1000] [--json PATH]`
+//! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--stages 0,0.1,1,5] [--max-attempts N] [--backoff-ms N] [--spread hot|all] [--memory-retries-ms 0,1000] [--mode dedup|inbox|inbox-progress] [--json PATH]`
 //!
 //! Needs PostgreSQL (DATABASE_URL names the server; the benchmark creates
 //! its own database `outbox_bench_failing_keys`) and a broker (KAFKA_BROKERS).
@@ -67,6 +70,10 @@ struct Args {
     /// off, failing events set aside in `inbox_event`).
     #[arg(long, value_delimiter = ',', default_values_t = [0])]
     memory_retries_ms: Vec<u64>,
+    /// The consumer's mode: `dedup` (the default), `inbox`, or
+    /// `inbox-progress` (inbox mode, the processor in the progress mode).
+    #[arg(long, value_enum, default_value_t = RunMode::Dedup)]
+    mode: RunMode,
     /// Rows an inbox processor claims per round (the consumer's default
     /// if not given).
     #[arg(long)]
@@ -77,6 +84,19 @@ struct Args {
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
+}
+
+/// How the consumer runs (see `Args::mode`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+enum RunMode {
+    /// Dedup mode: failing events set aside in the inbox (or retried from
+    /// memory).
+    Dedup,
+    /// Inbox mode, the processor marking each row.
+    Inbox,
+    /// Inbox mode, the processor in the progress mode.
+    InboxProgress,
 }
 
 /// Which events a stage fails (see `Args::spread`).
@@ -197,8 +217,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pool = db.pool.clone();
     println!(
         "failing-keys benchmark: {} events on {PARTITIONS} partitions, {KEYS} keys (one in ten hot), \
-         dedup mode, max_attempts {}, back-off {} ms, {} inbox processor(s), failing events among {}",
+         mode {:?}, max_attempts {}, back-off {} ms, {} inbox processor(s), failing events among {}",
         a.events,
+        a.mode,
         a.max_attempts,
         a.backoff_ms,
         a.processors,
@@ -254,8 +275,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         if memory_ms > 0 {
             builder = builder.memory_retries(Duration::from_millis(memory_ms));
         }
+        let group = format!("bench-failing-{per_million}-{memory_ms}-{:?}", a.mode);
+        match a.mode {
+            RunMode::Dedup => {}
+            RunMode::Inbox => builder = builder.mode(outbox_runtime::Mode::Inbox),
+            RunMode::InboxProgress => {
+                outbox_runtime::inbox::progress::enable(&pool, &group).await?;
+                builder = builder.mode(outbox_runtime::Mode::Inbox);
+            }
+        }
         let handle = builder
-            .group(format!("bench-failing-{per_million}-{memory_ms}"))
+            .group(&group)
             .brokers(&brokers)
             .max_attempts(a.max_attempts)
             .retry_backoff(backoff, backoff * 10)
@@ -303,6 +333,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
         stages.push(serde_json::json!({
             "memory_retries_ms": memory_ms,
+            "mode": a.mode,
             "failing_percent": per_million as f64 / 10_000.0,
             "failing_events": failing.len(),
             "events_per_s": rate.round(),
