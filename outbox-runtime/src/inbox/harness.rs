@@ -224,6 +224,7 @@ impl Driver {
                     shared: &self.shared,
                     wake: &wake,
                     db: self.health(),
+                    progress: super::progress_mode(&self.pool, &self.config.group).await,
                 };
                 store.process(batch, &shutdown).await;
                 self.process_inbox().await

@@ -325,13 +325,14 @@ impl Window {
             self.after_seq = seq;
             self.moved = true;
         }
-        if self.listed.is_empty() && self.complete {
-            if let Some(upto) = self.upto.take() {
-                self.done = upto;
-                self.after_seq = 0;
-                self.complete = false;
-                self.moved = true;
-            }
+        if self.listed.is_empty()
+            && self.complete
+            && let Some(upto) = self.upto.take()
+        {
+            self.done = upto;
+            self.after_seq = 0;
+            self.complete = false;
+            self.moved = true;
         }
     }
 

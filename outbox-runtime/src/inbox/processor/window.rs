@@ -228,28 +228,26 @@ impl Processor {
         }
         let moved: Vec<usize> = (0..windows.len()).filter(|&i| windows[i].moved).collect();
         if !moved.is_empty() {
-            let mut cols: (
-                Vec<&str>,
-                Vec<i32>,
-                Vec<String>,
-                Vec<Option<String>>,
-                Vec<Option<i64>>,
-            ) = Default::default();
+            let mut topics: Vec<&str> = Vec::new();
+            let mut partitions: Vec<i32> = Vec::new();
+            let mut dones: Vec<String> = Vec::new();
+            let mut uptos: Vec<Option<String>> = Vec::new();
+            let mut afters: Vec<Option<i64>> = Vec::new();
             for &i in &moved {
                 let (done, upto, after) = windows[i].position();
-                cols.0.push(&windows[i].topic);
-                cols.1.push(windows[i].partition);
-                cols.2.push(done);
-                cols.3.push(upto);
-                cols.4.push(after);
+                topics.push(&windows[i].topic);
+                partitions.push(windows[i].partition);
+                dones.push(done);
+                uptos.push(upto);
+                afters.push(after);
             }
             let ids: Vec<i64> = sqlx::query_scalar(progress::RECORD)
                 .bind(group)
-                .bind(&cols.0)
-                .bind(&cols.1)
-                .bind(&cols.2)
-                .bind(&cols.3)
-                .bind(&cols.4)
+                .bind(&topics)
+                .bind(&partitions)
+                .bind(&dones)
+                .bind(&uptos)
+                .bind(&afters)
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(during(RECORD))?;
