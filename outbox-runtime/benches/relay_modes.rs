@@ -1,12 +1,24 @@
 //! The relay in both modes, with the broker: the default mode (a mark per
 //! event) against the progress mode (positions per batch and lane; see the
-//! guide's "The progress mode"). Each mode drains the same backlog through
-//! a real `Relay` (16 lanes, the default batch) to the broker, from a
-//! table emptied and vacuumed first; then rounds of inserts and drains
-//! while a transaction holds the xmin horizon (each round's rate counts
-//! from the relay's start: a relay is started per drain). Printed per
-//! mode: events per second, WAL and dead row versions per event, the
-//! rounds' rates. `BENCH_MODE=marks|progress` runs one mode;
+//! guide's "The progress mode"). Each mode, in one run:
+//!
+//! - drains a backlog through a real `Relay` (16 lanes, the default batch)
+//!   to the broker, from a table emptied and vacuumed first: its rate, the
+//!   WAL and the dead row versions per event, and the CPU time of the
+//!   PostgreSQL backends serving the relay (its connections carry the
+//!   `application_name` `bench-relay`; read from `/proc`) per event;
+//! - writers (sessions committing one event per Unit of Work) alone for a
+//!   while, then while a relay drains a backlog at full speed: their
+//!   commits per second in both, and the ratio;
+//! - rounds of inserts and drains while a transaction holds the xmin
+//!   horizon, then as many without (each round's rate counts from the
+//!   relay's start: a relay is started per drain);
+//! - commit → consumed at a steady rate with a relay running: the writer
+//!   notes the time its commit returned, a plain consumer (partitions
+//!   assigned from the start, no group) the time it receives the message:
+//!   an upper bound of commit → published, the same in both modes.
+//!
+//! `BENCH_MODE=marks|progress` runs one mode;
 //! `RUST_LOG=outbox_runtime::relay::cycle=trace` prints each relay step's
 //! claim and delivery times.
 //!
@@ -16,13 +28,21 @@
 
 mod common;
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use outbox_core::{OutboxMessage, UnitOfWork};
 use outbox_runtime::Relay;
 use outbox_runtime::relay::progress;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
 use serde::Serialize;
+use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, PgConnection, PgPool};
+use uuid::Uuid;
 
 /// The benchmark's options (`cargo bench … -- --help`).
 #[derive(Parser)]
@@ -31,12 +51,27 @@ struct Args {
     #[arg(long, default_value_t = 200_000)]
     events: u64,
     /// Rounds (insert, then drain) with a transaction holding the xmin
-    /// horizon.
+    /// horizon, and as many without.
     #[arg(long, default_value_t = 5)]
     rounds: usize,
     /// Events per round.
     #[arg(long, default_value_t = 100_000)]
     round_events: u64,
+    /// Writer sessions (one event per transaction) of the writers' stage.
+    #[arg(long, default_value_t = 8)]
+    writers: usize,
+    /// Seconds the writers run alone.
+    #[arg(long, default_value_t = 5)]
+    writers_secs: u64,
+    /// The backlog a relay drains beside the writers.
+    #[arg(long, default_value_t = 200_000)]
+    writers_backlog: u64,
+    /// Events per second of the latency stage.
+    #[arg(long, default_value_t = 1000)]
+    rate: u64,
+    /// Seconds of the latency stage.
+    #[arg(long, default_value_t = 10)]
+    latency_secs: u64,
     /// Also write the results to this JSON file.
     #[arg(long)]
     json: Option<String>,
@@ -60,15 +95,70 @@ struct Stage {
     events_per_s: f64,
     insert_wal_bytes_per_event: f64,
     publish_wal_bytes_per_event: f64,
+    publish_wal_over_insert_wal: f64,
     dead_tuples_per_event: f64,
+    /// CPU time (user + system) of the backends serving the relay during
+    /// the backlog's drain, per event.
+    relay_backend_cpu_us_per_event: f64,
+    /// How many backends served the relay during that drain.
+    relay_backends: usize,
+    writers: usize,
+    writers_alone_commits_per_s: f64,
+    writers_during_drain_commits_per_s: f64,
+    writers_ratio: f64,
+    /// The relay's rate while the writers run beside it.
+    drain_beside_writers_events_per_s: f64,
     rounds_held_xmin_events_per_s: Vec<f64>,
+    rounds_free_events_per_s: Vec<f64>,
+    /// Mean of the rounds with the xmin held / mean of those without.
+    rounds_held_over_free: f64,
+    /// The last round with the xmin held / the last without.
+    last_round_held_over_free: f64,
+    /// The last round with the xmin held / the first.
+    rounds_held_last_over_first: f64,
+    latency_rate_per_s: f64,
+    latency_samples: usize,
+    commit_consumed_p50_ms: f64,
+    commit_consumed_p99_ms: f64,
 }
+
+/// `application_name` of the relay's connections.
+const RELAY_APP: &str = "bench-relay";
+/// `application_name` of the writers' connections.
+const WRITERS_APP: &str = "bench-writers";
+/// Partitions of the benchmark's topics.
+const PARTITIONS: i32 = 16;
 
 const INSERT: &str = "
 INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, topic, partition_key)
 SELECT {uuid}, 'order', 'o' || g, 'placed',
        jsonb_build_object('n', g, 'note', repeat('x', 200)), $2, 'k' || (g % 500)
 FROM generate_series(1, $1) AS g";
+
+/// The benchmark's pools: its own queries, the writers'. Each relay has a
+/// pool of its own (see [`relay_pool`]).
+struct Pools {
+    bench: PgPool,
+    writers: PgPool,
+}
+
+/// A pool for one relay, its connections named [`RELAY_APP`].
+async fn relay_pool(p: &Pools) -> PgPool {
+    pool_named(&p.bench, RELAY_APP, 8).await
+}
+
+/// Closes a relay's pool and waits until its backends have exited: a
+/// backend reports its table counts (the dead row versions) when it exits,
+/// or at most once a second while it works and ten seconds after it goes
+/// idle.
+async fn close_relay_pool(p: &Pools, pool: PgPool) {
+    pool.close().await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !relay_backends(&p.bench).await.is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+}
 
 async fn lsn(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8")
@@ -91,6 +181,71 @@ async fn versions(pool: &PgPool) -> i64 {
     .unwrap()
 }
 
+/// User and system CPU time of process `pid`, in seconds; `None` once it
+/// has exited.
+fn cpu_secs(pid: i32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command's closing parenthesis; utime and stime are
+    // the 14th and 15th of the line.
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok());
+    Some((ticks(11)? + ticks(12)?) / 100.0)
+}
+
+/// The pids of the backends serving the relay.
+async fn relay_backends(pool: &PgPool) -> Vec<i32> {
+    sqlx::query_scalar(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND datname = current_database()",
+    )
+    .bind(RELAY_APP)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// CPU time of the relay's backends over a stretch of time: each backend
+/// alive at the start from its time then, each one that appears later from
+/// its start; a backend that exits counts until its last sample.
+struct CpuMeter {
+    base: HashMap<i32, f64>,
+    last: HashMap<i32, f64>,
+}
+
+impl CpuMeter {
+    async fn start(pool: &PgPool) -> Self {
+        let base: HashMap<i32, f64> = relay_backends(pool)
+            .await
+            .into_iter()
+            .filter_map(|pid| cpu_secs(pid).map(|c| (pid, c)))
+            .collect();
+        Self {
+            last: base.clone(),
+            base,
+        }
+    }
+
+    async fn sample(&mut self, pool: &PgPool) {
+        let mut pids = relay_backends(pool).await;
+        pids.extend(self.last.keys().copied());
+        for pid in pids {
+            if let Some(c) = cpu_secs(pid) {
+                self.last.insert(pid, c);
+            }
+        }
+    }
+
+    /// Seconds of CPU so far, and the backends counted.
+    fn total(&self) -> (f64, usize) {
+        let secs = self
+            .last
+            .iter()
+            .map(|(pid, c)| c - self.base.get(pid).unwrap_or(&0.0))
+            .sum();
+        (secs, self.last.len())
+    }
+}
+
 /// Inserts `n` events of `topic`, 1,000 per transaction.
 async fn insert(pool: &PgPool, topic: &str, n: u64) {
     let sql = INSERT.replace("{uuid}", common::UUID_V7_SQL);
@@ -107,25 +262,49 @@ async fn insert(pool: &PgPool, topic: &str, n: u64) {
     }
 }
 
-/// Runs a relay until it has published `n` events; the seconds it took.
-async fn drain(pool: &PgPool, n: u64) -> f64 {
-    let t = Instant::now();
+struct Drain {
+    secs: f64,
+    /// CPU seconds of the relay's backends, and how many there were.
+    cpu: (f64, usize),
+    /// What `commits` counted from the relay's start until the `n`th event
+    /// was published.
+    commits: u64,
+}
+
+/// Runs a relay until it has published `n` events, sampling its backends'
+/// CPU time every 100 ms.
+async fn drain(p: &Pools, n: u64, commits: Option<&AtomicU64>) -> Drain {
+    let count = || commits.map_or(0, |c| c.load(Ordering::Relaxed));
+    let mut meter = CpuMeter::start(&p.bench).await;
+    let (t, c0) = (Instant::now(), count());
+    let pool = relay_pool(p).await;
     let relay = Relay::builder(pool.clone())
         .brokers(common::brokers())
         .spawn()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(600);
+    let mut next_sample = Instant::now();
     while relay.counts().published < n {
         assert!(
             Instant::now() < deadline,
             "the relay stalled: {:?}",
             relay.counts()
         );
+        if Instant::now() >= next_sample {
+            meter.sample(&p.bench).await;
+            next_sample = Instant::now() + Duration::from_millis(100);
+        }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let secs = t.elapsed().as_secs_f64();
+    let (secs, commits) = (t.elapsed().as_secs_f64(), count() - c0);
+    meter.sample(&p.bench).await;
     relay.shutdown().await.unwrap();
-    secs
+    close_relay_pool(p, pool).await;
+    Drain {
+        secs,
+        cpu: meter.total(),
+        commits,
+    }
 }
 
 async fn reset(pool: &PgPool, mode: Mode) {
@@ -140,17 +319,261 @@ async fn reset(pool: &PgPool, mode: Mode) {
     }
 }
 
-async fn stage(pool: &PgPool, mode: Mode, a: &Args) -> Stage {
-    let topic = format!("bench-relay-modes-{}", uuid::Uuid::new_v4().simple());
+/// An event of `topic` as an application records it (~250 B of payload).
+fn message(topic: &str, i: u64) -> OutboxMessage {
+    let key = format!("k{}", i % 500);
+    OutboxMessage {
+        event_id: Uuid::now_v7(),
+        aggregate_type: "order".into(),
+        aggregate_id: key.clone(),
+        event_type: "placed".into(),
+        event_version: 1,
+        topic: topic.to_owned(),
+        partition_key: key,
+        payload: serde_json::json!({ "n": i, "note": "x".repeat(200) }).to_string(),
+        headers: Default::default(),
+    }
+}
+
+/// Writers: `n` sessions committing one event per Unit of Work until
+/// `stop`, counting their commits in `commits`.
+fn writers(
+    pool: &PgPool,
+    topic: &str,
+    n: usize,
+    stop: Arc<AtomicBool>,
+    commits: Arc<AtomicU64>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..n)
+        .map(|w| {
+            let (pool, topic, stop, commits) = (
+                pool.clone(),
+                topic.to_owned(),
+                stop.clone(),
+                commits.clone(),
+            );
+            tokio::spawn(async move {
+                let mut i = w as u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+                    uow.record_message(message(&topic, i));
+                    uow.commit().await.unwrap();
+                    commits.fetch_add(1, Ordering::Relaxed);
+                    i += n as u64;
+                }
+            })
+        })
+        .collect()
+}
+
+async fn stop_writers(stop: &AtomicBool, handles: Vec<tokio::task::JoinHandle<()>>) {
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        h.await.unwrap();
+    }
+}
+
+/// Writers alone, then beside a relay draining a backlog: commits/s alone,
+/// during the drain, and the relay's rate.
+async fn writers_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, f64, f64) {
+    let warm = Duration::from_millis(500);
+    reset(&p.bench, mode).await;
+    sqlx::query("CHECKPOINT").execute(&p.bench).await.unwrap();
+    let (stop, commits) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let handles = writers(&p.writers, topic, a.writers, stop.clone(), commits.clone());
+    tokio::time::sleep(warm).await;
+    let (c0, t0) = (commits.load(Ordering::Relaxed), Instant::now());
+    tokio::time::sleep(Duration::from_secs(a.writers_secs)).await;
+    let alone = (commits.load(Ordering::Relaxed) - c0) as f64 / t0.elapsed().as_secs_f64();
+    stop_writers(&stop, handles).await;
+
+    reset(&p.bench, mode).await;
+    insert(&p.bench, topic, a.writers_backlog).await;
+    sqlx::query("CHECKPOINT").execute(&p.bench).await.unwrap();
+    let (stop, commits) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let handles = writers(&p.writers, topic, a.writers, stop.clone(), commits.clone());
+    tokio::time::sleep(warm).await;
+    let d = drain(p, a.writers_backlog, Some(&commits)).await;
+    stop_writers(&stop, handles).await;
+    (
+        alone,
+        d.commits as f64 / d.secs,
+        a.writers_backlog as f64 / d.secs,
+    )
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+/// Commit → consumed at `a.rate` events/s for `a.latency_secs`, a relay
+/// running: the offered rate achieved, the latencies in ms (sorted).
+async fn latency_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, Vec<f64>) {
+    reset(&p.bench, mode).await;
+    // Flush the WAL of the stages before: not in a checkpoint in the middle
+    // of this one.
+    sqlx::query("CHECKPOINT").execute(&p.bench).await.unwrap();
+    let pool = relay_pool(p).await;
+    let relay = Relay::builder(pool.clone())
+        .brokers(common::brokers())
+        .spawn()
+        .unwrap();
+    let committed: Arc<Mutex<HashMap<Uuid, Instant>>> = Arc::default();
+    let expected = a.rate * a.latency_secs;
+    let consumer = {
+        let (committed, brokers, topic, secs) = (
+            committed.clone(),
+            common::brokers(),
+            topic.to_owned(),
+            a.latency_secs,
+        );
+        tokio::task::spawn_blocking(move || {
+            // Partitions assigned from their start: no group membership,
+            // no rebalance (the group id is never joined).
+            let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", &brokers)
+                .set("group.id", format!("bench-{}", Uuid::new_v4().simple()))
+                .set("enable.auto.commit", "false")
+                .set("fetch.wait.max.ms", "5")
+                .set("fetch.min.bytes", "1")
+                .create()
+                .expect("consumer");
+            let mut tpl = rdkafka::TopicPartitionList::new();
+            for p in 0..PARTITIONS {
+                tpl.add_partition_offset(&topic, p, rdkafka::Offset::Beginning)
+                    .expect("partition");
+            }
+            consumer.assign(&tpl).expect("assign");
+            let deadline = Instant::now() + Duration::from_secs(secs + 30);
+            let (mut seen, mut latencies) = (0, Vec::with_capacity(expected as usize));
+            while seen < expected && Instant::now() < deadline {
+                let Some(Ok(m)) = consumer.poll(Duration::from_millis(50)) else {
+                    continue;
+                };
+                let now = Instant::now();
+                let id = m.headers().and_then(|h| {
+                    h.iter()
+                        .find(|x| x.key == "event_id")
+                        .and_then(|x| x.value)
+                        .and_then(|v| std::str::from_utf8(v).ok()?.parse::<Uuid>().ok())
+                });
+                let Some(id) = id else { continue };
+                // The writer notes its commit's time a moment after the
+                // commit returns: the message may be here first.
+                for _ in 0..100 {
+                    if let Some(t) = committed.lock().unwrap().get(&id) {
+                        latencies.push(now.saturating_duration_since(*t).as_secs_f64() * 1000.0);
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                seen += 1;
+            }
+            latencies
+        })
+    };
+    // The relay's lanes and the consumer's assignment settle first.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / a.rate as f64));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    // Open loop: each commit is its own task, so a slow commit does not
+    // lower the offered rate (at most 64 in flight).
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(64));
+    let mut tasks = tokio::task::JoinSet::new();
+    let start = Instant::now();
+    for i in 0..expected {
+        ticker.tick().await;
+        let permit = in_flight.clone().acquire_owned().await.unwrap();
+        let (pool, topic, committed) = (p.writers.clone(), topic.to_owned(), committed.clone());
+        tasks.spawn(async move {
+            let _permit = permit;
+            let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+            let id = uow.record_message(message(&topic, i));
+            uow.commit().await.unwrap();
+            committed.lock().unwrap().insert(id, Instant::now());
+        });
+        while let Some(done) = tasks.try_join_next() {
+            done.unwrap();
+        }
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap();
+    }
+    let achieved = expected as f64 / start.elapsed().as_secs_f64();
+    let mut latencies = consumer.await.unwrap();
+    relay.shutdown().await.unwrap();
+    close_relay_pool(p, pool).await;
+    latencies.sort_by(f64::total_cmp);
+    (achieved, latencies)
+}
+
+/// `a.rounds` rounds (insert `a.round_events`, then drain them with a new
+/// relay), from an emptied table; their rates.
+async fn rounds(p: &Pools, mode: Mode, topic: &str, a: &Args, hold_xmin: bool) -> Vec<f64> {
+    reset(&p.bench, mode).await;
+    let mut holder = if hold_xmin {
+        let mut c = PgConnection::connect_with(&p.bench.connect_options())
+            .await
+            .unwrap();
+        sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut c)
+            .await
+            .unwrap();
+        sqlx::query("SELECT count(*) FROM outbox_event")
+            .execute(&mut c)
+            .await
+            .unwrap();
+        Some(c)
+    } else {
+        None
+    };
+    let mut rates = Vec::new();
+    for _ in 0..a.rounds {
+        insert(&p.bench, topic, a.round_events).await;
+        let d = drain(p, a.round_events, None).await;
+        rates.push((a.round_events as f64 / d.secs).round());
+    }
+    if let Some(c) = holder.as_mut() {
+        sqlx::query("ROLLBACK").execute(&mut *c).await.unwrap();
+    }
+    rates
+}
+
+fn mean(xs: &[f64]) -> f64 {
+    xs.iter().sum::<f64>() / xs.len().max(1) as f64
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+async fn stage(p: &Pools, mode: Mode, a: &Args) -> Stage {
+    let run = Uuid::new_v4().simple();
+    let topic = format!("bench-relay-modes-{run}");
+    let latency_topic = format!("bench-relay-modes-latency-{run}");
     outbox_runtime::kafka::create_topics(
         &common::brokers(),
         &[],
-        std::slice::from_ref(&topic),
-        16,
+        &[topic.clone(), latency_topic.clone()],
+        PARTITIONS,
         1,
     )
     .await
     .unwrap();
+
+    // The backlog: what inserting it writes, then what publishing it
+    // writes, leaves dead and costs the relay's backends.
+    let pool = &p.bench;
     reset(pool, mode).await;
     sqlx::query("CHECKPOINT").execute(pool).await.unwrap();
     let w0 = lsn(pool).await;
@@ -158,39 +581,53 @@ async fn stage(pool: &PgPool, mode: Mode, a: &Args) -> Stage {
     let insert_wal = (lsn(pool).await - w0) as f64 / a.events as f64;
     sqlx::query("CHECKPOINT").execute(pool).await.unwrap();
     let (w1, v1) = (lsn(pool).await, versions(pool).await);
-    let secs = drain(pool, a.events).await;
+    let d = drain(p, a.events, None).await;
     let publish_wal = (lsn(pool).await - w1) as f64 / a.events as f64;
     let dead = (versions(pool).await - v1) as f64 / a.events as f64;
 
-    reset(pool, mode).await;
-    let mut holder = PgConnection::connect_with(&pool.connect_options())
-        .await
-        .unwrap();
-    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        .execute(&mut holder)
-        .await
-        .unwrap();
-    sqlx::query("SELECT count(*) FROM outbox_event")
-        .execute(&mut holder)
-        .await
-        .unwrap();
-    let mut rounds = Vec::new();
-    for _ in 0..a.rounds {
-        insert(pool, &topic, a.round_events).await;
-        let s = drain(pool, a.round_events).await;
-        rounds.push((a.round_events as f64 / s).round());
-    }
-    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+    let (alone, during, beside) = writers_stage(p, mode, &topic, a).await;
+    let held = rounds(p, mode, &topic, a, true).await;
+    let free = rounds(p, mode, &topic, a, false).await;
+    let (achieved, latencies) = latency_stage(p, mode, &latency_topic, a).await;
+    let last = |xs: &[f64]| xs.last().copied().unwrap_or(f64::NAN);
     Stage {
         mode,
         events: a.events,
-        secs,
-        events_per_s: (a.events as f64 / secs).round(),
+        secs: d.secs,
+        events_per_s: (a.events as f64 / d.secs).round(),
         insert_wal_bytes_per_event: insert_wal.round(),
         publish_wal_bytes_per_event: publish_wal.round(),
+        publish_wal_over_insert_wal: (publish_wal / insert_wal * 1000.0).round() / 1000.0,
         dead_tuples_per_event: dead,
-        rounds_held_xmin_events_per_s: rounds,
+        relay_backend_cpu_us_per_event: (d.cpu.0 * 1e6 / a.events as f64 * 10.0).round() / 10.0,
+        relay_backends: d.cpu.1,
+        writers: a.writers,
+        writers_alone_commits_per_s: alone.round(),
+        writers_during_drain_commits_per_s: during.round(),
+        writers_ratio: round2(during / alone),
+        drain_beside_writers_events_per_s: beside.round(),
+        rounds_held_over_free: round2(mean(&held) / mean(&free)),
+        last_round_held_over_free: round2(last(&held) / last(&free)),
+        rounds_held_last_over_first: round2(
+            last(&held) / held.first().copied().unwrap_or(f64::NAN),
+        ),
+        rounds_held_xmin_events_per_s: held,
+        rounds_free_events_per_s: free,
+        latency_rate_per_s: achieved.round(),
+        latency_samples: latencies.len(),
+        commit_consumed_p50_ms: (percentile(&latencies, 0.5) * 10.0).round() / 10.0,
+        commit_consumed_p99_ms: (percentile(&latencies, 0.99) * 10.0).round() / 10.0,
     }
+}
+
+/// A pool on the benchmark's database whose connections carry
+/// `application_name` `name`.
+async fn pool_named(pool: &PgPool, name: &str, size: u32) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(size)
+        .connect_with((*pool.connect_options()).clone().application_name(name))
+        .await
+        .unwrap()
 }
 
 #[tokio::main]
@@ -215,9 +652,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             sqlx::query(sql).execute(&pool).await?;
         }
     }
+    let pools = Pools {
+        writers: pool_named(&pool, WRITERS_APP, a.writers.max(8) as u32).await,
+        bench: pool.clone(),
+    };
     println!(
-        "relay modes, with the broker: {} events backlog; {} rounds of {} with a held xmin",
-        a.events, a.rounds, a.round_events
+        "relay modes, with the broker: {} events backlog; {} writers beside a drain of {}; \
+         {} rounds of {} with a held xmin and without; commit → consumed at {} ev/s for {} s",
+        a.events, a.writers, a.writers_backlog, a.rounds, a.round_events, a.rate, a.latency_secs
     );
     let mut stages = Vec::new();
     let modes = match std::env::var("BENCH_MODE").as_deref() {
@@ -226,32 +668,72 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         _ => vec![Mode::Marks, Mode::Progress],
     };
     for mode in modes {
-        let s = stage(&pool, mode, &a).await;
+        let s = stage(&pools, mode, &a).await;
         println!(
-            "{:>8}: {:>6.0} ev/s ({:.1} s); WAL {:>4.0} B/event to publish ({:.2}x the insert's {:.0}); \
-             {:.2} dead row versions/event; rounds with a held xmin {:?} ev/s",
+            "{:>8}: {:>6.0} ev/s ({:.1} s); WAL {:>4.0} B/event to publish ({:.3}x the insert's {:.0}); \
+             {:.2} dead row versions/event; {:.1} us of the relay's backends' CPU/event ({} backends)\n\
+             {:>8}  writers {:.2}x alone ({:.0} commits/s during a drain at {:.0} ev/s, {:.0} alone)\n\
+             {:>8}  rounds with a held xmin {:?} ev/s, without {:?} (held/without: {:.2}x mean, {:.2}x last round)\n\
+             {:>8}  commit → consumed at {:.0} ev/s ({} samples): p50 {:.1} ms, p99 {:.1} ms",
             format!("{mode:?}").to_lowercase(),
             s.events_per_s,
             s.secs,
             s.publish_wal_bytes_per_event,
-            s.publish_wal_bytes_per_event / s.insert_wal_bytes_per_event,
+            s.publish_wal_over_insert_wal,
             s.insert_wal_bytes_per_event,
             s.dead_tuples_per_event,
+            s.relay_backend_cpu_us_per_event,
+            s.relay_backends,
+            "",
+            s.writers_ratio,
+            s.writers_during_drain_commits_per_s,
+            s.drain_beside_writers_events_per_s,
+            s.writers_alone_commits_per_s,
+            "",
             s.rounds_held_xmin_events_per_s,
+            s.rounds_free_events_per_s,
+            s.rounds_held_over_free,
+            s.last_round_held_over_free,
+            "",
+            s.latency_rate_per_s,
+            s.latency_samples,
+            s.commit_consumed_p50_ms,
+            s.commit_consumed_p99_ms,
         );
         stages.push(s);
     }
+    if let [m, p] = &stages[..] {
+        println!(
+            "progress / marks: drain {:.2}x; commit → consumed p50 {:.1} vs {:.1} ms, p99 {:.1} vs {:.1} ms",
+            p.events_per_s / m.events_per_s,
+            p.commit_consumed_p50_ms,
+            m.commit_consumed_p50_ms,
+            p.commit_consumed_p99_ms,
+            m.commit_consumed_p99_ms,
+        );
+    }
+    let ratio = match &stages[..] {
+        [m, p] => Some(round2(p.events_per_s / m.events_per_s)),
+        _ => None,
+    };
     let json = serde_json::json!({
         "benchmark": "relay_modes",
         "events": a.events,
         "rounds": a.rounds,
         "round_events": a.round_events,
+        "writers": a.writers,
+        "writers_secs": a.writers_secs,
+        "writers_backlog": a.writers_backlog,
+        "latency_rate": a.rate,
+        "latency_secs": a.latency_secs,
+        "progress_over_marks_drain": ratio,
         "stages": stages,
     });
     println!("{json}");
     if let Some(path) = a.json {
         std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
     }
+    pools.writers.close().await;
     db.drop_database().await?;
     Ok(())
 }
