@@ -2,6 +2,10 @@
 //! claim's index) against a real PostgreSQL and broker: rows of a missing
 //! topic leave the claim and come back in key order, a key's later rows
 //! wait behind its held row, and the claim's plan never walks held rows.
+//! Each test runs in the progress mode too (`OUTBOX_TEST_RELAY_MODE=progress`,
+//! in the test command): there a missing topic is held as one row of
+//! `outbox_held_topic` (its events passed over, none written), while a
+//! key's rows held behind an earlier one are held rows in both modes.
 
 mod common;
 
@@ -9,6 +13,7 @@ use std::time::Duration;
 
 use common::*;
 use outbox_core::UnitOfWork;
+use outbox_runtime::relay::progress::Published;
 use outbox_runtime::{Relay, ops};
 use sqlx::PgPool;
 
@@ -18,12 +23,49 @@ fn relay(pool: &PgPool) -> outbox_runtime::RelayBuilder {
         .delivery_timeout(Duration::from_secs(10))
 }
 
+/// What a topic missing on the broker holds: its held rows (the default
+/// mode), or the events the windows passed over, on its row of
+/// `outbox_held_topic` (the progress mode: its events are not written).
 async fn held(pool: &PgPool, topic: &str) -> i64 {
-    sqlx::query_scalar(
+    let held = if progress_mode() {
+        "SELECT coalesce(sum(rows), 0)::int8 FROM outbox_held_topic WHERE topic = $1"
+    } else {
         "SELECT count(*) FROM outbox_event
-         WHERE topic = $1 AND held_until IS NOT NULL AND published_at IS NULL",
-    )
-    .bind(topic)
+         WHERE topic = $1 AND held_until IS NOT NULL AND published_at IS NULL"
+    };
+    sqlx::query_scalar(held)
+        .bind(topic)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Why a topic missing on the broker waits: the error on its held rows (the
+/// default mode), or on its row of `outbox_held_topic` (the progress mode).
+async fn held_reason(pool: &PgPool, topic: &str) -> Option<String> {
+    let reason = if progress_mode() {
+        "SELECT reason FROM outbox_held_topic WHERE topic = $1"
+    } else {
+        "SELECT last_error FROM outbox_event WHERE topic = $1 AND held_until IS NOT NULL LIMIT 1"
+    };
+    sqlx::query_scalar(reason)
+        .bind(topic)
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+        .flatten()
+}
+
+/// The rows not published (in either mode): how many, how many of them
+/// held, and their keys.
+async fn waiting(pool: &PgPool) -> (i64, i64, Vec<String>) {
+    let published = Published::of(pool).await.unwrap();
+    sqlx::query_as(&format!(
+        "{}SELECT count(*), count(*) FILTER (WHERE held_until IS NOT NULL),
+                  coalesce(array_agg(DISTINCT partition_key), '{{}}')
+         FROM outbox_event WHERE NOT {}",
+        published.with, published.condition
+    ))
     .fetch_one(pool)
     .await
     .unwrap()
@@ -45,6 +87,7 @@ async fn sent_to(pool: &PgPool, topic: &str) -> i64 {
 /// included.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_missing_topics_rows_are_held_then_published_in_key_order(pool: PgPool) {
+    relay_mode(&pool).await;
     let good = unique_topic("held-good");
     let missing = unique_topic("held-missing");
     create_topic(&brokers(), &good).await;
@@ -76,6 +119,7 @@ async fn a_missing_topics_rows_are_held_then_published_in_key_order(pool: PgPool
     let status = ops::status(&pool).await.unwrap();
     assert_eq!(status.parked, 0, "a missing topic never parks rows");
     assert_eq!(status.unpublished, 300, "held rows are still unpublished");
+    assert_eq!(unpublished_of(&pool, &missing).await, 300);
 
     // Rows of the same keys committed while the topic is held.
     let mut uow = UnitOfWork::begin(&pool).await.unwrap();
@@ -105,9 +149,11 @@ async fn a_missing_topics_rows_are_held_then_published_in_key_order(pool: PgPool
 /// A held row holds back the later rows of its key, also for a relay that
 /// never saw it fail (here: held before the relay started): they are held
 /// behind it, other keys go on, and once its hold ends the key is published
-/// in order.
+/// in order. Both modes (the progress mode enabled first: enabling it
+/// releases the rows held before).
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn later_rows_of_a_held_key_wait_behind_it(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("held-key");
     create_topic(&brokers(), &topic).await;
     let first = commit_messages(&pool, &topic, 1, 1, 1).await;
@@ -127,24 +173,14 @@ async fn later_rows_of_a_held_key_wait_behind_it(pool: PgPool) {
     // Everything but k0 is published; k0's later rows end up held too.
     assert!(
         eventually(Duration::from_secs(30), || async {
-            let (left, held): (i64, i64) = sqlx::query_as(
-                "SELECT count(*), count(*) FILTER (WHERE held_until IS NOT NULL)
-                 FROM outbox_event WHERE published_at IS NULL",
-            )
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+            let (left, held, _) = waiting(&pool).await;
             left == 10 && held == 10
         })
         .await,
-        "k0's ten rows held, the others published"
+        "k0's ten rows held, the others published: {:?}",
+        waiting(&pool).await
     );
-    let keys: Vec<String> = sqlx::query_scalar(
-        "SELECT DISTINCT partition_key FROM outbox_event WHERE published_at IS NULL",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
+    let (_, _, keys) = waiting(&pool).await;
     assert_eq!(keys, ["k0"]);
 
     // The holds end, the first row's last: a later row released before it
@@ -172,6 +208,7 @@ async fn later_rows_of_a_held_key_wait_behind_it(pool: PgPool) {
 /// topic is created they are published, each key in order.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_missing_topic_costs_the_other_topics_nothing(pool: PgPool) {
+    relay_mode(&pool).await;
     let good = unique_topic("held-other");
     let missing = unique_topic("held-absent");
     create_topic(&brokers(), &good).await;
@@ -193,7 +230,7 @@ async fn a_missing_topic_costs_the_other_topics_nothing(pool: PgPool) {
     // its acknowledgement.
     assert!(
         wait_until_topic_published(&pool, &good, Duration::from_secs(30)).await,
-        "the other topic's rows are all marked published"
+        "the other topic's rows are all published"
     );
     assert_eq!(
         sent_to(&pool, &missing).await,
@@ -205,14 +242,7 @@ async fn a_missing_topic_costs_the_other_topics_nothing(pool: PgPool) {
         20_000,
         "the missing topic's rows wait"
     );
-    let reason: Option<String> = sqlx::query_scalar(
-        "SELECT last_error FROM outbox_event WHERE topic = $1 AND held_until IS NOT NULL LIMIT 1",
-    )
-    .bind(&missing)
-    .fetch_optional(&pool)
-    .await
-    .unwrap()
-    .flatten();
+    let reason = held_reason(&pool, &missing).await;
     assert!(
         reason.as_deref().is_some_and(|r| r.contains(&missing)),
         "a held row says why: {reason:?}"

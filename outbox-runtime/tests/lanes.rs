@@ -7,7 +7,8 @@
 //! order. (Relay processes killed and restarted: the `outbox-cli` package's
 //! `lanes_processes` test.) The tests of relays with lanes run in the
 //! progress mode too (`OUTBOX_TEST_RELAY_MODE=progress`, in the test
-//! command).
+//! command); the one of relays without lanes only in the default mode (the
+//! progress mode refuses a relay without lanes: `progress_relay`).
 
 mod common;
 
@@ -113,8 +114,10 @@ async fn relays_share_the_lanes_and_take_over_a_stopped_relays_lanes(pool: PgPoo
     assert_eq!(duplicates, 0, "graceful handovers publish nothing twice");
 }
 
+/// Both modes: the lane count is checked before either reads the outbox.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_relay_with_another_lane_count_is_refused(pool: PgPool) {
+    relay_mode(&pool).await;
     let running = relay(&pool).lanes(16).spawn().unwrap();
     assert!(
         eventually(Duration::from_secs(5), || async {
@@ -229,7 +232,8 @@ async fn writers_of_one_key_publish_in_commit_order(pool: PgPool) {
 
 /// A relay without lanes claims every row: beside relays with lanes it
 /// would publish their keys too, in parallel with them. Either kind refuses
-/// to start beside the other, with an error naming both.
+/// to start beside the other, with an error naming both. Default mode only:
+/// the progress mode refuses every relay without lanes.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn relays_with_and_without_lanes_refuse_each_other(pool: PgPool) {
     let with_lanes = relay(&pool).spawn().unwrap();
@@ -582,9 +586,10 @@ async fn a_silent_relay_loses_its_lanes_and_rows_within_bounded_times(pool: PgPo
 /// A relay of an earlier version held database-wide lane locks, which this
 /// version's relays cannot see (nor it theirs): side by side both would
 /// publish every key. A relay of this version refuses to start while one
-/// runs (here: its lane lock held by hand).
+/// runs (here: its lane lock held by hand). Both modes.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_relay_refuses_to_run_beside_relays_of_an_earlier_version(pool: PgPool) {
+    relay_mode(&pool).await;
     let mut earlier = PgConnection::connect_with(&pool.connect_options())
         .await
         .unwrap();

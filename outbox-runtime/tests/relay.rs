@@ -1,7 +1,9 @@
 //! The relay against a real PostgreSQL (fresh database per test) and a real
 //! Kafka-protocol broker. The tests that call `relay_mode` run in the
 //! progress mode too (`OUTBOX_TEST_RELAY_MODE=progress`, in the test
-//! command).
+//! command): "published" is then "passed by its slot's position" (see
+//! `common::unpublished`), and a missing topic is held as a row of
+//! `outbox_held_topic` instead of on its events' rows.
 
 mod common;
 
@@ -221,9 +223,12 @@ async fn relays_on_a_small_shared_pool_never_starve_themselves(pool: PgPool) {
 
 /// What the `outbox_relay_consecutive_failures` gauge shows: the rounds of
 /// a relay whose only event keeps failing count up; once that event is
-/// parked and nothing is left to publish, the count is back to 0.
+/// parked and nothing is left to publish, the count is back to 0. (Both
+/// modes: the backlog sample that ends the count reads the positions in
+/// the progress mode.)
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn failed_rounds_in_a_row_are_counted_until_nothing_is_left_to_publish(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("relay-failing");
     create_topic(&brokers(), &topic).await;
     let mut uow = UnitOfWork::begin(&pool).await.unwrap();
@@ -269,8 +274,13 @@ async fn failed_rounds_in_a_row_are_counted_until_nothing_is_left_to_publish(poo
     handle.shutdown().await.unwrap();
 }
 
+/// A poison event is retried, then parked; its key's later events wait
+/// behind it, other keys never do. Both modes: in the progress mode the
+/// parked row and the held ones are written by the rare paths, the rest
+/// passed by the positions; `status` counts both alike.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_poison_event_is_parked_and_holds_back_only_its_key(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("relay-poison");
     create_topic(&brokers(), &topic).await;
     // k0: a normal event, then the poison (too large for the producer), then
@@ -301,7 +311,7 @@ async fn a_poison_event_is_parked_and_holds_back_only_its_key(pool: PgPool) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let status = ops::status(&pool).await.unwrap();
-        if status.unpublished == 0 && status.parked == 1 {
+        if status.unpublished == 0 && status.parked == 1 && unpublished(&pool).await == 1 {
             break;
         }
         assert!(
@@ -343,6 +353,7 @@ async fn a_poison_event_is_parked_and_holds_back_only_its_key(pool: PgPool) {
     assert_eq!(ops::requeue_parked(&pool, None).await.unwrap(), 1);
     assert_eq!(ops::status(&pool).await.unwrap().parked, 0);
     assert_eq!(ops::status(&pool).await.unwrap().unpublished, 1);
+    assert_eq!(unpublished(&pool).await, 1);
 }
 
 /// Rows held back in one batch (here: librdkafka's queue is full) stay
@@ -376,9 +387,14 @@ async fn rows_held_back_keep_their_keys_in_order(pool: PgPool) {
     assert_eq!(duplicates, 0, "nothing failed: no duplicates");
 }
 
+/// A topic missing on the broker does not hold the others up, says why
+/// (on its rows in the default mode; on its row of `outbox_held_topic` in
+/// the progress mode, which writes none of its events), never parks, and
+/// its events follow once it exists, without a restart.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_missing_topic_is_reported_on_its_rows_and_does_not_stall_others(pool: PgPool) {
     init_tracing();
+    relay_mode(&pool).await;
     let good = unique_topic("relay-good");
     let missing = unique_topic("relay-missing");
     create_topic(&brokers(), &good).await;
@@ -402,14 +418,17 @@ async fn a_missing_topic_is_reported_on_its_rows_and_does_not_stall_others(pool:
     // The missing topic's rows carry a clear error.
     let deadline = Instant::now() + Duration::from_secs(30);
     let error = loop {
-        let e: Option<String> = sqlx::query_scalar(
-            "SELECT last_error FROM outbox_event WHERE topic = $1 AND last_error IS NOT NULL LIMIT 1",
-        )
-        .bind(&missing)
-        .fetch_optional(&pool)
-        .await
-        .unwrap()
-        .flatten();
+        let reported = if progress_mode() {
+            "SELECT reason FROM outbox_held_topic WHERE topic = $1"
+        } else {
+            "SELECT last_error FROM outbox_event WHERE topic = $1 AND last_error IS NOT NULL LIMIT 1"
+        };
+        let e: Option<String> = sqlx::query_scalar(reported)
+            .bind(&missing)
+            .fetch_optional(&pool)
+            .await
+            .unwrap()
+            .flatten();
         if let Some(e) = e {
             break e;
         }
@@ -428,6 +447,7 @@ async fn a_missing_topic_is_reported_on_its_rows_and_does_not_stall_others(pool:
         0,
         "a missing topic never parks rows"
     );
+    assert_eq!(unpublished_of(&pool, &missing).await, 5, "its rows wait");
 
     // Create the topic: the held-back rows follow, without a restart.
     create_topic(&brokers(), &missing).await;
@@ -506,8 +526,10 @@ async fn the_relay_survives_a_database_outage(pool: PgPool) {
     eprintln!("database outage: {duplicates} duplicates");
 }
 
+/// The same errors in both modes (the progress mode changes none of them).
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn invalid_configuration_is_a_clear_error(pool: PgPool) {
+    relay_mode(&pool).await;
     let err = Relay::builder(pool.clone())
         .batch_size(0)
         .build()
@@ -539,8 +561,11 @@ async fn invalid_configuration_is_a_clear_error(pool: PgPool) {
     assert!(err.to_string().contains("no.such.setting"), "{err}");
 }
 
+/// Writers are the same in both modes: they notify only while a relay
+/// waits.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn writers_notify_only_while_a_relay_waits(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("relay-wake");
     let scope = outbox_runtime::OutboxScope::of(&pool).await.unwrap();
     let mut listener = sqlx::postgres::PgListener::connect_with(&pool)
@@ -588,9 +613,11 @@ async fn writers_notify_only_while_a_relay_waits(pool: PgPool) {
 /// must not make this relay believe writers here will notify it. The writer
 /// holds the wake lock shared (mid-transaction) when the relay tries to arm;
 /// once it commits, the relay must find its row at once, not after its poll
-/// interval.
+/// interval. (In the progress mode, enabled before the writer begins: its
+/// transaction is in flight when the relay's first window is taken.)
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_relay_waiting_on_another_database_does_not_delay_this_one(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("relay-wake-other-db");
     create_topic(&brokers(), &topic).await;
     let other_db = format!("outbox_wake_{}", uuid::Uuid::new_v4().simple());
@@ -644,9 +671,11 @@ async fn a_relay_waiting_on_another_database_does_not_delay_this_one(pool: PgPoo
 /// A relay with a rate limit publishes everything, in order, never ahead
 /// of its budget: at any moment at most one batch plus the rate times the
 /// time since it started (a bound that only a relay ignoring its limit can
-/// break, however slow the machine).
+/// break, however slow the machine). Both modes: the limit is the relay's
+/// loop's, whatever it reads from.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_rate_limited_relay_keeps_to_its_rate_and_publishes_everything(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("relay-rate");
     create_topic(&brokers(), &topic).await;
     let committed = commit_messages(&pool, &topic, 1_500, 20, 500).await;

@@ -352,19 +352,25 @@ pub async fn relay_mode(pool: &PgPool) {
     }
 }
 
-/// Rows of one topic not yet marked published.
+/// Rows of one topic not yet published: not marked (the default mode), or
+/// not marked nor passed by their slot's position (the progress mode).
 pub async fn unpublished_of(pool: &PgPool, topic: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM outbox_event WHERE published_at IS NULL AND topic = $1",
-    )
+    let published = outbox_runtime::relay::progress::Published::of(pool)
+        .await
+        .expect("the relay mode");
+    sqlx::query_scalar(&format!(
+        "{}SELECT count(*) FROM outbox_event WHERE topic = $1 AND NOT {}",
+        published.with, published.condition
+    ))
     .bind(topic)
     .fetch_one(pool)
     .await
     .expect("count")
 }
 
-/// Waits until every row of `topic` is marked published: a consumer can
-/// read a batch before the relay has recorded the broker's acknowledgement.
+/// Waits until every row of `topic` is published (marked, or passed by the
+/// positions): a consumer can read a batch before the relay has recorded
+/// the broker's acknowledgement.
 pub async fn wait_until_topic_published(pool: &PgPool, topic: &str, timeout: Duration) -> bool {
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
