@@ -143,6 +143,13 @@ WITH RECURSIVE p AS (
 SELECT topic || '/' || "partition" FROM p
 WHERE mod(mod(hashtext(topic)::bigint + "partition", $2) + $2, $2) = $3"#;
 
+/// A partition as [`PARTITIONS`] names it (`topic/partition`): its topic
+/// and number.
+pub(crate) fn partition_of(name: &str) -> Option<(String, i32)> {
+    let (topic, n) = name.rsplit_once('/')?;
+    Some((topic.to_owned(), n.parse().ok()?))
+}
+
 /// The newest position of a partition.
 const NEWEST: &str = r#"
 SELECT id, done::text, upto::text, after_seq FROM inbox_progress
@@ -387,10 +394,7 @@ pub async fn pending(pool: &sqlx::PgPool) -> Result<Vec<(String, i64, Option<f64
             .await?;
         let (mut count, mut oldest) = (0, None::<f64>);
         for p in partitions {
-            let Some((topic, partition)) = p
-                .rsplit_once('/')
-                .and_then(|(t, n)| Some((t.to_owned(), n.parse::<i32>().ok()?)))
-            else {
+            let Some((topic, partition)) = partition_of(&p) else {
                 continue;
             };
             let w = Window::load(&mut conn, &consumer, &start, (&topic, partition), None).await?;
@@ -468,10 +472,7 @@ pub(crate) async fn cleanup(
             .fetch_all(&mut *conn)
             .await?;
         for p in partitions {
-            let Some((topic, partition)) = p
-                .rsplit_once('/')
-                .and_then(|(t, n)| Some((t.to_owned(), n.parse::<i32>().ok()?)))
-            else {
+            let Some((topic, partition)) = partition_of(&p) else {
                 continue;
             };
             let w = Window::load(&mut conn, &consumer, &start, (&topic, partition), None).await?;

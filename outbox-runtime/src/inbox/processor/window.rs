@@ -111,10 +111,7 @@ impl Processor {
             if rows.len() + aside.len() >= limit || bytes >= budget {
                 break;
             }
-            let Some((topic, partition)) = p
-                .rsplit_once('/')
-                .and_then(|(t, n)| Some((t.to_owned(), n.parse::<i32>().ok()?)))
-            else {
+            let Some((topic, partition)) = progress::partition_of(p) else {
                 continue;
             };
             let cached = cache.remove(&(topic.clone(), partition));
