@@ -462,6 +462,10 @@ pub(crate) async fn cleanup(
             .fetch_all(pool)
             .await?;
     let (mut rows, mut statements) = (0, 0);
+    if consumers.is_empty() {
+        // No group in the mode: no row to delete, no position to prune.
+        return Ok((rows, statements));
+    }
     let batch = retention.batch_size.max(1);
     for (consumer, start) in consumers {
         let mut conn = pool.acquire().await?;
