@@ -52,7 +52,9 @@ ORDER BY id DESC LIMIT 1";
 ///
 /// [`POSITIONS`]: crate::relay::progress::POSITIONS
 pub(crate) fn progress_queue_rows(limit: &str) -> String {
-    let passed = crate::relay::progress::passed("e");
+    // Rows the windows reached are out of the queue: published, or (a held
+    // topic's) counted by the topic's hold.
+    let passed = crate::relay::progress::reached("e");
     format!(
         "SELECT e.id, e.topic FROM pos CROSS JOIN LATERAL (
     (SELECT e.id, e.topic FROM pg_snapshot_xip(pos.done) AS x(txid)
