@@ -646,7 +646,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .execute(&pool)
         .await?;
         for sql in [
-            "ALTER DATABASE outbox_bench_relay_modes SET auto_explain.log_min_duration = '40ms'",
+            "ALTER DATABASE outbox_bench_relay_modes SET auto_explain.log_min_duration = '5ms'",
             "ALTER DATABASE outbox_bench_relay_modes SET auto_explain.log_analyze = on",
         ] {
             sqlx::query(sql).execute(&pool).await?;

@@ -242,6 +242,116 @@ FROM (
 ) w
 ORDER BY w.id LIMIT $5";
 
+/// [`LIST`] for the windows of several lanes in one statement (a claim's
+/// lanes): per slot `$1`, its window's index `$2` in the request, `done`
+/// `$3`, `upto` `$4` and `after_id` `$5`, at most `$6` rows of each slot,
+/// lowest ids first; `$7`, `$8` and `$9` as `LIST`'s `$6`, `$7` and `$8`
+/// (a NULL fence: each window's `upto`). Planned at each call (not a
+/// prepared statement's generic plan: one planned while the table was
+/// empty, as when a relay starts on a new outbox, reads the windows through
+/// the primary key, every row of the table at each list).
+const LIST_MANY: &str = "
+SELECT l.idx, l.slot, w.id, w.event_id, w.tid,
+       CASE WHEN EXISTS (SELECT 1 FROM unnest($7::text[], $8::text[]) AS h(topic, since)
+                         WHERE h.topic = w.topic
+                           AND NOT pg_visible_in_snapshot(w.txid, h.since::pg_snapshot)
+                           AND pg_visible_in_snapshot(w.txid,
+                                                      coalesce($9::pg_snapshot, l.upto::pg_snapshot)))
+            THEN w.topic END AS skipped
+FROM unnest($1::int2[], $2::int4[], $3::text[], $4::text[], $5::int8[])
+     AS l(slot, idx, done, upto, after_id)
+CROSS JOIN LATERAL (
+    SELECT u.* FROM (
+        SELECT e.* FROM unnest(ARRAY(SELECT pg_snapshot_xip(l.done::pg_snapshot))) AS x(txid)
+        CROSS JOIN LATERAL (
+            SELECT e.id, e.event_id, e.ctid::text AS tid, e.topic, e.txid FROM outbox_event e
+            WHERE e.lane_slot = l.slot AND e.txid = x.txid
+              AND pg_visible_in_snapshot(e.txid, l.upto::pg_snapshot)
+              AND e.id > l.after_id AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3
+            OFFSET 0) e
+        UNION ALL
+        SELECT e.id, e.event_id, e.ctid::text AS tid, e.topic, e.txid FROM outbox_event e
+        WHERE e.lane_slot = l.slot
+          AND e.txid >= pg_snapshot_xmax(l.done::pg_snapshot)
+          AND e.txid < pg_snapshot_xmax(l.upto::pg_snapshot)
+          AND pg_visible_in_snapshot(e.txid, l.upto::pg_snapshot)
+          AND e.id > l.after_id AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3
+    ) u
+    ORDER BY u.id LIMIT $6) w
+ORDER BY l.idx, w.id";
+
+/// Lists the rows of `windows` (each with its `upto` taken and nothing
+/// listed) in one statement; see [`LIST_MANY`]. A window whose list is cut
+/// by a slot's cap keeps its rows up to the lowest last id of its capped
+/// slots, and the rest is listed again when those run out.
+pub(crate) async fn list_windows(
+    conn: &mut PgConnection,
+    windows: &mut [&mut Window],
+    skip: &Skip,
+) -> Result<()> {
+    let (mut slot, mut idx, mut done, mut upto, mut after) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (i, w) in windows.iter().enumerate() {
+        let Some(u) = &w.upto else {
+            return Err(Error::Config("a window listed before its snapshot".into()));
+        };
+        for s in &w.slots {
+            slot.push(*s);
+            idx.push(i as i32);
+            done.push(w.done.as_str());
+            upto.push(u.as_str());
+            after.push(w.after_id);
+        }
+    }
+    if slot.is_empty() {
+        return Ok(());
+    }
+    let cap = (LIST_CAP / slot.len() as i64).max(1_000);
+    type Listed = (i32, i16, i64, Uuid, String, Option<String>);
+    let rows: Vec<Listed> = sqlx::query_as(LIST_MANY)
+        .persistent(false)
+        .bind(&slot)
+        .bind(&idx)
+        .bind(&done)
+        .bind(&upto)
+        .bind(&after)
+        .bind(cap)
+        .bind(&skip.topics)
+        .bind(&skip.since)
+        .bind(skip.fence.as_deref())
+        .fetch_all(&mut *conn)
+        .await?;
+    let mut per: Vec<Vec<(i16, (i64, Uuid, String, Option<String>))>> =
+        (0..windows.len()).map(|_| Vec::new()).collect();
+    for (i, s, id, event, tid, skipped) in rows {
+        if let Some(list) = per.get_mut(i as usize) {
+            list.push((s, (id, event, tid, skipped)));
+        }
+    }
+    for (w, mut list) in windows.iter_mut().zip(per) {
+        list.sort_by_key(|(_, r)| r.0);
+        // A slot that reached the cap may have more rows after its last:
+        // the window's list is whole only up to the lowest such last id.
+        let mut counts: std::collections::HashMap<i16, (i64, i64)> = Default::default();
+        for (s, r) in &list {
+            let c = counts.entry(*s).or_insert((0, 0));
+            c.0 += 1;
+            c.1 = c.1.max(r.0);
+        }
+        let cut = counts
+            .values()
+            .filter(|(n, _)| *n >= cap)
+            .map(|(_, last)| *last)
+            .min();
+        if let Some(cut) = cut {
+            list.retain(|(_, r)| r.0 <= cut);
+        }
+        w.complete = cut.is_none();
+        w.listed = list.into_iter().map(|(_, r)| r).collect();
+    }
+    Ok(())
+}
+
 /// Topics whose rows a claim's windows pass over: those held as missing on
 /// the broker (`outbox_held_topic`), read under a shared lock that the
 /// release of a held topic takes exclusively, with a snapshot taken under
@@ -343,6 +453,19 @@ impl Window {
         }
     }
 
+    /// Readies the window for a claim whose snapshot is `snapshot`: one
+    /// finished is advanced, one without a snapshot takes this one. Returns
+    /// whether its rows are to be listed (see [`list_windows`]).
+    pub(crate) fn ready(&mut self, snapshot: &str) -> bool {
+        if self.listed.is_empty() && self.complete {
+            self.advance();
+        }
+        if self.upto.is_none() {
+            self.upto = Some(snapshot.to_owned());
+        }
+        self.listed.is_empty() && !self.complete
+    }
+
     /// The next rows of the window: at most `limit`, past the first at most
     /// `budget` bytes. The position moves past them (in memory: see
     /// [`Window::record`]).
@@ -389,6 +512,7 @@ impl Window {
                     return Ok(Chunk::Finished);
                 }
                 let ids: Vec<(i64, Uuid, String, Option<String>)> = sqlx::query_as(LIST)
+                    .persistent(false)
                     .bind(&self.slots)
                     .bind(&self.done)
                     .bind(&upto)

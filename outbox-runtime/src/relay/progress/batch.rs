@@ -163,10 +163,12 @@ impl Windows {
 }
 
 /// The lanes of this outbox (`$1` oid) the lane session (pid `$2`) owns,
-/// lane 0's `objid` `$3`, `$4` lanes.
+/// lane 0's `objid` `$3`, `$4` lanes; and the snapshot the claim's new
+/// windows end at (one for every lane: one statement, not one per lane).
 static OWNED: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
-        "SELECT coalesce(array_agg((objid::int8 - $3)::int4), '{{}}') FROM pg_locks
+        "SELECT coalesce(array_agg((objid::int8 - $3)::int4), '{{}}'),
+       pg_current_snapshot()::text FROM pg_locks
 WHERE {} AND pid = $2 AND objid::int8 >= $3 AND objid::int8 < $3 + $4",
         lanes::SCOPE_LOCKS
     )
@@ -252,7 +254,7 @@ pub(crate) async fn claim(
             progress: Some(read),
         });
     }
-    let owned: Vec<i32> = sqlx::query_scalar(&OWNED)
+    let (owned, snapshot): (Vec<i32>, String) = sqlx::query_as(&OWNED)
         .bind(i64::from(lanes.scope.oid()))
         .bind(lanes.pid)
         .bind(OutboxScope::objid(Lock::Lane))
@@ -280,6 +282,19 @@ pub(crate) async fn claim(
             );
         }
     }
+    // Every owned lane's window ready, and the rows of those to list
+    // listed in one statement.
+    let mut to_list: Vec<&mut Window> = windows
+        .lanes
+        .iter_mut()
+        .filter(|(lane, _)| owned.contains(lane))
+        .map(|(_, l)| &mut l.window)
+        .filter_map(|w| {
+            let list = w.ready(&snapshot);
+            list.then_some(w)
+        })
+        .collect();
+    super::list_windows(&mut tx, &mut to_list, &skip).await?;
     let limit_rows = usize::try_from(limit.max(1)).unwrap_or(usize::MAX);
     let all_slots: Vec<i16> = owned
         .iter()
@@ -319,10 +334,9 @@ pub(crate) async fn claim(
         let Some(entry) = windows.lanes.get_mut(&lane) else {
             continue;
         };
-        loop {
-            // A window taken now and found empty ends the lane's turn; one
-            // finished by earlier batches gives way to the next (once).
-            let fresh = entry.window.upto.is_none();
+        {
+            // The window was readied above (one finished by earlier batches
+            // gave way to a new one): found empty, it ends the lane's turn.
             let budget = if rows.is_empty() {
                 max_bytes
             } else {
@@ -345,14 +359,8 @@ pub(crate) async fn claim(
                         .extend(std::iter::repeat_n(Some(lane), more.len()));
                     rows.extend(more);
                     read.stands.push(Stand::of(lane, generation, &entry.window));
-                    break;
                 }
-                Chunk::Finished => {
-                    entry.window.advance();
-                    if fresh {
-                        break;
-                    }
-                }
+                Chunk::Finished => entry.window.advance(),
             }
         }
     }
