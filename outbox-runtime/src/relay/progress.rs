@@ -411,6 +411,41 @@ const RECORD: &str = "
 INSERT INTO outbox_progress (slots, done, upto, after_id)
 VALUES ($1, $2::pg_snapshot, $3::pg_snapshot, $4)";
 
+/// A row of a window as listed: id, event id, `ctid`.
+pub(crate) type Listed = (i64, Uuid, String);
+
+/// The rows of `taken` (of one window or several), without a state of
+/// their own, in id order: by `ctid` (a TID scan), then by event id those
+/// that moved since they were listed. One statement for a claim's lanes.
+pub(crate) async fn fetch(conn: &mut PgConnection, taken: &[Listed]) -> Result<Vec<Row>> {
+    if taken.is_empty() {
+        return Ok(Vec::new());
+    }
+    let tids: Vec<&str> = taken.iter().map(|(_, _, t)| t.as_str()).collect();
+    let ids: Vec<Uuid> = taken.iter().map(|(_, e, _)| *e).collect();
+    let (low, high) = (ids.iter().min(), ids.iter().max());
+    let mut rows: Vec<Row> = sqlx::query_as(&FETCH_AT)
+        .bind(&tids)
+        .bind(Vec::<String>::new())
+        .bind(&ids)
+        .bind(low)
+        .bind(high)
+        .fetch_all(&mut *conn)
+        .await?;
+    if rows.len() < taken.len() {
+        let found: std::collections::HashSet<Uuid> = rows.iter().map(|r| r.event_id).collect();
+        let moved: Vec<Uuid> = ids.iter().filter(|e| !found.contains(e)).copied().collect();
+        let more: Vec<Row> = sqlx::query_as(&FETCH_BY_ID)
+            .bind(&moved)
+            .bind(Vec::<String>::new())
+            .fetch_all(&mut *conn)
+            .await?;
+        rows.extend(more);
+        rows.sort_by_key(|r| r.id);
+    }
+    Ok(rows)
+}
+
 /// A set of lane slots read and recorded together (a lane's), where they
 /// stand, and what is known of their window in memory.
 #[derive(Debug)]
@@ -496,6 +531,39 @@ impl Window {
         skip: &Skip,
         skipped: &mut std::collections::HashMap<String, i64>,
     ) -> Result<Chunk> {
+        loop {
+            let Some(taken) = self.take(conn, limit, skip, skipped).await? else {
+                return Ok(Chunk::Finished);
+            };
+            let rows = fetch(conn, &taken).await?;
+            let (mut bytes, mut keep) = (0i64, 0);
+            for r in &rows {
+                if keep > 0 && bytes >= budget {
+                    break;
+                }
+                bytes += r.bytes() as i64;
+                keep += 1;
+            }
+            let rows = self.hand(&taken, rows, keep);
+            if !rows.is_empty() {
+                return Ok(Chunk::Rows(rows));
+            }
+        }
+    }
+
+    /// The next rows of the window to fetch (id, event id, `ctid`): at
+    /// most `limit`, up to the next row passed over; the rows passed over
+    /// that lead the list are counted in `skipped` and the position moves
+    /// past them. Lists the window when nothing is listed (taking its
+    /// snapshot first if it has none). `None`: the window has no row left
+    /// ([`Window::advance`] starts the next).
+    pub(crate) async fn take(
+        &mut self,
+        conn: &mut PgConnection,
+        limit: usize,
+        skip: &Skip,
+        skipped: &mut std::collections::HashMap<String, i64>,
+    ) -> Result<Option<Vec<Listed>>> {
         let upto = match &self.upto {
             Some(upto) => upto.clone(),
             None => {
@@ -509,7 +577,7 @@ impl Window {
         loop {
             if self.listed.is_empty() {
                 if self.complete {
-                    return Ok(Chunk::Finished);
+                    return Ok(None);
                 }
                 let ids: Vec<(i64, Uuid, String, Option<String>)> = sqlx::query_as(LIST)
                     .persistent(false)
@@ -536,69 +604,45 @@ impl Window {
                 self.after_id = id;
                 continue;
             }
-            // Up to `limit` rows, up to the next row passed over.
-            let take = self
-                .listed
-                .iter()
-                .take(limit.max(1))
-                .take_while(|(_, _, _, skipped)| skipped.is_none())
-                .count();
-            let wanted: Vec<_> = self.listed.iter().take(take).collect();
-            let tids: Vec<&str> = wanted.iter().map(|(_, _, t, _)| t.as_str()).collect();
-            let ids: Vec<Uuid> = wanted.iter().map(|(_, e, _, _)| *e).collect();
-            let (low, high) = (ids.iter().min(), ids.iter().max());
-            let mut rows: Vec<Row> = sqlx::query_as(&FETCH_AT)
-                .bind(&tids)
-                .bind(Vec::<String>::new())
-                .bind(&ids)
-                .bind(low)
-                .bind(high)
-                .fetch_all(&mut *conn)
-                .await?;
-            if rows.len() < take {
-                let found: std::collections::HashSet<Uuid> =
-                    rows.iter().map(|r| r.event_id).collect();
-                let moved: Vec<Uuid> = ids.iter().filter(|e| !found.contains(e)).copied().collect();
-                let more: Vec<Row> = sqlx::query_as(&FETCH_BY_ID)
-                    .bind(&moved)
-                    .bind(Vec::<String>::new())
-                    .fetch_all(&mut *conn)
-                    .await?;
-                rows.extend(more);
-                rows.sort_by_key(|r| r.id);
-            }
-            // The byte budget: a row goes while the bytes before it are
-            // under it (the first always).
-            let mut bytes = 0i64;
-            let cut = rows
-                .iter()
-                .position(|r| {
-                    let over = bytes >= budget;
-                    bytes += r.bytes() as i64;
-                    over
-                })
-                .filter(|i| *i > 0)
-                .unwrap_or(rows.len());
-            // Every id asked for up to the last row kept is handled: kept,
-            // or given a state of its own since it was listed (not found).
-            let through = if cut < rows.len() {
-                rows[cut - 1].id
-            } else {
-                self.listed[take - 1].0
-            };
-            rows.truncate(cut);
-            while self
-                .listed
-                .front()
-                .is_some_and(|(id, _, _, _)| *id <= through)
-            {
-                self.listed.pop_front();
-            }
-            self.after_id = through;
-            if !rows.is_empty() {
-                return Ok(Chunk::Rows(rows));
-            }
+            return Ok(Some(
+                self.listed
+                    .iter()
+                    .take(limit.max(1))
+                    .take_while(|(_, _, _, skipped)| skipped.is_none())
+                    .map(|(id, event, tid, _)| (*id, *event, tid.clone()))
+                    .collect(),
+            ));
         }
+    }
+
+    /// Hands over the first `keep` of `rows`, the rows fetched of `taken`
+    /// (from [`Window::take`], in id order): the position moves past them,
+    /// and past every row taken that was not found (given a state of its
+    /// own since it was listed) before the last kept; past all of `taken`
+    /// when every row is kept. Keeping none of the rows found changes
+    /// nothing.
+    pub(crate) fn hand(&mut self, taken: &[Listed], mut rows: Vec<Row>, keep: usize) -> Vec<Row> {
+        let Some(last) = taken.last() else {
+            return Vec::new();
+        };
+        if keep == 0 && !rows.is_empty() {
+            return Vec::new();
+        }
+        let through = if keep < rows.len() {
+            rows[keep - 1].id
+        } else {
+            last.0
+        };
+        rows.truncate(keep);
+        while self
+            .listed
+            .front()
+            .is_some_and(|(id, _, _, _)| *id <= through)
+        {
+            self.listed.pop_front();
+        }
+        self.after_id = through;
+        rows
     }
 
     /// Records the window's position (in the caller's transaction).

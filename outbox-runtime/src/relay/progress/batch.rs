@@ -19,7 +19,7 @@ use uuid::Uuid;
 
 use super::super::claim::{self, Batch, CLAIM_MARK, Failure, Row};
 use super::super::lanes::{self, Claimable};
-use super::{Chunk, Skip, Window, load};
+use super::{Listed, Skip, Window, load};
 use crate::error::{Error, Result};
 use crate::refusal::{Statement, Trouble};
 use crate::scope::{Lock, OutboxScope};
@@ -325,43 +325,64 @@ pub(crate) async fn claim(
     let n = owned.len();
     let start = windows.turn % n.max(1);
     windows.turn = windows.turn.wrapping_add(1);
-    for i in 0..n {
-        if cut || rows.len() >= limit_rows || (!rows.is_empty() && bytes >= max_bytes) {
-            break;
+    // The lanes' next rows, lanes in turn, up to the limit in all; then
+    // fetched in one statement, and handed over in the same order while
+    // the byte budget lasts (a lane's rows past it stay in its window).
+    let mut takes: Vec<(i32, Vec<Listed>)> = Vec::new();
+    let mut room = limit_rows.saturating_sub(rows.len());
+    if !cut && !(!rows.is_empty() && bytes >= max_bytes) {
+        for i in 0..n {
+            if room == 0 {
+                break;
+            }
+            let lane = owned[(start + i) % n];
+            let Some(entry) = windows.lanes.get_mut(&lane) else {
+                continue;
+            };
+            // The window was readied above (one finished by earlier
+            // batches gave way to a new one): found empty, it ends the
+            // lane's turn.
+            match entry
+                .window
+                .take(&mut tx, room, &skip, &mut read.skipped)
+                .await?
+            {
+                Some(taken) => {
+                    room -= taken.len();
+                    takes.push((lane, taken));
+                }
+                None => entry.window.advance(),
+            }
         }
-        let lane = owned[(start + i) % n];
+    }
+    let all: Vec<Listed> = takes.iter().flat_map(|(_, t)| t.iter().cloned()).collect();
+    let fetched = super::fetch(&mut tx, &all).await?;
+    let mut by_event: HashMap<Uuid, Row> = fetched.into_iter().map(|r| (r.event_id, r)).collect();
+    let mut full = false;
+    for (lane, taken) in takes {
         let generation = generations.get(&lane).copied().unwrap_or(0);
         let Some(entry) = windows.lanes.get_mut(&lane) else {
             continue;
         };
-        {
-            // The window was readied above (one finished by earlier batches
-            // gave way to a new one): found empty, it ends the lane's turn.
-            let budget = if rows.is_empty() {
-                max_bytes
-            } else {
-                max_bytes - bytes
-            };
-            match entry
-                .window
-                .next_skipping(
-                    &mut tx,
-                    limit_rows - rows.len(),
-                    budget,
-                    &skip,
-                    &mut read.skipped,
-                )
-                .await?
-            {
-                Chunk::Rows(more) => {
-                    bytes += more.iter().map(|r| r.bytes() as i64).sum::<i64>();
-                    read.lanes
-                        .extend(std::iter::repeat_n(Some(lane), more.len()));
-                    rows.extend(more);
-                    read.stands.push(Stand::of(lane, generation, &entry.window));
-                }
-                Chunk::Finished => entry.window.advance(),
+        let found: Vec<Row> = taken
+            .iter()
+            .filter_map(|(_, event, _)| by_event.remove(event))
+            .collect();
+        let mut keep = 0;
+        for r in &found {
+            if full || (!rows.is_empty() || keep > 0) && bytes >= max_bytes {
+                full = true;
+                break;
             }
+            bytes += r.bytes() as i64;
+            keep += 1;
+        }
+        let more = entry.window.hand(&taken, found, keep);
+        if !more.is_empty() {
+            read.lanes
+                .extend(std::iter::repeat_n(Some(lane), more.len()));
+            rows.extend(more);
+            read.stands.push(Stand::of(lane, generation, &entry.window));
         }
     }
     if record_idle && rows.is_empty() {
