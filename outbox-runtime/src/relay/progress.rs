@@ -307,8 +307,8 @@ pub(crate) async fn list_windows(
         return Ok(());
     }
     let cap = (LIST_CAP / slot.len() as i64).max(1_000);
-    type Listed = (i32, i16, i64, Uuid, String, Option<String>);
-    let rows: Vec<Listed> = sqlx::query_as(LIST_MANY)
+    type Entry = (i64, Uuid, String, Option<String>);
+    let rows: Vec<(i32, i16, i64, Uuid, String, Option<String>)> = sqlx::query_as(LIST_MANY)
         .persistent(false)
         .bind(&slot)
         .bind(&idx)
@@ -321,8 +321,7 @@ pub(crate) async fn list_windows(
         .bind(skip.fence.as_deref())
         .fetch_all(&mut *conn)
         .await?;
-    let mut per: Vec<Vec<(i16, (i64, Uuid, String, Option<String>))>> =
-        (0..windows.len()).map(|_| Vec::new()).collect();
+    let mut per: Vec<Vec<(i16, Entry)>> = (0..windows.len()).map(|_| Vec::new()).collect();
     for (i, s, id, event, tid, skipped) in rows {
         if let Some(list) = per.get_mut(i as usize) {
             list.push((s, (id, event, tid, skipped)));

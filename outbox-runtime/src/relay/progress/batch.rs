@@ -330,7 +330,7 @@ pub(crate) async fn claim(
     // the byte budget lasts (a lane's rows past it stay in its window).
     let mut takes: Vec<(i32, Vec<Listed>)> = Vec::new();
     let mut room = limit_rows.saturating_sub(rows.len());
-    if !cut && !(!rows.is_empty() && bytes >= max_bytes) {
+    if !cut && (rows.is_empty() || bytes < max_bytes) {
         for i in 0..n {
             if room == 0 {
                 break;
