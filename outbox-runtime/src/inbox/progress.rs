@@ -291,7 +291,11 @@ impl Window {
                 }
             };
             if self.listed.is_empty() && !self.complete {
+                // Planned at each call, as the relay's windows (a generic
+                // plan made while the table was empty may read another
+                // index: see `relay::progress::LIST_MANY`).
                 let rows: Vec<Listed> = sqlx::query_as(&LIST)
+                    .persistent(false)
                     .bind(consumer)
                     .bind(&self.topic)
                     .bind(self.partition)
