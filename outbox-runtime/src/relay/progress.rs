@@ -244,8 +244,8 @@ ORDER BY w.id LIMIT $5";
 
 /// [`LIST`] for the windows of several lanes in one statement (a claim's
 /// lanes): per slot `$1`, its window's index `$2` in the request, `done`
-/// `$3`, `upto` `$4` and `after_id` `$5`, at most `$6` rows of each slot,
-/// lowest ids first; `$7`, `$8` and `$9` as `LIST`'s `$6`, `$7` and `$8`
+/// `$3`, `upto` `$4`, `after_id` `$5` and the most rows listed `$6` (the
+/// window's share of [`LIST_CAP`]), lowest ids first; `$7`, `$8` and `$9` as `LIST`'s `$6`, `$7` and `$8`
 /// (a NULL fence: each window's `upto`). Planned at each call (not a
 /// prepared statement's generic plan: one planned while the table was
 /// empty, as when a relay starts on a new outbox, reads the windows through
@@ -258,8 +258,8 @@ SELECT l.idx, l.slot, w.id, w.event_id, w.tid,
                            AND pg_visible_in_snapshot(w.txid,
                                                       coalesce($9::pg_snapshot, l.upto::pg_snapshot)))
             THEN w.topic END AS skipped
-FROM unnest($1::int2[], $2::int4[], $3::text[], $4::text[], $5::int8[])
-     AS l(slot, idx, done, upto, after_id)
+FROM unnest($1::int2[], $2::int4[], $3::text[], $4::text[], $5::int8[], $6::int8[])
+     AS l(slot, idx, done, upto, after_id, cap)
 CROSS JOIN LATERAL (
     SELECT u.* FROM (
         SELECT e.* FROM unnest(ARRAY(SELECT pg_snapshot_xip(l.done::pg_snapshot))) AS x(txid)
@@ -277,8 +277,14 @@ CROSS JOIN LATERAL (
           AND pg_visible_in_snapshot(e.txid, l.upto::pg_snapshot)
           AND e.id > l.after_id AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3
     ) u
-    ORDER BY u.id LIMIT $6) w
+    ORDER BY u.id LIMIT l.cap) w
 ORDER BY l.idx, w.id";
+
+/// The most rows listed of each slot of `w`: a window lists at most
+/// [`LIST_CAP`] in all, as when listed alone.
+fn cap_of(w: &Window) -> i64 {
+    (LIST_CAP / w.slots.len().max(1) as i64).max(1)
+}
 
 /// Lists the rows of `windows` (each with its `upto` taken and nothing
 /// listed) in one statement; see [`LIST_MANY`]. A window whose list is cut
@@ -289,8 +295,14 @@ pub(crate) async fn list_windows(
     windows: &mut [&mut Window],
     skip: &Skip,
 ) -> Result<()> {
-    let (mut slot, mut idx, mut done, mut upto, mut after) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut slot, mut idx, mut done, mut upto, mut after, mut caps) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
     for (i, w) in windows.iter().enumerate() {
         let Some(u) = &w.upto else {
             return Err(Error::Config("a window listed before its snapshot".into()));
@@ -301,12 +313,12 @@ pub(crate) async fn list_windows(
             done.push(w.done.as_str());
             upto.push(u.as_str());
             after.push(w.after_id);
+            caps.push(cap_of(w));
         }
     }
     if slot.is_empty() {
         return Ok(());
     }
-    let cap = (LIST_CAP / slot.len() as i64).max(1_000);
     type Entry = (i64, Uuid, String, Option<String>);
     let rows: Vec<(i32, i16, i64, Uuid, String, Option<String>)> = sqlx::query_as(LIST_MANY)
         .persistent(false)
@@ -315,7 +327,7 @@ pub(crate) async fn list_windows(
         .bind(&done)
         .bind(&upto)
         .bind(&after)
-        .bind(cap)
+        .bind(&caps)
         .bind(&skip.topics)
         .bind(&skip.since)
         .bind(skip.fence.as_deref())
@@ -339,7 +351,7 @@ pub(crate) async fn list_windows(
         }
         let cut = counts
             .values()
-            .filter(|(n, _)| *n >= cap)
+            .filter(|(n, _)| *n >= cap_of(w))
             .map(|(_, last)| *last)
             .min();
         if let Some(cut) = cut {
@@ -423,7 +435,11 @@ pub(crate) async fn fetch(conn: &mut PgConnection, taken: &[Listed]) -> Result<V
     let tids: Vec<&str> = taken.iter().map(|(_, _, t)| t.as_str()).collect();
     let ids: Vec<Uuid> = taken.iter().map(|(_, e, _)| *e).collect();
     let (low, high) = (ids.iter().min(), ids.iter().max());
+    // Planned with its arrays as constants: their `= ANY` filters are then
+    // hashed, not a linear search of the array per row (a claim fetches up
+    // to its limit of rows, over every lane, in one statement).
     let mut rows: Vec<Row> = sqlx::query_as(&FETCH_AT)
+        .persistent(false)
         .bind(&tids)
         .bind(Vec::<String>::new())
         .bind(&ids)
@@ -435,6 +451,7 @@ pub(crate) async fn fetch(conn: &mut PgConnection, taken: &[Listed]) -> Result<V
         let found: std::collections::HashSet<Uuid> = rows.iter().map(|r| r.event_id).collect();
         let moved: Vec<Uuid> = ids.iter().filter(|e| !found.contains(e)).copied().collect();
         let more: Vec<Row> = sqlx::query_as(&FETCH_BY_ID)
+            .persistent(false)
             .bind(&moved)
             .bind(Vec::<String>::new())
             .fetch_all(&mut *conn)
