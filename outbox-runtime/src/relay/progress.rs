@@ -281,9 +281,9 @@ CROSS JOIN LATERAL (
 ORDER BY l.idx, w.id";
 
 /// The most rows listed of each slot of `w`: a window lists at most
-/// [`LIST_CAP`] in all, as when listed alone.
-fn cap_of(w: &Window) -> i64 {
-    (LIST_CAP / w.slots.len().max(1) as i64).max(1)
+/// `list_cap` ([`LIST_CAP`]) in all, as when listed alone.
+fn cap_of(w: &Window, list_cap: i64) -> i64 {
+    (list_cap / w.slots.len().max(1) as i64).max(1)
 }
 
 /// Lists the rows of `windows` (each with its `upto` taken and nothing
@@ -294,6 +294,16 @@ pub(crate) async fn list_windows(
     conn: &mut PgConnection,
     windows: &mut [&mut Window],
     skip: &Skip,
+) -> Result<()> {
+    list_windows_capped(conn, windows, skip, LIST_CAP).await
+}
+
+/// [`list_windows`] with `list_cap` rows at most per window.
+async fn list_windows_capped(
+    conn: &mut PgConnection,
+    windows: &mut [&mut Window],
+    skip: &Skip,
+    list_cap: i64,
 ) -> Result<()> {
     let (mut slot, mut idx, mut done, mut upto, mut after, mut caps) = (
         Vec::new(),
@@ -313,7 +323,7 @@ pub(crate) async fn list_windows(
             done.push(w.done.as_str());
             upto.push(u.as_str());
             after.push(w.after_id);
-            caps.push(cap_of(w));
+            caps.push(cap_of(w, list_cap));
         }
     }
     if slot.is_empty() {
@@ -351,7 +361,7 @@ pub(crate) async fn list_windows(
         }
         let cut = counts
             .values()
-            .filter(|(n, _)| *n >= cap_of(w))
+            .filter(|(n, _)| *n >= cap_of(w, list_cap))
             .map(|(_, last)| *last)
             .min();
         if let Some(cut) = cut {

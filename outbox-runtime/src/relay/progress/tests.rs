@@ -293,6 +293,80 @@ async fn enabling_leaves_out_only_what_is_published(pool: PgPool) {
     assert_eq!(read, expected);
 }
 
+/// Two lanes' windows listed in one statement with a cap small enough that
+/// most slots reach it: each window's list stops at the lowest last row of
+/// its capped slots, and taking, fetching and handing its rows (the lists
+/// that follow made one window at a time) reads every row of its slots
+/// once, in id order.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn windows_listed_together_under_a_cap_read_each_row_once(pool: PgPool) {
+    enable(&pool).await.unwrap();
+    sqlx::query(
+        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                   payload, topic, partition_key)
+         SELECT gen_random_uuid(), 'A', 'a', 'E', '{}', 't', 'k' || (g % 40)
+         FROM generate_series(1, 400) AS g",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let lanes: Vec<Vec<i16>> = vec![
+        (0..64).filter(|s| s % 2 == 0).collect(),
+        (0..64).filter(|s| s % 2 == 1).collect(),
+    ];
+    let mut windows = Vec::new();
+    for slots in &lanes {
+        windows.push(load(&mut conn, slots).await.unwrap());
+    }
+    let snapshot: String = sqlx::query_scalar("SELECT pg_current_snapshot()::text")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    let mut ready: Vec<&mut Window> = windows
+        .iter_mut()
+        .filter_map(|w| w.ready(&snapshot).then_some(w))
+        .collect();
+    assert_eq!(ready.len(), 2);
+    // 32 slots a window, 2 rows a slot at most.
+    list_windows_capped(&mut conn, &mut ready, &Skip::default(), 64)
+        .await
+        .unwrap();
+    for (w, slots) in windows.iter().zip(&lanes) {
+        let of_lane: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE lane_slot = ANY($1)")
+                .bind(slots)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert!(
+            !w.complete && (w.listed.len() as i64) < of_lane,
+            "cut by the cap"
+        );
+        assert!(w.listed.iter().map(|r| r.0).is_sorted());
+    }
+    for (w, slots) in windows.iter_mut().zip(&lanes) {
+        let mut read = Vec::new();
+        while let Some(taken) = w
+            .take(&mut conn, 7, &Skip::default(), &mut Default::default())
+            .await
+            .unwrap()
+        {
+            let rows = fetch(&mut conn, &taken).await.unwrap();
+            let keep = rows.len();
+            read.extend(w.hand(&taken, rows, keep).into_iter().map(|r| r.id));
+        }
+        let expected: Vec<i64> =
+            sqlx::query_scalar("SELECT id FROM outbox_event WHERE lane_slot = ANY($1) ORDER BY id")
+                .bind(slots)
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert!(!expected.is_empty());
+        assert_eq!(read, expected);
+    }
+}
+
 /// A chunk stops at the byte budget (the first row comes alone when it is
 /// larger) and the rest of the window follows.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
