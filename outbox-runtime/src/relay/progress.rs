@@ -200,56 +200,32 @@ pub async fn load(conn: &mut PgConnection, slots: &[i16]) -> Result<Window> {
     })
 }
 
-/// A window's rows after the id `$4` (id, event id, `ctid`, and the topic
-/// of a row passed over), in id order, at most `$5`: the rows of slots `$1`
-/// whose transaction is visible in `$3` (`upto`) and not in `$2` (`done`),
-/// without a state of their own. That condition is written
-/// with `num_nulls`: the default mode's partial indexes of unpublished rows
-/// (whose predicates a `coalesce(…) IS NULL` or `… IS NULL AND …` would
-/// match) hold every row of the table in this mode, and a window read
-/// through them reads all of the lane's rows (measured: a claim of 2,000
-/// rows went from 20 to 200 ms within a backlog of 20,000); only [`INDEX`]
-/// serves this condition. The transactions of `done`'s `xip` list are
-/// probed one by one (a lateral subquery the planner cannot flatten:
-/// written as `txid = ANY(…)` or a join, it read every row of the slots,
-/// the whole history, at each list).
+/// The rows of several windows (a claim's lanes', or one window's), in one
+/// statement: per slot `$1`, its window's index `$2` in the request,
+/// `done` `$3`, `upto` `$4`, `after_id` `$5` and the most rows listed `$6`
+/// (the window's share of [`LIST_CAP`]), lowest ids first. A window's rows
+/// (id, event id, `ctid`, and the topic of a row passed over) are those of
+/// its slots after its `after_id` whose transaction is visible in `upto`
+/// and not in `done`, without a state of their own. That condition is
+/// written with `num_nulls`: the default mode's partial indexes of
+/// unpublished rows (whose predicates a `coalesce(…) IS NULL` or `… IS
+/// NULL AND …` would match) hold every row of the table in this mode, and
+/// a window read through them reads all of the lane's rows (measured: a
+/// claim of 2,000 rows went from 20 to 200 ms within a backlog of 20,000);
+/// only [`INDEX`] serves this condition. The transactions of `done`'s `xip`
+/// list are probed one by one (a lateral subquery the planner cannot
+/// flatten: written as `txid = ANY(…)` or a join, it read every row of the
+/// slots, the whole history, at each list).
 ///
-/// A row of a held topic (`$6`, each with its `since` in `$7`) is passed
+/// A row of a held topic (`$7`, each with its `since` in `$8`) is passed
 /// over, its topic returned, if its transaction is not visible in the
-/// topic's `since` and is visible in the fence `$8` (see [`Skip`]).
-const LIST: &str = "
-SELECT w.id, w.event_id, w.tid,
-       CASE WHEN EXISTS (SELECT 1 FROM unnest($6::text[], $7::text[]) AS h(topic, since)
-                         WHERE h.topic = w.topic
-                           AND NOT pg_visible_in_snapshot(w.txid, h.since::pg_snapshot)
-                           AND pg_visible_in_snapshot(w.txid, $8::pg_snapshot))
-            THEN w.topic END AS skipped
-FROM (
-    SELECT e.* FROM unnest(ARRAY(SELECT pg_snapshot_xip($2::pg_snapshot))) AS x(txid)
-    CROSS JOIN LATERAL (
-        SELECT e.id, e.event_id, e.ctid::text AS tid, e.topic, e.txid FROM outbox_event e
-        WHERE e.lane_slot = ANY($1::int2[]) AND e.txid = x.txid
-          AND pg_visible_in_snapshot(e.txid, $3::pg_snapshot)
-          AND e.id > $4 AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3
-        OFFSET 0) e
-    UNION ALL
-    SELECT e.id, e.event_id, e.ctid::text AS tid, e.topic, e.txid FROM outbox_event e
-    WHERE e.lane_slot = ANY($1::int2[])
-      AND e.txid >= pg_snapshot_xmax($2::pg_snapshot)
-      AND e.txid < pg_snapshot_xmax($3::pg_snapshot)
-      AND pg_visible_in_snapshot(e.txid, $3::pg_snapshot)
-      AND e.id > $4 AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3
-) w
-ORDER BY w.id LIMIT $5";
-
-/// [`LIST`] for the windows of several lanes in one statement (a claim's
-/// lanes): per slot `$1`, its window's index `$2` in the request, `done`
-/// `$3`, `upto` `$4`, `after_id` `$5` and the most rows listed `$6` (the
-/// window's share of [`LIST_CAP`]), lowest ids first; `$7`, `$8` and `$9` as `LIST`'s `$6`, `$7` and `$8`
-/// (a NULL fence: each window's `upto`). Planned at each call (not a
-/// prepared statement's generic plan: one planned while the table was
-/// empty, as when a relay starts on a new outbox, reads the windows through
-/// the primary key, every row of the table at each list).
+/// topic's `since` and is visible in the fence `$9` (NULL: the window's
+/// `upto`; see [`Skip`]).
+///
+/// Planned at each call (not a prepared statement's generic plan: one
+/// planned while the table was empty, as when a relay starts on a new
+/// outbox, reads the windows through the primary key, every row of the
+/// table at each list).
 const LIST_MANY: &str = "
 SELECT l.idx, l.slot, w.id, w.event_id, w.tid,
        CASE WHEN EXISTS (SELECT 1 FROM unnest($7::text[], $8::text[]) AS h(topic, since)
@@ -590,35 +566,18 @@ impl Window {
         skip: &Skip,
         skipped: &mut std::collections::HashMap<String, i64>,
     ) -> Result<Option<Vec<Listed>>> {
-        let upto = match &self.upto {
-            Some(upto) => upto.clone(),
-            None => {
-                let upto: String = sqlx::query_scalar("SELECT pg_current_snapshot()::text")
-                    .fetch_one(&mut *conn)
-                    .await?;
-                self.upto = Some(upto.clone());
-                upto
-            }
-        };
+        if self.upto.is_none() {
+            let upto: String = sqlx::query_scalar("SELECT pg_current_snapshot()::text")
+                .fetch_one(&mut *conn)
+                .await?;
+            self.upto = Some(upto);
+        }
         loop {
             if self.listed.is_empty() {
                 if self.complete {
                     return Ok(None);
                 }
-                let ids: Vec<(i64, Uuid, String, Option<String>)> = sqlx::query_as(LIST)
-                    .persistent(false)
-                    .bind(&self.slots)
-                    .bind(&self.done)
-                    .bind(&upto)
-                    .bind(self.after_id)
-                    .bind(LIST_CAP)
-                    .bind(&skip.topics)
-                    .bind(&skip.since)
-                    .bind(skip.fence.as_deref().unwrap_or(upto.as_str()))
-                    .fetch_all(&mut *conn)
-                    .await?;
-                self.complete = (ids.len() as i64) < LIST_CAP;
-                self.listed = ids.into();
+                list_windows(conn, &mut [&mut *self], skip).await?;
                 continue;
             }
             // Rows passed over lead the list: the position moves past them.
