@@ -1,7 +1,11 @@
 //! Operations with the broker: replay after the broker lost its data (a
 //! private in-memory broker restarted empty), with a relay running and a
 //! deduplicating consumer; and one trace from a command through the relay,
-//! Kafka and a handler to its follow-up event.
+//! Kafka and a handler to its follow-up event. Each test runs in the
+//! progress mode too (`OUTBOX_TEST_RELAY_MODE=progress`, in the test
+//! command): "published" is then "passed by its slot's position", and the
+//! tests that publish rows by hand record such a position instead of
+//! marking them.
 
 mod common;
 
@@ -65,6 +69,20 @@ async fn commit_placed(pool: &PgPool, n: usize, keys: usize) -> Vec<Uuid> {
     ids
 }
 
+/// Makes every row published as a relay would: marks them (the default
+/// mode), or records a position of every lane slot that passes them (the
+/// progress mode, where rows are not written when published).
+async fn publish_all_by_hand(pool: &PgPool) {
+    let publish = if progress_mode() {
+        "INSERT INTO outbox_progress (slots, done)
+         SELECT ARRAY(SELECT generate_series(0, 63))::int2[], pg_current_snapshot()"
+    } else {
+        "UPDATE outbox_event SET published_at = now()"
+    };
+    sqlx::query(publish).execute(pool).await.unwrap();
+    assert_eq!(unpublished(pool).await, 0);
+}
+
 fn relay(pool: &PgPool, brokers: &str) -> outbox_runtime::RelayHandle {
     Relay::builder(pool.clone())
         .brokers(brokers)
@@ -83,6 +101,7 @@ async fn projected(pool: &PgPool) -> i64 {
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn replay_restores_every_event_after_the_broker_lost_its_data(pool: PgPool) {
+    relay_mode(&pool).await;
     init_tracing();
     sqlx::query("CREATE TABLE projection (event_id uuid PRIMARY KEY, key text, seq bigint)")
         .execute(&pool)
@@ -213,22 +232,25 @@ async fn replay_restores_every_event_after_the_broker_lost_its_data(pool: PgPool
         100,
         "only the new events' handlers ran"
     );
-    let published: i64 =
+    // The replay changed no row: every row is published as the relay left
+    // it, marked (the default mode) or passed by the positions, none
+    // written (the progress mode).
+    assert_eq!(unpublished(&pool).await, 0);
+    let marked: i64 =
         sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE published_at IS NOT NULL")
             .fetch_one(&pool)
             .await
             .unwrap();
-    assert_eq!(published, 400, "the replay changed no row");
+    let expected = if progress_mode() { 0 } else { 400 };
+    assert_eq!(marked, expected, "the replay changed no row");
     drop(broker);
 }
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_replay_that_cannot_deliver_stops_and_names_where_to_resume(pool: PgPool) {
+    relay_mode(&pool).await;
     let ids = commit_placed(&pool, 10, 2).await;
-    sqlx::query("UPDATE outbox_event SET published_at = now()")
-        .execute(&pool)
-        .await
-        .unwrap();
+    publish_all_by_hand(&pool).await;
     let first: i64 = sqlx::query_scalar("SELECT min(id) FROM outbox_event")
         .fetch_one(&pool)
         .await
@@ -285,6 +307,7 @@ async fn a_replay_that_cannot_deliver_stops_and_names_where_to_resume(pool: PgPo
 /// the topic exists, a replay from the id it names delivers both.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_replay_holds_back_a_keys_later_events_after_a_failed_delivery(pool: PgPool) {
+    relay_mode(&pool).await;
     let (missing, present) = (
         unique_topic("replay-missing"),
         unique_topic("replay-present"),
@@ -295,10 +318,7 @@ async fn a_replay_holds_back_a_keys_later_events_after_a_failed_delivery(pool: P
     let second = uow.record_message(message(&present, "k", 1));
     let other = uow.record_message(message(&present, "other", 0));
     uow.commit().await.unwrap();
-    sqlx::query("UPDATE outbox_event SET published_at = now()")
-        .execute(&pool)
-        .await
-        .unwrap();
+    publish_all_by_hand(&pool).await;
     let first_id: i64 = sqlx::query_scalar("SELECT id FROM outbox_event WHERE event_id = $1")
         .bind(first)
         .fetch_one(&pool)
@@ -354,21 +374,34 @@ async fn a_replay_holds_back_a_keys_later_events_after_a_failed_delivery(pool: P
 /// dedup window is declared longer.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_replay_beyond_the_dedup_window_is_refused_without_force(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("replay-window");
     create_topic(&brokers(), &topic).await;
     let committed = commit_messages(&pool, &topic, 10, 2, 5).await;
-    sqlx::query(
-        "UPDATE outbox_event SET published_at = now() - age, created_at = now() - age - interval '1 s'
+    // Published 8 days or an hour ago: in the progress mode a row has no
+    // time of its own, its creation stands for its publication.
+    let published_at = if progress_mode() {
+        ""
+    } else {
+        "published_at = now() - age, "
+    };
+    sqlx::query(&format!(
+        "UPDATE outbox_event SET {published_at}created_at = now() - age - interval '1 s'
          FROM (SELECT id AS row, CASE WHEN id % 2 = 0 THEN interval '8 days'
                                       ELSE interval '1 hour' END AS age
                FROM outbox_event) AS a
          WHERE id = a.row",
-    )
+    ))
     .execute(&pool)
     .await
     .unwrap();
+    if progress_mode() {
+        publish_all_by_hand(&pool).await;
+    }
+    assert_eq!(unpublished(&pool).await, 0);
     let old: (i64, i64) = sqlx::query_as(
-        "SELECT count(*), min(id) FROM outbox_event WHERE published_at < now() - interval '7 days'",
+        "SELECT count(*), min(id) FROM outbox_event
+         WHERE coalesce(published_at, created_at) < now() - interval '7 days'",
     )
     .fetch_one(&pool)
     .await
@@ -532,6 +565,7 @@ async fn headers_of(pool: &PgPool, event_type: &str) -> Vec<(Uuid, Headers)> {
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn one_trace_from_the_command_to_the_follow_up_event(pool: PgPool) {
+    relay_mode(&pool).await;
     use tracing_subscriber::layer::SubscriberExt;
     let spans = Spans::default();
     // The test's runtime runs every task on this thread.
