@@ -4,6 +4,12 @@
 //! every dated range, partitions created ahead by one maintainer, and
 //! retention by partition (old published partitions dropped, partitions
 //! with rows still needed kept).
+//!
+//! The tests that call `relay_mode` run in the progress mode too
+//! (`OUTBOX_TEST_RELAY_MODE=progress`, in the test command): "published" is
+//! then "passed by its slot's position" (see `common::unpublished`), and
+//! retention keeps a partition until every lane's position is past its
+//! rows. The tests of that mode's own rules enable it themselves.
 
 mod common;
 
@@ -70,6 +76,7 @@ async fn dedup(pool: &PgPool, consumer: &str, event_id: Uuid) -> u64 {
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn enabling_on_an_installation_with_rows_keeps_rows_ids_dedup_and_publishing(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("part-enable");
     create_topic(&brokers(), &topic).await;
     let before = commit_messages(&pool, &topic, 30, 5, 10).await;
@@ -258,6 +265,7 @@ async fn enabling_on_an_installation_with_rows_keeps_rows_ids_dedup_and_publishi
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn enabling_is_refused_while_a_relay_runs(pool: PgPool) {
+    relay_mode(&pool).await;
     // The relay on a pool of its own: a relay stopped while it samples its
     // backlog gauges can hand its pool a connection still inside the
     // sample's read-only transaction.
@@ -452,6 +460,7 @@ async fn past_partitions(pool: &PgPool, table: &str, days: i64) -> Vec<(i64, Str
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn retention_drops_old_partitions_and_keeps_those_with_rows_still_needed(pool: PgPool) {
+    relay_mode(&pool).await;
     partition::enable(&pool, &PartitionPlan::default())
         .await
         .unwrap();
@@ -1087,6 +1096,7 @@ async fn in_the_progress_mode_retention_drops_what_the_positions_passed(pool: Pg
 /// keeps its partition.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_cancelled_scheduled_event_does_not_keep_its_partition(pool: PgPool) {
+    relay_mode(&pool).await;
     partition::enable(&pool, &PartitionPlan::default())
         .await
         .unwrap();
