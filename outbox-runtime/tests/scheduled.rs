@@ -3,6 +3,13 @@
 //! event is published once its time has come and not before, even by a
 //! relay whose poll interval is longer than the wait; it does not hold back
 //! the later events of its key; a cancelled one is never published.
+//!
+//! The tests that call `relay_mode` run in the progress mode too
+//! (`OUTBOX_TEST_RELAY_MODE=progress`, in the test command): "published" is
+//! then "passed by its slot's position" (see `common::unpublished`); a
+//! scheduled row waits on the held rows' path until due and is marked
+//! published there, in either mode; a missing topic is held as a row of
+//! `outbox_held_topic` instead of on its events' rows.
 
 mod common;
 
@@ -20,20 +27,55 @@ fn relay(pool: &PgPool) -> outbox_runtime::RelayBuilder {
         .delivery_timeout(Duration::from_secs(10))
 }
 
-/// Whether the database's clock has passed the row's `due_at`, and whether
-/// the row is published.
-async fn due_and_published(pool: &PgPool, event_id: Uuid) -> (bool, bool) {
-    sqlx::query_as(
-        "SELECT due_at <= clock_timestamp(), published_at IS NOT NULL
-         FROM outbox_event WHERE event_id = $1",
-    )
+/// Whether the row is published: marked, or passed by its slot's position
+/// (the progress mode).
+async fn published(pool: &PgPool, event_id: Uuid) -> bool {
+    let published = outbox_runtime::relay::progress::Published::of(pool)
+        .await
+        .unwrap();
+    sqlx::query_scalar(&format!(
+        "{}SELECT {} FROM outbox_event WHERE event_id = $1",
+        published.with, published.condition
+    ))
     .bind(event_id)
     .fetch_one(pool)
     .await
     .unwrap()
 }
 
-/// Whether `event_id` was published at or after its `due_at`.
+/// Whether the database's clock has passed the row's `due_at`, and whether
+/// the row is published (in either relay mode).
+async fn due_and_published(pool: &PgPool, event_id: Uuid) -> (bool, bool) {
+    let due: bool = sqlx::query_scalar(
+        "SELECT due_at <= clock_timestamp() FROM outbox_event WHERE event_id = $1",
+    )
+    .bind(event_id)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    (due, published(pool, event_id).await)
+}
+
+/// Whether a topic missing on the broker is held: on its rows (the
+/// default mode), or as a row of `outbox_held_topic` (the progress mode).
+async fn topic_held(pool: &PgPool, topic: &str) -> bool {
+    let held = if progress_mode() {
+        "SELECT EXISTS (SELECT 1 FROM outbox_held_topic WHERE topic = $1)"
+    } else {
+        "SELECT EXISTS (SELECT 1 FROM outbox_event
+                        WHERE topic = $1 AND held_until IS NOT NULL AND due_at IS NULL
+                          AND published_at IS NULL)"
+    };
+    sqlx::query_scalar(held)
+        .bind(topic)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Whether `event_id` was marked published at or after its `due_at` (a
+/// scheduled row goes out on the held rows' path, which marks it, in
+/// either relay mode).
 async fn published_when_due(pool: &PgPool, event_id: Uuid) -> bool {
     sqlx::query_scalar("SELECT published_at >= due_at FROM outbox_event WHERE event_id = $1")
         .bind(event_id)
@@ -52,6 +94,7 @@ fn ids(received: &[Received]) -> Vec<Uuid> {
 /// minute) is far longer, since an idle relay wakes when the next hold ends.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_scheduled_event_goes_out_at_its_time_and_not_before(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("scheduled-due");
     create_topic(&brokers(), &topic).await;
     let handle = relay(&pool)
@@ -96,6 +139,7 @@ async fn a_scheduled_event_goes_out_at_its_time_and_not_before(pool: PgPool) {
 /// S, S after its time; on K's partition, E1, E2, S.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_scheduled_event_does_not_hold_back_its_keys_later_events(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("scheduled-order");
     create_topic(&brokers(), &topic).await;
     let handle = relay(&pool).spawn().unwrap();
@@ -151,6 +195,7 @@ fn reminder(key: &str, seq: u64) -> Reminder {
 /// already, `false`.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn cancelled_scheduled_events_are_never_published(pool: PgPool) {
+    relay_mode(&pool).await;
     create_topic(&brokers(), <Reminder as DomainEvent>::TOPIC).await;
     let key = Uuid::now_v7().to_string();
     let mut uow = UnitOfWork::begin(&pool).await.unwrap();
@@ -211,15 +256,14 @@ async fn cancelled_scheduled_events_are_never_published(pool: PgPool) {
         .collect();
     assert_eq!(mine.len(), 3, "{mine:?}");
     assert!(!mine.contains(&cancelled) && !mine.contains(&never_written));
-    let (reason, published): (Option<String>, bool) = sqlx::query_as(
-        "SELECT discard_reason, published_at IS NOT NULL FROM outbox_event WHERE event_id = $1",
-    )
-    .bind(cancelled)
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    let reason: Option<String> =
+        sqlx::query_scalar("SELECT discard_reason FROM outbox_event WHERE event_id = $1")
+            .bind(cancelled)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
     assert_eq!(reason.as_deref(), Some("cancelled"));
-    assert!(!published);
+    assert!(!published(&pool, cancelled).await);
     let status = ops::status(&pool).await.unwrap();
     assert_eq!(status.scheduled.total, 0);
 
@@ -346,6 +390,7 @@ async fn the_migration_and_scheduled_events_work_on_the_partitioned_layout(pool:
     assert!(old.iter().all(|d| !d.contains("due_at")), "{old:?}");
 
     outbox_core::migrate(&pool).await.unwrap();
+    relay_mode(&pool).await;
     let new = held_key_indexes(&pool).await;
     assert_eq!(new.len(), old.len(), "{new:?}");
     assert!(new.iter().all(|d| d.contains("due_at IS NULL")), "{new:?}");
@@ -386,6 +431,7 @@ async fn the_migration_and_scheduled_events_work_on_the_partitioned_layout(pool:
 /// topic keeps waiting for its own time through all of it.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_missing_topics_release_leaves_scheduled_rows_waiting(pool: PgPool) {
+    relay_mode(&pool).await;
     let missing = unique_topic("scheduled-missing");
     let mut uow = UnitOfWork::begin(&pool).await.unwrap();
     let plain = uow.record_message(message(&missing, "a", 0));
@@ -398,41 +444,29 @@ async fn a_missing_topics_release_leaves_scheduled_rows_waiting(pool: PgPool) {
         .missing_topic_hold(Duration::from_millis(300), Duration::from_secs(1))
         .spawn()
         .unwrap();
-    let held = || async {
-        sqlx::query_scalar::<_, bool>(
-            "SELECT held_until IS NOT NULL FROM outbox_event WHERE event_id = $1",
-        )
-        .bind(plain)
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-    };
-    assert!(eventually(Duration::from_secs(30), held).await);
+    assert!(eventually(Duration::from_secs(30), || topic_held(&pool, &missing)).await);
     // A few rounds of holds extended.
     tokio::time::sleep(Duration::from_secs(2)).await;
     create_topic(&brokers(), &missing).await;
     assert!(
         eventually(Duration::from_secs(60), || async {
-            sqlx::query_scalar::<_, bool>(
-                "SELECT published_at IS NOT NULL FROM outbox_event WHERE event_id = $1",
-            )
-            .bind(plain)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
+            published(&pool, plain).await
         })
         .await
     );
+    assert!(!topic_held(&pool, &missing).await, "the topic's hold ended");
     tokio::time::sleep(Duration::from_secs(2)).await;
     handle.shutdown().await.unwrap();
-    let waiting: bool = sqlx::query_scalar(
-        "SELECT held_until = due_at AND published_at IS NULL FROM outbox_event WHERE event_id = $1",
-    )
-    .bind(scheduled)
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    assert!(waiting, "the scheduled row still waits for its time");
+    let waiting: bool =
+        sqlx::query_scalar("SELECT held_until = due_at FROM outbox_event WHERE event_id = $1")
+            .bind(scheduled)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(
+        waiting && !published(&pool, scheduled).await,
+        "the scheduled row still waits for its time"
+    );
 }
 
 /// Once released, a scheduled event whose delivery fails is handled like
@@ -440,6 +474,7 @@ async fn a_missing_topics_release_leaves_scheduled_rows_waiting(pool: PgPool) {
 /// it still go out.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_scheduled_event_that_fails_once_due_is_retried_then_parked(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("scheduled-fails");
     create_topic(&brokers(), &topic).await;
     let mut uow = UnitOfWork::begin(&pool).await.unwrap();
@@ -455,14 +490,14 @@ async fn a_scheduled_event_that_fails_once_due_is_retried_then_parked(pool: PgPo
         .spawn()
         .unwrap();
     let parked = || async {
-        sqlx::query_as::<_, (bool, i32, bool)>(
-            "SELECT parked_at IS NOT NULL, attempts, published_at IS NOT NULL
-             FROM outbox_event WHERE event_id = $1",
+        let (parked, attempts) = sqlx::query_as::<_, (bool, i32)>(
+            "SELECT parked_at IS NOT NULL, attempts FROM outbox_event WHERE event_id = $1",
         )
         .bind(scheduled)
         .fetch_one(&pool)
         .await
-        .unwrap()
+        .unwrap();
+        (parked, attempts, published(&pool, scheduled).await)
     };
     assert!(
         eventually(Duration::from_secs(30), || async { parked().await.0 }).await,
