@@ -1,7 +1,10 @@
 //! Batches bounded by bytes as well as rows, against a real PostgreSQL
 //! (fresh database per test) and the real broker: the relay's claim stops at
 //! its byte budget (and keeps every key in order across the cut), and a
-//! consumer's batch stops at its own.
+//! consumer's batch stops at its own. The relay's tests run in the
+//! progress mode too (`OUTBOX_TEST_RELAY_MODE=progress`, in the test
+//! command): "published" is then "passed by its slot's position" (see
+//! `common::unpublished`).
 
 mod common;
 
@@ -34,6 +37,7 @@ async fn commit_padded(pool: &PgPool, topic: &str, events: &[(&str, usize)]) -> 
 /// although every claim stops short of rows it has read ahead.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn the_relay_claims_at_most_its_byte_budget_and_keeps_keys_in_order(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("relay-bytes");
     create_topic(&brokers(), &topic).await;
     let mut events: Vec<(&str, usize)> = vec![("k0", 400_000)];
@@ -69,6 +73,7 @@ async fn the_relay_claims_at_most_its_byte_budget_and_keeps_keys_in_order(pool: 
 /// Without a byte budget in reach, the row count alone bounds a batch.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn small_events_fill_batches_by_rows(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("relay-rows");
     create_topic(&brokers(), &topic).await;
     let committed = commit_messages(&pool, &topic, 1_000, 10, 100).await;

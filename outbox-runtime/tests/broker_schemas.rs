@@ -4,7 +4,10 @@
 //! events are accepted and read back in order per key, while an event whose
 //! payload breaks its schema is refused by the broker, parked with the
 //! broker's refusal as the reason, and holds back nothing but the later
-//! events of its key until it is parked.
+//! events of its key until it is parked. It runs in the progress mode too
+//! (`OUTBOX_TEST_RELAY_MODE=progress`, in the test command): "published" is
+//! then "passed by its slot's position", and a parked row still gets
+//! `parked_at` there.
 
 mod common;
 
@@ -132,6 +135,7 @@ fn broken(key: &str, payload: serde_json::Value) -> OutboxMessage {
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn the_broker_refuses_an_event_that_breaks_its_schema_and_the_relay_parks_it(pool: PgPool) {
+    relay_mode(&pool).await;
     init_tracing();
     let catalogue = Catalogue::new("shipping").event(&shipped("k0", 0));
     let broker = ValidatingBroker::start(&catalogue);

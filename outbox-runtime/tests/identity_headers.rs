@@ -2,7 +2,9 @@
 //! come from the framework only: a row whose stored headers carry the same
 //! names (written by another tool or an older version) is published with
 //! the framework's own identity headers once, and its spoofed ones dropped.
-//! (Recording such a header is refused: see the root crate's tests.)
+//! (Recording such a header is refused: see the root crate's tests.) It
+//! runs in the progress mode too (`OUTBOX_TEST_RELAY_MODE=progress`, in the
+//! test command): "published" is then "passed by its slot's position".
 
 mod common;
 
@@ -15,6 +17,7 @@ use uuid::Uuid;
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn stored_headers_cannot_spoof_the_identity_headers(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("identity-headers");
     create_topic(&brokers(), &topic).await;
     let event_id = Uuid::now_v7();

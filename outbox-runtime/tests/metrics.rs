@@ -3,7 +3,10 @@
 //! events apart), the consumer's
 //! counters and lag, as scraped over HTTP. Its
 //! own test binary, so that no other relay in the process adds to the
-//! process-wide counters.
+//! process-wide counters. It runs in the progress mode too
+//! (`OUTBOX_TEST_RELAY_MODE=progress`, in the test command): "published" is
+//! then "passed by its slot's position" (see `common::unpublished`), and
+//! the backlog gauges count what the positions have not passed.
 
 mod common;
 
@@ -64,6 +67,7 @@ fn sample(body: &str, name: &str) -> Option<f64> {
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn the_metrics_endpoint_counts_published_events(pool: PgPool) {
+    relay_mode(&pool).await;
     init_tracing();
     let server = outbox_runtime::metrics::serve("127.0.0.1:0".parse().unwrap())
         .await

@@ -6,7 +6,9 @@
 //! scrape of `/metrics` must hold each name (histograms by their `_bucket`,
 //! `_sum`, `_count` series) with each label the expressions match or group
 //! by. Its own test binary: one metrics recorder per process, and no other
-//! relay in it to add to the process-wide series.
+//! relay in it to add to the process-wide series. It runs in the progress
+//! mode too (`OUTBOX_TEST_RELAY_MODE=progress`, in the test command):
+//! "published" is then "passed by its slot's position".
 
 mod common;
 mod deploy;
@@ -122,6 +124,7 @@ fn missing(body: &str) -> Vec<String> {
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn the_alerts_and_the_dashboard_use_only_series_the_code_emits(pool: PgPool) {
+    relay_mode(&pool).await;
     init_tracing();
     let server = outbox_runtime::metrics::serve("127.0.0.1:0".parse().unwrap())
         .await

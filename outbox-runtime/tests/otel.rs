@@ -8,7 +8,10 @@
 //! mode) → its follow-up event → (relay) → the next consumer's
 //! `handle_event` (inbox mode): one trace, each a child of the one before.
 //! Also the rows' `traceparent` with and without an OpenTelemetry layer,
-//! and the cap on a batch span's links.
+//! and the cap on a batch span's links. The tests with a relay run in the
+//! progress mode too (`OUTBOX_TEST_RELAY_MODE=progress`, in the test
+//! command): "published" is then "passed by its slot's position" (see
+//! `common::unpublished`).
 
 mod common;
 
@@ -184,6 +187,7 @@ impl InboxHandler for MarkPaid {
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn one_trace_from_the_command_through_the_relay_to_the_second_handler(pool: PgPool) {
+    relay_mode(&pool).await;
     exporter();
     sqlx::query("CREATE TABLE paid (order_id text PRIMARY KEY, event_id uuid NOT NULL)")
         .execute(&pool)
@@ -426,6 +430,7 @@ async fn without_an_opentelemetry_layer_the_unit_of_work_starts_its_own_trace(po
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_batch_span_links_at_most_128_contexts_and_counts_the_rest(pool: PgPool) {
+    relay_mode(&pool).await;
     exporter();
     let topic = unique_topic("otel-links");
     create_topic(&brokers(), &topic).await;
