@@ -2,6 +2,11 @@
 //! its connections' `search_path`: each outbox's relays, lanes, wake-up
 //! lock, NOTIFY channel and cleanup leader are its own. Real PostgreSQL, real
 //! broker.
+//!
+//! The tests that call `relay_mode` run in the progress mode too
+//! (`OUTBOX_TEST_RELAY_MODE=progress`, in the test command), each schema's
+//! outbox in it: "published" is then "passed by its slot's position" (see
+//! `common::unpublished`), the positions each outbox's own.
 
 mod common;
 
@@ -55,6 +60,8 @@ async fn two_outbox_schemas_drain_fully_in_per_key_order(pool: PgPool) {
     init_tracing();
     let a = schema_pool(&pool, "svc_a", 4).await;
     let b = schema_pool(&pool, "svc_b", 4).await;
+    relay_mode(&a).await;
+    relay_mode(&b).await;
     let (topic_a, topic_b) = (unique_topic("schema-a"), unique_topic("schema-b"));
     // Two relays write each fresh topic at once: warm its partitions up.
     create_warm_topic(&brokers(), &topic_a).await;
@@ -105,6 +112,8 @@ async fn two_outbox_schemas_drain_fully_in_per_key_order(pool: PgPool) {
 async fn cleanup_jobs_of_two_schemas_each_have_a_leader(pool: PgPool) {
     let a = schema_pool(&pool, "svc_a", 3).await;
     let b = schema_pool(&pool, "svc_b", 3).await;
+    relay_mode(&a).await;
+    relay_mode(&b).await;
     let every = Duration::from_millis(100);
     let days = Duration::from_secs(30 * 86_400);
     let job_a = Cleanup::new(a.clone(), Retention::new(days), every)
