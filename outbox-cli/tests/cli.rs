@@ -1,5 +1,11 @@
 //! The `outbox` command against a real PostgreSQL and the broker: every
 //! subcommand, exit codes for bad configuration, and no secrets in logs.
+//! The tests of an outbox run in the progress mode too
+//! (`OUTBOX_TEST_RELAY_MODE=progress`, in the test command; the mode is the
+//! database's, enabled before any command runs): "published" is then
+//! "passed by its slot's position", and the tests that publish rows by hand
+//! record such a position instead of marking them, the rows' creation
+//! standing for their publication time.
 
 #[path = "../../outbox-runtime/tests/common/mod.rs"]
 mod common;
@@ -35,6 +41,22 @@ async fn outbox(url: Option<&str>, args: &[&str]) -> Output {
         .expect("run outbox")
 }
 
+/// Publishes the rows `condition` selects as a relay would: marks them
+/// (`published_at = published`, the default mode), or, in the progress mode,
+/// records a position of every lane slot that passes every row committed so
+/// far (`condition` and `published` ignored: a row has no time of its own
+/// there, its creation stands for it).
+async fn publish_by_hand(pool: &PgPool, condition: &str, published: &str) {
+    let sql = if progress_mode() {
+        "INSERT INTO outbox_progress (slots, done)
+         SELECT ARRAY(SELECT generate_series(0, 63))::int2[], pg_current_snapshot()"
+            .to_owned()
+    } else {
+        format!("UPDATE outbox_event SET published_at = {published} WHERE {condition}")
+    };
+    sqlx::query(&sql).execute(pool).await.unwrap();
+}
+
 fn text(o: &Output) -> (String, String) {
     (
         String::from_utf8_lossy(&o.stdout).into_owned(),
@@ -50,6 +72,7 @@ async fn migrate_status_topics_parked_and_notify(pool: PgPool) {
         assert!(o.status.success(), "{:?}", text(&o));
         assert!(text(&o).0.contains("migrations applied"));
     }
+    relay_mode(&pool).await;
     let topic = unique_topic("cli");
     commit_messages(&pool, &topic, 7, 2, 7).await;
 
@@ -108,6 +131,12 @@ async fn migrate_status_topics_parked_and_notify(pool: PgPool) {
     assert_eq!(o.status.code(), Some(2), "requeue needs --all or --id");
     let o = outbox(Some(&url), &["parked", "requeue", "--all"]).await;
     assert!(text(&o).0.contains("requeued 1"), "{:?}", text(&o));
+    let o = outbox(Some(&url), &["status", "--json"]).await;
+    let status: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON status");
+    assert_eq!(
+        (status["unpublished"].as_i64(), status["parked"].as_i64()),
+        (Some(7), Some(0))
+    );
 
     let o = outbox(Some(&url), &["notify", "off"]).await;
     assert!(text(&o).0.contains("notify: off"));
@@ -160,6 +189,7 @@ async fn bad_configuration_is_a_clear_error_not_a_panic() {
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn credentials_never_appear_in_logs(pool: PgPool) {
+    relay_mode(&pool).await;
     let o = pool.connect_options();
     // A password in the URL (trust auth ignores it) and a secret -X setting.
     let url = format!(
@@ -217,31 +247,35 @@ async fn credentials_never_appear_in_logs(pool: PgPool) {
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn replay_cleanup_and_parked_drop(pool: PgPool) {
+    relay_mode(&pool).await;
     let url = url_of(&pool);
     let topic = unique_topic("cli-ops");
     create_topic(&brokers(), &topic).await;
     let ids = commit_messages(&pool, &topic, 12, 3, 12).await;
     // Ten published (two of them long ago), two parked.
     sqlx::query(
-        "UPDATE outbox_event SET published_at = now(), created_at = now() - interval '1 hour'
+        "UPDATE outbox_event SET created_at = now() - interval '1 hour'
          WHERE id IN (SELECT id FROM outbox_event ORDER BY id LIMIT 10)",
     )
     .execute(&pool)
     .await
     .unwrap();
     sqlx::query(
-        "UPDATE outbox_event SET created_at = now() - interval '40 days', published_at = now() - interval '40 days'
+        "UPDATE outbox_event SET created_at = now() - interval '40 days'
          WHERE id IN (SELECT id FROM outbox_event ORDER BY id LIMIT 2)",
     )
     .execute(&pool)
     .await
     .unwrap();
     sqlx::query(
-        "UPDATE outbox_event SET parked_at = now(), attempts = 5 WHERE published_at IS NULL",
+        "UPDATE outbox_event SET parked_at = now(), attempts = 5
+         WHERE id IN (SELECT id FROM outbox_event ORDER BY id OFFSET 10)",
     )
     .execute(&pool)
     .await
     .unwrap();
+    publish_by_hand(&pool, "parked_at IS NULL", "created_at").await;
+    assert_eq!(unpublished(&pool).await, 2, "ten published, two parked");
     let first: i64 = sqlx::query_scalar("SELECT min(id) FROM outbox_event")
         .fetch_one(&pool)
         .await
@@ -426,6 +460,7 @@ async fn replay_cleanup_and_parked_drop(pool: PgPool) {
 /// identifier is refused.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn the_schema_flag_chooses_the_outbox(pool: PgPool) {
+    relay_mode(&pool).await;
     let url = url_of(&pool);
     let o = outbox(Some(&url), &["--schema", "billing", "migrate"]).await;
     assert!(o.status.success(), "{:?}", text(&o));
@@ -455,9 +490,11 @@ async fn the_schema_flag_chooses_the_outbox(pool: PgPool) {
 
 /// `outbox relay --lanes 0` beside a relay with lanes is refused with exit
 /// code 2 and a message naming both (the library's refusal is tested in the
-/// runtime's `lanes` tests).
+/// runtime's `lanes` tests). In the progress mode a relay without lanes is
+/// refused whatever runs beside it, the message naming the mode.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_relay_without_lanes_is_refused_beside_relays_with_lanes(pool: PgPool) {
+    relay_mode(&pool).await;
     let with_lanes = outbox_runtime::Relay::builder(pool.clone())
         .brokers(brokers())
         .spawn()
@@ -470,7 +507,12 @@ async fn a_relay_without_lanes_is_refused_beside_relays_with_lanes(pool: PgPool)
     );
     let o = outbox(Some(&url_of(&pool)), &["relay", "--lanes", "0"]).await;
     assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
-    assert!(text(&o).1.contains("without lanes"), "{:?}", text(&o));
+    let why = if progress_mode() {
+        "the progress mode, which needs lanes"
+    } else {
+        "without lanes"
+    };
+    assert!(text(&o).1.contains(why), "{:?}", text(&o));
     assert_eq!(
         with_lanes.lanes().len(),
         16,
@@ -484,16 +526,16 @@ async fn a_relay_without_lanes_is_refused_beside_relays_with_lanes(pool: PgPool)
 /// counts them; `--force` sends them.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_replay_beyond_the_dedup_window_is_refused_by_the_command(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("cli-replay-window");
     create_topic(&brokers(), &topic).await;
     commit_messages(&pool, &topic, 4, 2, 4).await;
-    sqlx::query(
-        "UPDATE outbox_event SET created_at = now() - interval '8 days',
-                                 published_at = now() - interval '8 days'",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    sqlx::query("UPDATE outbox_event SET created_at = now() - interval '8 days'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    publish_by_hand(&pool, "true", "created_at").await;
+    assert_eq!(unpublished(&pool).await, 0);
     let url = url_of(&pool);
     let o = outbox(Some(&url), &["replay", "--topic", &topic]).await;
     assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
@@ -514,6 +556,7 @@ async fn a_replay_beyond_the_dedup_window_is_refused_by_the_command(pool: PgPool
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn partitions_enable_list_maintain_and_cleanup(pool: PgPool) {
+    relay_mode(&pool).await;
     let url = url_of(&pool);
     let topic = unique_topic("cli-part");
     commit_messages(&pool, &topic, 5, 1, 5).await;
@@ -582,6 +625,7 @@ async fn sagas_summary_list_and_show(pool: PgPool) {
     let url = url_of(&pool);
     let o = outbox(Some(&url), &["migrate"]).await;
     assert!(o.status.success(), "{:?}", text(&o));
+    relay_mode(&pool).await;
     // A timeout of o-1, due in an hour, as a saga step schedules it.
     let due = sqlx::types::chrono::Utc::now() + Duration::from_secs(3600);
     let mut uow = outbox_core::UnitOfWork::begin(&pool).await.unwrap();
