@@ -4,6 +4,10 @@
 //! `lock_timeout` (writers go on) and retries; the
 //! relay's claims run with a `statement_timeout`; a database that accepts
 //! connections and never answers does not hang the relay.
+//!
+//! The tests that call `relay_mode` run in the progress mode too
+//! (`OUTBOX_TEST_RELAY_MODE=progress`, in the test command): "published" is
+//! then "passed by its slot's position" (see `common::unpublished`).
 
 mod common;
 
@@ -166,6 +170,7 @@ async fn notify_off_behind_an_open_transaction_lets_writers_through_then_gives_u
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_relay_claim_stuck_behind_a_lock_is_cancelled_by_its_statement_timeout(pool: PgPool) {
+    relay_mode(&pool).await;
     let topic = unique_topic("stmt-timeout");
     create_topic(&brokers(), &topic).await;
     commit_messages(&pool, &topic, 10, 2, 10).await;

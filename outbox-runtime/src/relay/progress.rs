@@ -225,8 +225,12 @@ pub async fn load(conn: &mut PgConnection, slots: &[i16]) -> Result<Window> {
 /// Planned at each call (not a prepared statement's generic plan: one
 /// planned while the table was empty, as when a relay starts on a new
 /// outbox, reads the windows through the primary key, every row of the
-/// table at each list).
-const LIST_MANY: &str = "
+/// table at each list). It starts with the claim's mark
+/// ([`super::claim::CLAIM_MARK`]), as the fetches do: the claim's name in
+/// `pg_stat_activity`, in either mode.
+static LIST_MANY: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "{}
 SELECT l.idx, l.slot, w.id, w.event_id, w.tid,
        CASE WHEN EXISTS (SELECT 1 FROM unnest($7::text[], $8::text[]) AS h(topic, since)
                          WHERE h.topic = w.topic
@@ -254,7 +258,10 @@ CROSS JOIN LATERAL (
           AND e.id > l.after_id AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3
     ) u
     ORDER BY u.id LIMIT l.cap) w
-ORDER BY l.idx, w.id";
+ORDER BY l.idx, w.id",
+        super::claim::CLAIM_MARK
+    )
+});
 
 /// The most rows listed of each slot of `w`: a window lists at most
 /// `list_cap` ([`LIST_CAP`]) in all, as when listed alone.
@@ -306,7 +313,7 @@ async fn list_windows_capped(
         return Ok(());
     }
     type Entry = (i64, Uuid, String, Option<String>);
-    let rows: Vec<(i32, i16, i64, Uuid, String, Option<String>)> = sqlx::query_as(LIST_MANY)
+    let rows: Vec<(i32, i16, i64, Uuid, String, Option<String>)> = sqlx::query_as(LIST_MANY.as_str())
         .persistent(false)
         .bind(&slot)
         .bind(&idx)
@@ -387,14 +394,16 @@ static FETCH_AT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
 /// default mode's partial index of unpublished rows, which holds every row
 /// in this mode (measured: on a table not analyzed since its backlog was
 /// written, the fetch of a chunk walked it in id order, 62 ms for 800 rows
-/// instead of a TID scan's 2).
+/// instead of a TID scan's 2); after the claim's mark, as in the default
+/// mode.
 static COLUMNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     let unpublished = "WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL";
     assert!(super::claim::CLAIM_COLUMNS.contains(unpublished));
-    super::claim::CLAIM_COLUMNS.replace(
+    let columns = super::claim::CLAIM_COLUMNS.replace(
         unpublished,
         "WHERE num_nulls(published_at, parked_at, held_until) = 3",
-    )
+    );
+    format!("{} {columns}", super::claim::CLAIM_MARK)
 });
 
 /// The events `$1` without a state of their own, in id order, wherever
