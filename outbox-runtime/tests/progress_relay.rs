@@ -1136,3 +1136,142 @@ async fn a_refused_topic_hold_stops_only_its_lane_and_loses_nothing(pool: PgPool
     app.close().await;
     roles.drop_all().await;
 }
+
+/// The indexes of `MARKS_INDEXES` still on the outbox, with their
+/// partitions' indexes (on the partitioned layout).
+async fn marks_indexes(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT i::regclass::text
+         FROM unnest($1::text[]) AS n(name)
+         CROSS JOIN LATERAL (SELECT to_regclass(n.name)::oid
+                             UNION SELECT relid FROM pg_partition_tree(to_regclass(n.name))) t(i)
+         WHERE i IS NOT NULL
+         ORDER BY 1",
+    )
+    .bind(progress::MARKS_INDEXES.as_slice())
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// The default mode's indexes of unpublished rows would hold every row in
+/// the progress mode (no row is marked): enabling drops them, without
+/// stopping the writers. An outbox enabled while they were kept (an
+/// earlier version) gets them dropped by enabling again: the drop waits
+/// for a transaction open on the table while writers commit, then ends.
+/// The relay then publishes every event, each key in commit order.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn enabling_drops_the_indexes_every_row_would_stay_in_while_writers_go_on(pool: PgPool) {
+    let topic = unique_topic("progress-indexes");
+    create_topic(&brokers(), &topic).await;
+    assert_eq!(marks_indexes(&pool).await.len(), 2);
+    let mut committed = commit_messages(&pool, &topic, 300, 10, 50).await;
+    progress::enable(&pool).await.unwrap();
+    assert!(marks_indexes(&pool).await.is_empty());
+
+    // As an earlier version left them.
+    sqlx::query(
+        "CREATE INDEX ix_outbox_event_unpublished ON outbox_event (id)
+         WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "CREATE INDEX ix_outbox_event_unpublished_slot ON outbox_event (lane_slot, id)
+         WHERE coalesce(published_at, parked_at, held_until) IS NULL",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // A transaction that has read the table (a report, a `pg_dump`).
+    let mut open = pool.begin().await.unwrap();
+    sqlx::query("SELECT count(*) FROM outbox_event")
+        .execute(&mut *open)
+        .await
+        .unwrap();
+    let again = tokio::spawn({
+        let pool = pool.clone();
+        async move { progress::enable(&pool).await }
+    });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(
+        !again.is_finished(),
+        "the drop waits for the open transaction"
+    );
+    // Other writers are not held up meanwhile.
+    let during = tokio::time::timeout(
+        Duration::from_secs(5),
+        commit_messages(&pool, &topic, 100, 10, 20),
+    )
+    .await
+    .expect("writers commit while the drop waits");
+    open.commit().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), again)
+        .await
+        .expect("the drop ends once the transaction has")
+        .unwrap()
+        .unwrap();
+    assert!(marks_indexes(&pool).await.is_empty());
+    committed.extend(during);
+    committed.extend(commit_messages(&pool, &topic, 100, 10, 20).await);
+
+    let handle = relay(&pool).spawn().unwrap();
+    assert!(
+        wait_until_done(&pool, Duration::from_secs(60)).await,
+        "relay drained the outbox"
+    );
+    handle.shutdown().await.unwrap();
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(60)).await;
+    verify(&committed, &received);
+}
+
+/// On the partitioned layout the indexes are partitioned (a partitioned
+/// index cannot be dropped concurrently): enabling drops them with their
+/// partitions' indexes, waiting for the table's lock a short while at a
+/// time, and the partitions created afterwards do not get them. The relay
+/// publishes every event.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn on_the_partitioned_layout_enabling_drops_them_on_every_partition(pool: PgPool) {
+    use outbox_runtime::partition::{self, PartitionPlan};
+    let topic = unique_topic("progress-indexes-partitioned");
+    create_topic(&brokers(), &topic).await;
+    let plan = PartitionPlan {
+        period: Duration::from_secs(60),
+        ..PartitionPlan::default()
+    };
+    partition::enable(&pool, &plan).await.unwrap();
+    let before = marks_indexes(&pool).await;
+    assert!(
+        before.len() > 2,
+        "partitioned indexes with theirs on each partition: {before:?}"
+    );
+    let mut committed = commit_messages(&pool, &topic, 300, 10, 50).await;
+    progress::enable(&pool).await.unwrap();
+    assert!(marks_indexes(&pool).await.is_empty());
+    // Partitions ahead, created after: none of them gets the indexes.
+    let plan = PartitionPlan { ahead: 6, ..plan };
+    partition::maintain(&pool, &plan).await.unwrap();
+    assert!(marks_indexes(&pool).await.is_empty());
+    let partitions_with_them: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_index i
+         JOIN pg_inherits h ON h.inhrelid = i.indrelid
+         WHERE h.inhparent = 'outbox_event'::regclass
+           AND pg_get_expr(i.indpred, i.indrelid) LIKE '%published_at IS NULL%'
+           AND pg_get_expr(i.indpred, i.indrelid) NOT LIKE '%IS NOT NULL%'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(partitions_with_them, 0);
+
+    committed.extend(commit_messages(&pool, &topic, 200, 10, 50).await);
+    let handle = relay(&pool).spawn().unwrap();
+    assert!(
+        wait_until_done(&pool, Duration::from_secs(60)).await,
+        "relay drained the outbox"
+    );
+    handle.shutdown().await.unwrap();
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(60)).await;
+    verify(&committed, &received);
+}

@@ -313,19 +313,20 @@ async fn list_windows_capped(
         return Ok(());
     }
     type Entry = (i64, Uuid, String, Option<String>);
-    let rows: Vec<(i32, i16, i64, Uuid, String, Option<String>)> = sqlx::query_as(LIST_MANY.as_str())
-        .persistent(false)
-        .bind(&slot)
-        .bind(&idx)
-        .bind(&done)
-        .bind(&upto)
-        .bind(&after)
-        .bind(&caps)
-        .bind(&skip.topics)
-        .bind(&skip.since)
-        .bind(skip.fence.as_deref())
-        .fetch_all(&mut *conn)
-        .await?;
+    let rows: Vec<(i32, i16, i64, Uuid, String, Option<String>)> =
+        sqlx::query_as(LIST_MANY.as_str())
+            .persistent(false)
+            .bind(&slot)
+            .bind(&idx)
+            .bind(&done)
+            .bind(&upto)
+            .bind(&after)
+            .bind(&caps)
+            .bind(&skip.topics)
+            .bind(&skip.since)
+            .bind(skip.fence.as_deref())
+            .fetch_all(&mut *conn)
+            .await?;
     let mut per: Vec<Vec<(i16, Entry)>> = (0..windows.len()).map(|_| Vec::new()).collect();
     for (i, s, id, event, tid, skipped) in rows {
         if let Some(list) = per.get_mut(i as usize) {
@@ -672,8 +673,9 @@ impl Window {
 /// are given this transaction's id, and rows held back are released (the
 /// windows read them in id order with the rest), but for scheduled rows
 /// still waiting for their time (`held_until = due_at`), read when due by
-/// the held rows' path. Calling it again changes
-/// nothing.
+/// the held rows' path. Then the default mode's indexes of unpublished
+/// rows go ([`drop_marks_indexes`]). Calling it again changes nothing but
+/// for dropping those indexes if they are still there.
 pub async fn enable(pool: &sqlx::PgPool) -> Result<()> {
     create_index(pool).await?;
     let mut tx = pool.begin().await?;
@@ -684,7 +686,8 @@ pub async fn enable(pool: &sqlx::PgPool) -> Result<()> {
         .fetch_one(&mut *tx)
         .await?;
     if enabled {
-        return Ok(());
+        tx.commit().await?;
+        return drop_marks_indexes(pool).await;
     }
     sqlx::query(
         "UPDATE outbox_event SET txid = coalesce(txid, pg_current_xact_id()),
@@ -707,6 +710,53 @@ pub async fn enable(pool: &sqlx::PgPool) -> Result<()> {
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
+    drop_marks_indexes(pool).await
+}
+
+/// The default mode's indexes of unpublished rows (`published_at IS
+/// NULL`, the claim's): in the progress mode no row is marked, so every
+/// row would stay in them until retention, each insert writing two index
+/// entries nothing reads. No query of the progress mode reads them (the
+/// windows go through [`INDEX`]; held and parked rows have indexes of their
+/// own).
+pub const MARKS_INDEXES: [&str; 2] = [
+    "ix_outbox_event_unpublished",
+    "ix_outbox_event_unpublished_slot",
+];
+
+/// Drops [`MARKS_INDEXES`] (those still there), after the mode is on.
+/// On a plain table, `DROP INDEX CONCURRENTLY`: writers go on, the drop
+/// waits for the transactions open on the table. On the partitioned layout
+/// (where a partitioned index cannot be dropped concurrently), a `DROP
+/// INDEX`, which needs the table's exclusive lock: each attempt waits for
+/// it at most [`LockPolicy`]'s `lock_timeout`, so writers never queue
+/// behind it for longer, and is tried again for up to its `max_wait`. An
+/// error leaves the mode on; calling [`enable`] again finishes the drop.
+///
+/// [`LockPolicy`]: outbox_core::LockPolicy
+pub async fn drop_marks_indexes(pool: &sqlx::PgPool) -> Result<()> {
+    let policy = outbox_core::LockPolicy::default();
+    for index in MARKS_INDEXES {
+        let kind: Option<String> =
+            sqlx::query_scalar("SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)")
+                .bind(index)
+                .fetch_optional(pool)
+                .await?
+                .flatten();
+        let sql = match kind.as_deref() {
+            None => continue,
+            Some("I") => format!("DROP INDEX IF EXISTS {index}"),
+            Some(_) => format!("DROP INDEX CONCURRENTLY IF EXISTS {index}"),
+        };
+        policy
+            .retry(&format!("drop {index}"), || async {
+                let mut conn = policy.connect(pool).await?;
+                sqlx::query(&sql).execute(&mut conn).await?;
+                let _ = sqlx::Connection::close(conn).await;
+                Ok(())
+            })
+            .await?;
+    }
     Ok(())
 }
 
