@@ -1,6 +1,8 @@
 //! Per-key order with several relay processes (lanes): three `outbox relay`
 //! processes, killed and restarted while writers write, keep every key's
-//! order and lose nothing.
+//! order and lose nothing. It runs in the progress mode too
+//! (`OUTBOX_TEST_RELAY_MODE=progress`, in the test command; the mode is the
+//! database's, enabled before the relay processes start).
 
 #[path = "../../outbox-runtime/tests/common/mod.rs"]
 mod common;
@@ -38,6 +40,7 @@ fn sigkill(child: &tokio::process::Child) {
 /// SIGKILLed and replaced while the writers write.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn three_relay_processes_killed_and_restarted_keep_per_key_order(pool: PgPool) {
+    relay_mode(&pool).await;
     const EVENTS: usize = 100_000;
     const KEYS: usize = 1_000;
     const WRITERS: usize = 4;
