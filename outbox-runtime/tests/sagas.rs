@@ -6,6 +6,12 @@
 //! by the relay), completion ends the instance, and a message in another
 //! stage is ignored (counted) or dead-lettered, as the saga says.
 //!
+//! The test that runs a relay calls `relay_mode`: it runs in the progress
+//! mode too (`OUTBOX_TEST_RELAY_MODE=progress`, in the test command), where
+//! "published" is "passed by its slot's position" (see
+//! `common::unpublished`); a timeout is a scheduled event, sent on the held
+//! rows' path in either mode.
+//!
 //! The sagas are declared with `#[outbox::saga]`, but for the roles test's,
 //! whose `Saga` impl is written by hand.
 //!
@@ -680,6 +686,7 @@ order_saga!(
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn timeouts_fire_once_and_stale_or_cancelled_ones_change_nothing(pool: PgPool) {
     init_tracing();
+    relay_mode(&pool).await;
     timeouts::reset().await;
     let relay = Relay::builder(pool.clone())
         .brokers(brokers())
@@ -780,11 +787,16 @@ async fn timeouts_fire_once_and_stale_or_cancelled_ones_change_nothing(pool: PgP
     relay.shutdown().await.unwrap();
     let (stage, version, _, _) = instance(&pool, timeouts::NAME, "o2").await.unwrap();
     assert_eq!((stage.as_str(), version), ("Shipped", 2));
+    let published = outbox_runtime::relay::progress::Published::of(&pool)
+        .await
+        .unwrap();
     let published_timeouts = scalar(
         &pool,
         &format!(
-            "SELECT count(*) FROM outbox_event WHERE topic = '{}' AND published_at IS NOT NULL",
-            timeouts::TIMEOUTS
+            "{}SELECT count(*) FROM outbox_event WHERE topic = '{}' AND {}",
+            published.with,
+            timeouts::TIMEOUTS,
+            published.condition
         ),
     )
     .await;
