@@ -4,6 +4,12 @@
 //! it does not spin, publishes no event twice, applies none twice and
 //! dead-letters none for it; given the privilege back, everything resumes
 //! with nothing lost.
+//!
+//! The relay's tests run in the progress mode too
+//! (`OUTBOX_TEST_RELAY_MODE=progress`, in the test command), the relay
+//! role with the guide's grants for that mode: there the refused hold is
+//! the missing topic's row of `outbox_held_topic` and the refused record of
+//! what was published is the positions, the mode's own statements.
 
 mod common;
 
@@ -42,6 +48,7 @@ async fn good_and_missing(roles: &Roles) -> (String, String, Vec<uuid::Uuid>) {
 async fn relay_refused(pool: PgPool, revoke: &str, statement: &str) {
     let logs = Logs::capture();
     let roles = Roles::create(&pool).await;
+    roles.relay_mode().await;
     roles
         .sql(&format!("REVOKE {revoke} FROM outbox_relay"))
         .await;
@@ -91,27 +98,39 @@ async fn relay_refused(pool: PgPool, revoke: &str, statement: &str) {
     roles.drop_all().await;
 }
 
-/// The case: holding a row writes `held_until`.
+/// The case: holding a row writes `held_until`. In the progress
+/// mode the missing topic is held as a row of `outbox_held_topic`: its
+/// insert is refused.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn a_refused_hold_is_reported_once_and_costs_no_duplicate(pool: PgPool) {
-    relay_refused(
-        pool,
-        "UPDATE (held_until) ON outbox_event",
-        "relay: record failed deliveries",
-    )
-    .await;
+    let (revoke, statement) = if progress_mode() {
+        (
+            "INSERT ON outbox_held_topic",
+            "relay: hold or release a topic missing on the broker",
+        )
+    } else {
+        (
+            "UPDATE (held_until) ON outbox_event",
+            "relay: record failed deliveries",
+        )
+    };
+    relay_refused(pool, revoke, statement).await;
 }
 
 /// Marks refused: the delivered rows cannot be recorded, so the relay stops
-/// publishing until they are.
+/// publishing until they are. In the progress mode, the positions (what
+/// records the delivered rows there) are refused.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn refused_marks_stop_the_relay_publishing_until_recorded(pool: PgPool) {
-    relay_refused(
-        pool,
-        "UPDATE (published_at) ON outbox_event",
-        "relay: mark rows published",
-    )
-    .await;
+    let (revoke, statement) = if progress_mode() {
+        ("INSERT ON outbox_progress", "relay: record progress")
+    } else {
+        (
+            "UPDATE (published_at) ON outbox_event",
+            "relay: mark rows published",
+        )
+    };
+    relay_refused(pool, revoke, statement).await;
 }
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]

@@ -42,6 +42,14 @@ GRANT USAGE ON SEQUENCE outbox_event_id_seq TO outbox_app, outbox_consumer;
 GRANT USAGE ON SEQUENCE inbox_event_seq_seq TO outbox_consumer;
 ";
 
+/// What the guide adds to the block for a relay in the progress mode
+/// (docs/src/production.md, after the block: checked by `tests/roles.rs`):
+/// its positions and the topics missing on the broker.
+pub const PROGRESS_GRANTS: &str = "\
+GRANT INSERT ON outbox_progress TO outbox_relay;
+GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_held_topic TO outbox_relay;
+";
+
 pub const ROLES: [&str; 3] = ["outbox_app", "outbox_relay", "outbox_consumer"];
 
 /// The roles of this test run (roles are per server, databases share them).
@@ -68,6 +76,16 @@ impl Roles {
         roles.sql("REVOKE ALL ON SCHEMA public FROM PUBLIC").await;
         roles.sql(GRANTS).await;
         roles
+    }
+
+    /// Puts the outbox in the progress mode when the suites run in it
+    /// (`super::relay_mode`), and gives the relay role what the guide adds
+    /// for that mode ([`PROGRESS_GRANTS`]); nothing in the default mode.
+    pub async fn relay_mode(&self) {
+        if super::progress_mode() {
+            super::relay_mode(&self.admin).await;
+            self.sql(PROGRESS_GRANTS).await;
+        }
     }
 
     /// Runs `sql` as the owner, with this run's role names.
@@ -182,9 +200,16 @@ impl std::io::Write for Writer {
 /// The line the relay and the consumers log, once, for a refused statement.
 pub const REFUSAL: &str = "the database refuses a statement";
 
-/// Whether the row of `topic` is held.
+/// Whether the row of `topic` (a topic missing on the broker) is held: on
+/// the row (the default mode), or as the topic's row of
+/// `outbox_held_topic` (the progress mode, where the row is not written).
 pub async fn held(pool: &PgPool, topic: &str) -> bool {
-    sqlx::query_scalar("SELECT held_until IS NOT NULL FROM outbox_event WHERE topic = $1")
+    let held = if super::progress_mode() {
+        "SELECT EXISTS (SELECT 1 FROM outbox_held_topic WHERE topic = $1)"
+    } else {
+        "SELECT held_until IS NOT NULL FROM outbox_event WHERE topic = $1"
+    };
+    sqlx::query_scalar(held)
         .bind(topic)
         .fetch_one(pool)
         .await
