@@ -8,7 +8,9 @@
 //! `target/reliability/<scenario>.json`.
 //! Scenarios run one at a time (they share the machine's two cores).
 //! `OUTBOX_SOAK=1` repeats or stretches every fault 5 times
-//! (`OUTBOX_SOAK=N`: N times); not for CI.
+//! (`OUTBOX_SOAK=N`: N times); not for CI. With
+//! `OUTBOX_TEST_RELAY_MODE=progress` every scenario's relays run in the
+//! progress mode (`profile::relay_mode`).
 
 #[path = "../../../outbox-runtime/tests/common/mod.rs"]
 mod common;
@@ -59,8 +61,10 @@ fn group_of(topic: &str) -> String {
 }
 
 /// The relay as the scenarios run it: short timeouts and back-offs, so that
-/// faults and recoveries fit in seconds.
+/// faults and recoveries fit in seconds; its outbox in the relay mode the
+/// environment asks for ([`profile::relay_mode`]).
 async fn relay(pool: &PgPool, brokers: &str) -> RelayBuilder {
+    profile::relay_mode(pool).await;
     Relay::builder(pool_of(pool, 4).await)
         .brokers(brokers)
         .batch_size(500)

@@ -1,6 +1,7 @@
 //! Scenarios of sharing: several writers committing to the same keys at the
 //! same time while relays are SIGKILLed, and two services' outboxes in two
-//! schemas of one database, each with its own relay fleet.
+//! schemas of one database, each with its own relay fleet. Both run in the
+//! relay mode the environment asks for (`profile::relay_mode`).
 
 use std::time::Duration;
 
@@ -14,7 +15,7 @@ use crate::harness::{
     Effect, Load, Writers, collect, commit_order_table, effect_table, number_by_commit_order,
     recovery, scenario_event, soak,
 };
-use crate::{SERIAL, consumer, jitter, ms};
+use crate::{SERIAL, consumer, jitter, ms, profile};
 
 /// The arguments of a relay of schema `schema`'s outbox.
 fn relay_args(schema: &str) -> [&str; 6] {
@@ -63,6 +64,7 @@ async fn several_writers_per_key_while_relays_are_sigkilled(pool: PgPool) {
     };
     let writers = Writers::start(&pool, topic, load).await;
     let waits = key_lock_waits(&pool);
+    profile::relay_mode(&pool).await;
     let url = database_url(&pool);
     let args = ["--batch-size", "100", "--delivery-timeout-ms", "5000"];
     let mut relays: Vec<_> = (0..2)
@@ -204,6 +206,8 @@ async fn two_outbox_schemas_in_one_database(pool: PgPool) {
     };
     let writers_a = Writers::start(&a, topic_a, load("a-")).await;
     let writers_b = Writers::start(&b, topic_b, load("b-")).await;
+    profile::relay_mode(&a).await;
+    profile::relay_mode(&b).await;
     let url = database_url(&pool);
     let fleet = |schema| {
         (0..2)
