@@ -68,18 +68,35 @@ async fn remaining(pool: &PgPool, ids: &[i64]) -> i64 {
 async fn cleanup_deletes_old_published_and_processed_rows_only(pool: PgPool) {
     relay_mode(&pool).await;
     let topic = unique_topic("cleanup");
-    // Outbox: old published (deleted), young published, old unpublished,
-    // old parked, old dropped (all kept). Published: marked (the default
-    // mode), or passed by the position recorded after their commit (the
-    // progress mode: old or young by their creation).
+    // Outbox, in id order: old published (deleted), old unpublished, old
+    // parked, old dropped, young published (all kept). The young rows come
+    // last: the cleanup's range ends before the first row created within
+    // the window, so every kept old row is inside it. Published: marked
+    // (the default mode), or passed by the position recorded after their
+    // commit (the progress mode: old or young by their creation); there
+    // the unpublished rows are written by a transaction still open when
+    // the position is recorded (its rows are not passed, whatever their
+    // ids).
     let old_published = rows(&pool, &topic, 7).await;
+    let mut open = pool.begin().await.unwrap();
+    let old_unpublished: Vec<i64> = sqlx::query_scalar(
+        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload,
+                                   topic, partition_key)
+         SELECT gen_random_uuid(), 'order', 'u' || g, 'placed', '{}', $1, 'u' || g
+         FROM generate_series(1, 2) g
+         RETURNING id",
+    )
+    .bind(&topic)
+    .fetch_all(&mut *open)
+    .await
+    .unwrap();
+    let old_parked = rows(&pool, &topic, 2).await;
+    let old_dropped = rows(&pool, &topic, 1).await;
     let young_published = rows(&pool, &topic, 3).await;
     if progress_mode() {
         record_position(&pool).await;
     }
-    let old_unpublished = rows(&pool, &topic, 2).await;
-    let old_parked = rows(&pool, &topic, 2).await;
-    let old_dropped = rows(&pool, &topic, 1).await;
+    open.commit().await.unwrap();
     let old = "created_at = now() - interval '40 days'";
     if progress_mode() {
         set(&pool, old, &old_published).await;
