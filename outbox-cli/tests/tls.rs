@@ -3,6 +3,8 @@
 //! and Kafka through a TLS endpoint, its settings from the environment and
 //! a configuration file: topics, the relay, replay; a SCRAM login with the
 //! password from the environment, and a flag's password winning over it.
+//! The relays run in the relay mode the test command asks for
+//! (`OUTBOX_TEST_RELAY_MODE=progress`: the progress mode).
 
 #[path = "../../outbox-runtime/tests/common/mod.rs"]
 mod common;
@@ -73,6 +75,7 @@ async fn postgres_verify_full_with_a_custom_ca() {
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn kafka_over_tls_from_the_environment_and_a_file(pool: PgPool) {
+    relay_mode(&pool).await;
     let broker = TlsBroker::start().await;
     let url = database_url(&pool);
     let topic = unique_topic("tls-cli");

@@ -3,6 +3,8 @@
 //! debug logging (ours and librdkafka's) captured; `Debug` of every
 //! configuration, builder and handle, the errors and their chains, and the
 //! logs never show it.
+//! The relays run in the relay mode the test command asks for
+//! (`OUTBOX_TEST_RELAY_MODE=progress`: the progress mode).
 
 mod common;
 
@@ -137,6 +139,7 @@ async fn relay_and_consumer_never_show_a_secret(pool: PgPool) {
         &format!("{:?}", settings.entries()),
     );
     let db = pool_with_password(&pool, &word);
+    relay_mode(&pool).await;
 
     // The relay publishes through it.
     let topic = CanaryEvent::TOPIC;

@@ -9,6 +9,8 @@
 //! SCRAM-SHA-256/512 logins against a SASL endpoint in front of the broker
 //! (the test broker cannot authenticate: see `common::sasl`), a wrong
 //! password refused; what this build of librdkafka refuses (GSSAPI, OIDC).
+//! The relays run in the relay mode the test command asks for
+//! (`OUTBOX_TEST_RELAY_MODE=progress`: the progress mode).
 
 mod common;
 
@@ -62,6 +64,7 @@ impl InboxHandler for Count {
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn topics_relay_consumer_and_replay_over_tls(pool: PgPool) {
     init_tracing();
+    relay_mode(&pool).await;
     let broker = TlsBroker::start().await;
     let tls = broker.verified();
     let topic = TlsEvent::TOPIC;
@@ -174,6 +177,7 @@ async fn oauthbearer_and_gssapi_as_this_build_allows() {
 
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn sasl_plain_and_scram_logins_over_tls(pool: PgPool) {
+    relay_mode(&pool).await;
     let broker = SaslBroker::start().await;
     for mechanism in ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] {
         let topic = format!("sasl-{}", mechanism.to_lowercase());

@@ -4,6 +4,8 @@
 //! refused with a clear error, `allow` against a server that insists on
 //! TLS, client certificates; and the relay's own connections (LISTEN,
 //! lanes) as encrypted as its pool's.
+//! The relays run in the relay mode the test command asks for
+//! (`OUTBOX_TEST_RELAY_MODE=progress`: the progress mode).
 
 mod common;
 
@@ -49,6 +51,7 @@ async fn sessions_encrypted(admin: &PgPool, app: &str) -> (i64, i64) {
 /// returns when they are published.
 async fn relay_publishes(pool: &PgPool) {
     outbox_core::migrate(pool).await.expect("migrate over TLS");
+    relay_mode(pool).await;
     let topic = unique_topic("tls-pg");
     create_topic(&brokers(), &topic).await;
     commit_messages(pool, &topic, 20, 4, 5).await;
@@ -77,6 +80,7 @@ async fn the_shared_server_with_sslmode_require_and_every_relay_connection_encry
             .expect("the shared server accepts TLS")
     );
 
+    relay_mode(&pool).await;
     let topic = unique_topic("tls-pg");
     create_topic(&brokers(), &topic).await;
     commit_messages(&tls, &topic, 20, 4, 5).await;
