@@ -175,6 +175,34 @@ async fn a_scheduled_event_does_not_hold_back_its_keys_later_events(pool: PgPool
     handle.shutdown().await.unwrap();
 }
 
+/// Key K: E committed, then S scheduled a second ahead, both waiting (no
+/// relay runs) until S is due: the relay sends E, then S. Once due, a
+/// scheduled event is claimed in id order like any row: it goes after the
+/// rows of its key committed before it (a backlog's included), in either
+/// relay mode.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_due_scheduled_event_goes_after_its_keys_earlier_events(pool: PgPool) {
+    relay_mode(&pool).await;
+    let topic = unique_topic("scheduled-backlog");
+    create_topic(&brokers(), &topic).await;
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let e = uow.record_message(message(&topic, "K", 0));
+    uow.commit().await.unwrap();
+    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+    let due = SystemTime::now() + Duration::from_secs(1);
+    let s = uow.record_message_at(due, message(&topic, "K", 1));
+    uow.commit().await.unwrap();
+    while !due_and_published(&pool, s).await.0 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let handle = relay(&pool).spawn().unwrap();
+    let received = read_topic(&brokers(), &topic, 2, Duration::from_secs(30)).await;
+    assert_eq!(ids(&received), [e, s], "one key, one partition: E, then S");
+    assert!(wait_until_topic_published(&pool, &topic, Duration::from_secs(10)).await);
+    handle.shutdown().await.unwrap();
+}
+
 keyed_event!(
     /// The events of the cancel test (a topic of its own, shared by runs:
     /// the test reads only its event ids).

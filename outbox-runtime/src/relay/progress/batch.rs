@@ -179,6 +179,14 @@ WHERE {} AND pid = $2 AND objid::int8 >= $3 AND objid::int8 < $3 + $4",
 /// key on its topic is held and not due yet (an earlier due one is in this
 /// claim, before it); scheduled rows hold back no key (the held-key index
 /// leaves them out).
+///
+/// Only rows its slot's window has reached (`$4` slots, each with the
+/// window's `done`, `upto` and `after_id` in `$5`, `$6`, `$7`): a row whose
+/// transaction the window's `done` sees, or that lies in the window at or
+/// before the rows handed over. A scheduled row due while rows of its key
+/// committed before it are still in the window waits for them, as the
+/// default mode's claim takes it in id order after them; a row held after
+/// its window handed it over (a failure, a key held) is reached.
 static DUE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         "{CLAIM_MARK} SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version,
@@ -192,6 +200,13 @@ static DUE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
 FROM outbox_event o
 WHERE held_until <= statement_timestamp() AND published_at IS NULL AND parked_at IS NULL
   AND lane_slot = ANY($1::int2[]) AND partition_key <> ALL($2::text[])
+  AND (txid IS NULL
+       OR EXISTS (SELECT 1 FROM unnest($4::int2[], $5::text[], $6::text[], $7::int8[])
+                                AS w(slot, done, upto, after_id)
+                  WHERE w.slot = o.lane_slot
+                    AND (pg_visible_in_snapshot(o.txid, w.done::pg_snapshot)
+                         OR (pg_visible_in_snapshot(o.txid, w.upto::pg_snapshot)
+                             AND o.id <= w.after_id))))
 ORDER BY id LIMIT $3 FOR UPDATE SKIP LOCKED"
     )
 });
@@ -300,10 +315,28 @@ pub(crate) async fn claim(
         .iter()
         .flat_map(|lane| slots(lanes.count, *lane))
         .collect();
+    // Where each owned slot's window stands (readied above: `upto` taken).
+    let (mut w_slots, mut w_done, mut w_upto, mut w_after) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for lane in &owned {
+        if let Some(entry) = windows.lanes.get(lane) {
+            let w = &entry.window;
+            for slot in &w.slots {
+                w_slots.push(*slot);
+                w_done.push(w.done.as_str());
+                w_upto.push(w.upto.as_deref().unwrap_or(w.done.as_str()));
+                w_after.push(w.after_id);
+            }
+        }
+    }
     let mut rows: Vec<Row> = sqlx::query_as(&DUE)
         .bind(&all_slots)
         .bind(held_keys)
         .bind(limit)
+        .bind(&w_slots)
+        .bind(&w_done)
+        .bind(&w_upto)
+        .bind(&w_after)
         .fetch_all(&mut *tx)
         .await?;
     // The byte budget over the held rows: those past it stay locked by this
