@@ -10,6 +10,14 @@
 //! refused. A refused statement is reported once, does not spin, costs no
 //! duplicate, no double application and no dead letter, and everything
 //! resumes once the privilege is given back.
+//!
+//! The tests that run a relay run in the progress mode too
+//! (`OUTBOX_TEST_RELAY_MODE=progress`, in the test command), the relay role
+//! holding the block and the guide's grants for that mode (its positions,
+//! the topics missing on the broker), each of those needed as well:
+//! "published" is then "passed by its slot's position" (see
+//! `common::unpublished`), and a missing topic is held as a row of
+//! `outbox_held_topic`.
 
 mod common;
 
@@ -29,6 +37,18 @@ fn the_guide_lists_exactly_these_grants() {
     assert!(
         readme.contains(&format!("```sql\n{GRANTS}```")),
         "the guide's roles block (docs/src/production.md) differs from this test's GRANTS"
+    );
+}
+
+/// The progress mode's grants are those the guide gives after the block.
+#[test]
+fn the_guide_lists_the_progress_modes_grants() {
+    let words = |text: &str| text.split_whitespace().collect::<Vec<_>>().join(" ");
+    let readme = words(include_str!("../../docs/src/production.md"));
+    let grants = words(PROGRESS_GRANTS);
+    assert!(
+        readme.contains(&format!("`{}`", grants.trim_end_matches(';'))),
+        "the guide (docs/src/production.md) does not give {grants}"
     );
 }
 
@@ -75,6 +95,7 @@ impl InboxHandler for Apply {
 async fn app_relay_and_consumers_run_as_ordinary_roles(pool: PgPool) {
     init_tracing();
     let roles = Roles::create(&pool).await;
+    roles.relay_mode().await;
     // The handlers' own table, granted as an application would.
     sqlx::raw_sql(&format!(
         "CREATE TABLE effect (key text, seq bigint);
@@ -130,14 +151,13 @@ async fn app_relay_and_consumers_run_as_ordinary_roles(pool: PgPool) {
         consumer.shutdown().await.unwrap();
     }
     relay.shutdown().await.unwrap();
-    let follow_ups: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM outbox_event WHERE topic = $1 AND published_at IS NOT NULL",
-    )
-    .bind(FollowUp::TOPIC)
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    let follow_ups: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE topic = $1")
+        .bind(FollowUp::TOPIC)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
     assert_eq!(follow_ups as usize, 2 * committed.len());
+    assert_eq!(unpublished_of(&pool, FollowUp::TOPIC).await, 0);
 
     // Nothing beyond that.
     let relay_pool = roles.pool("outbox_relay", 1);
@@ -173,12 +193,14 @@ async fn app_relay_and_consumers_run_as_ordinary_roles(pool: PgPool) {
 
 /// The relay as the relay role, on its failure path: 19 events of a topic
 /// the broker has and one of a topic it lacks. The missing topic's row is
-/// held (which writes `held_until`), each of the 19 is published once, and
-/// nothing is refused.
+/// held (which writes `held_until`; in the progress mode, the topic's row
+/// of `outbox_held_topic`), each of the 19 is published once, and nothing
+/// is refused.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn the_relay_role_holds_a_missing_topic_and_publishes_each_event_once(pool: PgPool) {
     let logs = Logs::capture();
     let roles = Roles::create(&pool).await;
+    roles.relay_mode().await;
     let good = unique_topic("roles-good");
     let missing = unique_topic("roles-missing");
     create_topic(&brokers(), &good).await;
@@ -196,16 +218,7 @@ async fn the_relay_role_holds_a_missing_topic_and_publishes_each_event_once(pool
         .poll_interval(Duration::from_millis(100))
         .spawn()
         .unwrap();
-    let held = eventually(Duration::from_secs(20), || async {
-        sqlx::query_scalar::<_, bool>(
-            "SELECT held_until IS NOT NULL FROM outbox_event WHERE topic = $1",
-        )
-        .bind(&missing)
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-    })
-    .await;
+    let held = eventually(Duration::from_secs(20), || held(&pool, &missing)).await;
     // A few more seconds of the relay's rounds.
     tokio::time::sleep(Duration::from_secs(5)).await;
     relay.shutdown().await.unwrap();
@@ -274,7 +287,25 @@ fn split_top(s: &str) -> Vec<String> {
 
 /// Every privilege of the block, one by one.
 fn block() -> Vec<Grant> {
-    let text: String = GRANTS
+    privileges(GRANTS)
+}
+
+/// The relay role's privileges in the mode the suite runs in: the block's,
+/// and in the progress mode the guide's grants for it.
+fn relay_grants() -> Vec<Grant> {
+    let mut grants: Vec<Grant> = block()
+        .into_iter()
+        .filter(|g| g.role == "outbox_relay")
+        .collect();
+    if progress_mode() {
+        grants.extend(privileges(PROGRESS_GRANTS));
+    }
+    grants
+}
+
+/// Every privilege of the `GRANT` statements `grants`, one by one.
+fn privileges(grants: &str) -> Vec<Grant> {
+    let text: String = grants
         .lines()
         .filter(|l| !l.trim_start().starts_with("--"))
         .collect::<Vec<_>>()
@@ -475,12 +506,16 @@ impl RelayRun {
     /// Whether every path was taken: the good events published, the
     /// poison parked after a retried failure, the missing topic's row held.
     async fn done(&self, pool: &PgPool) -> bool {
-        let (published, parked, attempts): (i64, i64, i32) = sqlx::query_as(
-            "SELECT count(*) FILTER (WHERE published_at IS NOT NULL),
+        let published = outbox_runtime::relay::progress::Published::of(pool)
+            .await
+            .unwrap();
+        let (published, parked, attempts): (i64, i64, i32) = sqlx::query_as(&format!(
+            "{}SELECT count(*) FILTER (WHERE {}),
                     count(*) FILTER (WHERE parked_at IS NOT NULL),
                     coalesce(max(attempts), 0)
              FROM outbox_event WHERE topic = $1",
-        )
+            published.with, published.condition
+        ))
         .bind(&self.topic)
         .fetch_one(pool)
         .await
@@ -500,6 +535,12 @@ fn needs(grant: &Grant) -> &'static [&'static str] {
         }
         ("SELECT", "outbox_event", _) => &["permission denied"],
         ("SELECT", "outbox_progress", _) => &["read the outbox's mode"],
+        ("INSERT", "outbox_progress", _) => &["record progress"],
+        ("SELECT", "outbox_held_topic", _) => &[
+            "read the topics held as missing",
+            "topic missing on the broker",
+        ],
+        (_, "outbox_held_topic", _) => &["topic missing on the broker", "missing topic's rows"],
         ("SELECT", "inbox_progress_consumer", _) => &["read the processor's mode"],
         ("UPDATE", "outbox_event", Some("published_at")) => &["mark rows published"],
         ("UPDATE", "outbox_event", Some("held_until")) => &[
@@ -521,12 +562,15 @@ fn needs(grant: &Grant) -> &'static [&'static str] {
 }
 
 /// The relay as its role on all its failure paths, two relays sharing the
-/// lanes: nothing refused. Then each of its grants revoked in turn: a
-/// statement of those paths is refused.
+/// lanes: nothing refused. Then each of its grants revoked in turn (in the
+/// progress mode, the mode's grants too): a statement of those paths is
+/// refused. Releasing a held topic (a `DELETE` in the progress mode) needs
+/// the topic created: it is, for that grant.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn the_relay_needs_each_of_its_grants_and_no_more(pool: PgPool) {
     let logs = Logs::capture();
     let roles = Roles::create(&pool).await;
+    roles.relay_mode().await;
     let run = RelayRun::commit(&roles).await;
     let relays = [RelayRun::relay(&roles), RelayRun::relay(&roles)];
     let done = eventually(Duration::from_secs(60), || async {
@@ -549,12 +593,22 @@ async fn the_relay_needs_each_of_its_grants_and_no_more(pool: PgPool) {
     let received = read_all(&brokers(), &run.topic, Duration::from_secs(30)).await;
     assert_eq!(verify(&run.good, &received), 0);
 
-    for grant in block().into_iter().filter(|g| g.role == "outbox_relay") {
+    for grant in relay_grants() {
         roles
             .sql(&format!("REVOKE {} FROM outbox_relay", grant.sql()))
             .await;
-        RelayRun::commit(&roles).await;
+        let run = RelayRun::commit(&roles).await;
         let relay = RelayRun::relay(&roles);
+        if grant.privilege == "DELETE" {
+            // Held, then created on the broker: its hold is to end.
+            assert!(
+                eventually(Duration::from_secs(30), || held(&pool, &run.missing)).await,
+                "{grant:?}: {:?}\n{}",
+                relay.health(),
+                logs.text()
+            );
+            create_topic(&brokers(), &run.missing).await;
+        }
         let refused = eventually(Duration::from_secs(30), || async {
             refused_with(relay_refusal(&relay).as_deref(), needs(&grant))
         })
