@@ -144,8 +144,17 @@ pub(crate) async fn run(ctx: Ctx, command: Command) -> Result<(), Error> {
         Command::Partitions(command) => partitions(&ctx, command).await?,
         Command::Progress(ProgressCommand::Enable { consumer: None }) => {
             let pool = ctx.pool(2).await?;
-            outbox_runtime::relay::progress::enable(&pool).await?;
+            outbox_runtime::relay::progress::switch_on(&pool).await?;
             println!("progress mode: on (start the relays again, with lanes)");
+            if let Err(error) = outbox_runtime::relay::progress::drop_marks_indexes(&pool).await {
+                eprintln!(
+                    "the default mode's indexes of unpublished rows are not dropped yet \
+                     ({error}); run `outbox progress enable` again once the transactions \
+                     open on outbox_event have ended"
+                );
+                return Err(error.into());
+            }
+            println!("the default mode's indexes of unpublished rows: dropped");
         }
         Command::Progress(ProgressCommand::Enable {
             consumer: Some(group),

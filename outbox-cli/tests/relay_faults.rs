@@ -213,8 +213,24 @@ async fn the_progress_mode_from_the_command_line_survives_sigkills(pool: PgPool)
         }
     };
     assert!(run(&["progress", "status"]).await.contains("off"));
+    let enabled = run(&["progress", "enable"]).await;
+    assert!(enabled.contains("on"), "{enabled}");
+    assert!(
+        enabled.contains("indexes of unpublished rows: dropped"),
+        "{enabled}"
+    );
     assert!(run(&["progress", "enable"]).await.contains("on"));
-    assert!(run(&["progress", "enable"]).await.contains("on"));
+    let left: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM unnest($1::text[]) n WHERE to_regclass(n) IS NOT NULL",
+    )
+    .bind(progress::MARKS_INDEXES.as_slice())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        left, 0,
+        "the default mode's indexes of unpublished rows are dropped"
+    );
     let status = run(&["progress", "status", "--json"]).await;
     let positions: serde_json::Value = serde_json::from_str(&status).unwrap();
     assert_eq!(positions.as_array().map(Vec::len), Some(1), "{status}");

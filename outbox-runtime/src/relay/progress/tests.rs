@@ -274,10 +274,15 @@ async fn enabling_leaves_out_only_what_is_published(pool: PgPool) {
     .execute(&mut *tx)
     .await
     .unwrap();
-    enable(&pool).await.unwrap();
-    // Enabling twice changes nothing.
-    enable(&pool).await.unwrap();
+    // The switch, which returns at once (`enable`'s drop of the default
+    // mode's indexes would wait for this transaction).
+    switch_on(&pool).await.unwrap();
+    // Switching twice changes nothing.
+    switch_on(&pool).await.unwrap();
     tx.commit().await.unwrap();
+    // Nor does enabling once the transaction has ended (it drops the
+    // indexes).
+    enable(&pool).await.unwrap();
     expected.push(late);
     expected.push(insert("e", false, false).await);
 
