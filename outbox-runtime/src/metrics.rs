@@ -35,7 +35,7 @@
 //! | `outbox_parked_events` | gauge | | parked events (dropped ones excluded) |
 //! | `outbox_scheduled` | gauge | | scheduled events waiting for their time, not in the backlog (exact up to 10,000; 10,001: more) |
 //! | `outbox_scheduled_overdue_seconds` | gauge | | how long ago the earliest of them was due (0 when none is overdue; growing: no relay releases them) |
-//! | `outbox_lane_backlog_events` | gauge | `lane`, `lanes` | progress mode: events of the lane (`lane` of `lanes` lanes) its position has not passed, held and parked ones excluded (exact up to 10,000; 10,001: more) |
+//! | `outbox_lane_backlog_events` | gauge | `lane`, `lanes` | progress mode: events of the lane (`lane` of `lanes` lanes) its position has not passed, held and parked ones excluded (exact up to 1,000; 1,001: more) |
 //! | `outbox_lane_oldest_unpublished_seconds` | gauge | `lane`, `lanes` | progress mode: age of the oldest of them (0 when none) |
 //! | `outbox_progress_blocking_transaction_seconds` | gauge | | progress mode: age of the oldest transaction still open in the lanes' newest snapshots, which holds their windows back (0 when none; counted from the first sample that saw it when the relay's role may not see its start) |
 //! | `outbox_consumer_received_total` | counter | `group` | messages received from Kafka |
@@ -186,22 +186,77 @@ FROM (SELECT held_until FROM outbox_event
       ORDER BY held_until, id LIMIT 10001) s";
 
 /// [`BACKLOG`] in the progress mode (see [`crate::relay::progress`]): the
-/// queue is the rows in the windows after the slots' positions.
+/// queue is the rows in the windows after the slots' positions, counted as
+/// `ops::status` counts them (see `ops::backlog`'s `progress_queue`): each
+/// slot's first rows (its share of 10,000, + 1), a slot read to the end
+/// counted exactly; past 10,000 rows read, each truncated slot estimated
+/// from the span of its ids and the density of the ids read; within them,
+/// the truncated slots read again in one scan up to 10,001 rows in all.
 pub(crate) static PROGRESS_BACKLOG: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    let queue = "(SELECT id FROM outbox_event
-                 WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL
-                 ORDER BY id LIMIT 10001) s";
-    let last = "(SELECT id FROM outbox_event
-                       WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL
-                       ORDER BY id DESC LIMIT 1)";
-    assert!(BACKLOG.contains(queue) && BACKLOG.contains(last));
+    let q_start = BACKLOG.find("WITH q AS (").expect("q");
+    let q_end = BACKLOG.find("     h AS (").expect("h");
+    let e_start = BACKLOG
+        .find("CASE WHEN q.n <= 10000 THEN q.n")
+        .expect("queue");
+    let e_end = e_start
+        + BACKLOG[e_start..]
+            .find("END AS queue,")
+            .expect("queue's end");
+    assert!(BACKLOG[q_start..q_end].contains("LIMIT 10001) s),"));
+    let (k1, bound) = (
+        crate::ops::backlog::PROGRESS_SLOT_READ,
+        crate::ops::BACKLOG_EXACT_UP_TO,
+    );
+    let rows = crate::ops::backlog::progress_slot_rows(&crate::relay::progress::reached("e"));
+    // A truncated slot's estimate (`ops::backlog::slot_estimate`), over
+    // `rs`.
+    let estimate = format!(
+        "CASE WHEN rs.n < {k1} THEN rs.n::float8
+              ELSE greatest(rs.n, rs.n::float8 * (greatest(rs.upto, (
+                  SELECT l.id FROM outbox_event l WHERE l.lane_slot = rs.slot
+                    AND l.txid IS NOT NULL ORDER BY l.txid DESC LIMIT 1)) - rs.first + 1)
+                  / (rs.upto - rs.first + 1)) END"
+    );
+    let queue = format!(
+        "WITH RECURSIVE {positions}, t AS (SELECT coalesce(sum(rows), 0)::int8 AS rows,
+                                             min(held_at) AS since FROM outbox_held_topic),
+     r AS MATERIALIZED (
+         SELECT pos.slot, e.id FROM pos
+         CROSS JOIN LATERAL (SELECT u.id FROM ({rows}) u LIMIT {k1}) e),
+     rs AS MATERIALIZED (SELECT slot, count(*) AS n, min(id) AS first, max(id) AS upto
+                         FROM r GROUP BY slot),
+     x AS (SELECT coalesce(sum(n), 0) AS read,
+                  coalesce(sum(n) FILTER (WHERE n < {k1}), 0) AS exact,
+                  min(first) AS first, count(*) FILTER (WHERE n >= {k1}) AS truncated
+           FROM rs),
+     q AS (SELECT x.first,
+             (CASE WHEN x.truncated = 0 THEN x.read
+                  WHEN x.read > {bound} THEN (SELECT round(sum({estimate}))::int8 FROM rs)
+                  ELSE (SELECT CASE WHEN x.exact + c.n <= {bound} THEN x.exact + c.n
+                                    ELSE greatest({bound} + 1,
+                                                  (SELECT round(sum({estimate}))::int8 FROM rs))
+                               END
+                        FROM (SELECT count(*) AS n FROM (
+                                  SELECT 1 FROM pos CROSS JOIN LATERAL ({rows}) e
+                                  WHERE pos.slot IN (SELECT slot FROM rs WHERE n >= {k1})
+                                  LIMIT {bound} + 1) s) c)
+             END)::int8 AS n
+           FROM x),
+",
+        positions = crate::relay::progress::POSITIONS,
+    );
     // Topics held as missing: their rows passed over by the windows
     // (counted when passed) are held rows, the oldest waiting since the
     // topic was held.
     let age = "(SELECT created_at FROM outbox_event WHERE id = h.first)))::float8";
     assert!(BACKLOG.contains(age) && BACKLOG.contains("SELECT e.queue + e.held,"));
     assert!(BACKLOG.ends_with("       e.held\nFROM q, h, e"));
-    let backlog = BACKLOG
+    let backlog = format!(
+        "{queue}{}q.n{}",
+        &BACKLOG[q_end..e_start],
+        &BACKLOG[e_end + "END".len()..]
+    );
+    backlog
         .replace(
             age,
             "(SELECT created_at FROM outbox_event WHERE id = h.first), t.since))::float8",
@@ -213,25 +268,6 @@ pub(crate) static PROGRESS_BACKLOG: std::sync::LazyLock<String> = std::sync::Laz
         .replace(
             "       e.held\nFROM q, h, e",
             "       e.held + t.rows\nFROM q, h, e, t",
-        );
-    backlog
-        .replacen(
-            "WITH q AS",
-            &format!(
-                "WITH RECURSIVE {}, t AS (SELECT coalesce(sum(rows), 0)::int8 AS rows,
-                                             min(held_at) AS since FROM outbox_held_topic),
-     q AS",
-                crate::relay::progress::POSITIONS
-            ),
-            1,
-        )
-        .replace(
-            queue,
-            &format!("({}) s", crate::ops::backlog::progress_queue_rows("10001")),
-        )
-        .replace(
-            last,
-            "(SELECT id FROM outbox_event ORDER BY id DESC LIMIT 1)",
         )
 });
 

@@ -385,3 +385,140 @@ async fn a_transaction_of_another_database_is_not_reported_as_holding(pool: PgPo
     other.rollback().await.unwrap();
     mine.rollback().await.unwrap();
 }
+
+/// Inserts `n` events of the topics `t0`..`t2` (by `g % 3`), one key per
+/// row unless `key` names one, in one transaction.
+async fn insert_events(pool: &PgPool, from: i64, n: i64, key: Option<&str>) {
+    sqlx::query(
+        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload,
+                                   topic, partition_key)
+         SELECT gen_random_uuid(), 'A', 'a', 'E', '{}', 't' || (g % 3), coalesce($3, 'k' || g)
+         FROM generate_series($1, $1 + $2 - 1) AS g",
+    )
+    .bind(from)
+    .bind(n)
+    .bind(key)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// The true backlog: rows per topic and per lane of 16 (no row is held,
+/// parked or passed).
+async fn truth(pool: &PgPool) -> (Vec<(String, i64)>, Vec<i64>) {
+    let topics: Vec<(String, i64)> =
+        sqlx::query_as("SELECT topic, count(*) FROM outbox_event GROUP BY topic ORDER BY topic")
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    let lanes: Vec<(i32, i64)> = sqlx::query_as(
+        "SELECT l, count(e.id) FROM generate_series(0, 15) AS l
+         LEFT JOIN outbox_event e ON e.lane_slot % 16 = l GROUP BY l ORDER BY l",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    (topics, lanes.into_iter().map(|(_, n)| n).collect())
+}
+
+/// Each lane's lag: its count up to the bound (`LAG_EXACT_UP_TO` + 1:
+/// more), one lane of 16 per position.
+async fn lane_events(pool: &PgPool) -> Vec<i64> {
+    let lag = lag(pool).await;
+    assert_eq!(lag.lanes.len(), 16, "{lag:?}");
+    lag.lanes
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            assert_eq!(l.lane, i.to_string());
+            assert_eq!(l.lane_count, Some(16));
+            l.events
+        })
+        .collect()
+}
+
+/// `status`, the lag per lane and the backlog gauges' statement in the
+/// progress mode with 16 lanes' positions: below their bounds the counts are
+/// exact (in total, per topic, per lane), also with most rows in one slot
+/// (one key); past them (35,000 rows) `status` says its backlog is estimated
+/// and the estimates are near the truth, and each lane shows its count up to
+/// its bound (more: the bound + 1).
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn backlog_and_lag_are_exact_below_their_bounds_and_estimated_past_them(pool: PgPool) {
+    progress::enable(&pool).await.unwrap();
+    sqlx::query(
+        "INSERT INTO outbox_progress (slots, done)
+         SELECT ARRAY(SELECT s::int2 FROM generate_series(l, 63, 16) s), pg_current_snapshot()
+         FROM generate_series(0, 15) l",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let gauges = async |pool: &PgPool| -> i64 {
+        let (backlog, _, _, _): (i64, Option<f64>, i64, i64) =
+            sqlx::query_as(ops::progress_gauges_sql())
+                .fetch_one(pool)
+                .await
+                .unwrap();
+        backlog
+    };
+
+    // Below the bounds: 3,000 rows over many keys, 2,000 of one key (one
+    // slot, one lane).
+    insert_events(&pool, 1, 3_000, None).await;
+    insert_events(&pool, 3_001, 2_000, Some("hot")).await;
+    sqlx::query("ANALYZE outbox_event")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (topics, lanes) = truth(&pool).await;
+    let status = ops::status(&pool).await.unwrap();
+    assert!(!status.backlog_estimated, "{status:?}");
+    assert_eq!(status.unpublished, 5_000);
+    let counted: Vec<(String, i64)> = status
+        .topics
+        .iter()
+        .map(|t| (t.topic.clone(), t.unpublished))
+        .collect();
+    assert_eq!(counted, topics);
+    let bound = ops::LAG_EXACT_UP_TO + 1;
+    let capped: Vec<i64> = lanes.iter().map(|n| (*n).min(bound)).collect();
+    assert_eq!(lane_events(&pool).await, capped);
+    let progress = status.progress.as_ref().expect("the progress mode");
+    assert_eq!(
+        progress.lanes.iter().map(|l| l.events).collect::<Vec<_>>(),
+        capped
+    );
+    assert_eq!(gauges(&pool).await, 5_000);
+
+    // Past them: 30,000 more rows over many keys.
+    insert_events(&pool, 5_001, 30_000, None).await;
+    sqlx::query("ANALYZE outbox_event")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (topics, lanes) = truth(&pool).await;
+    let near = |estimate: i64, truth: i64| {
+        estimate as f64 >= truth as f64 / 1.5 && estimate as f64 <= truth as f64 * 1.5
+    };
+    let status = ops::status(&pool).await.unwrap();
+    assert!(status.backlog_estimated, "{status:?}");
+    assert!(status.unpublished > ops::BACKLOG_EXACT_UP_TO, "{status:?}");
+    assert!(near(status.unpublished, 35_000), "{status:?}");
+    for (topic, n) in &topics {
+        let t = status.topics.iter().find(|t| &t.topic == topic).unwrap();
+        assert!(near(t.unpublished, *n), "{topic}: {} of {n}", t.unpublished);
+    }
+    let backlog = gauges(&pool).await;
+    assert!(near(backlog, 35_000), "gauges: {backlog}");
+    let capped: Vec<i64> = lanes.iter().map(|n| (*n).min(bound)).collect();
+    let shown = lane_events(&pool).await;
+    assert_eq!(shown, capped);
+    assert!(
+        shown
+            .iter()
+            .zip(&lanes)
+            .all(|(s, n)| *s == *n || *s == bound),
+        "{shown:?} of {lanes:?}"
+    );
+}

@@ -16,6 +16,17 @@
 //!   below twice the rows read (rows held since, e.g. a missing topic's
 //!   held by the relay's updates), counted over the index instead, up to
 //!   [`BACKLOG_COUNTED_UP_TO`] rows.
+//!
+//! In the relay's progress mode the queue is the rows after each lane
+//! slot's position, and has no index in id order: each slot's first rows
+//! are read (its share of the bound, [`PROGRESS_SLOT_READ`]), a slot read
+//! to its end counted exactly, a longer one (truncated) estimated from the
+//! span of its ids (the first read to the slot's last row by the progress
+//! index) and the density of the ids read, its topics split as its rows
+//! read; when the rows read are within the bound yet some slot was
+//! truncated (one hot key), the truncated slots are read again in one scan
+//! up to the bound in all, and counted exactly if they hold no more. About
+//! the bound's rows are read however large the backlog.
 
 use std::collections::BTreeMap;
 
@@ -41,52 +52,88 @@ SELECT id FROM outbox_event
 WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL
 ORDER BY id DESC LIMIT 1";
 
-/// In the progress mode (see [`crate::relay::progress`]): the queue's
-/// rows (id, topic) in the windows after the slots' positions, up to
-/// `limit` (a parameter or a number) per slot and in all, lowest ids first.
-/// Each slot's rows are read over the progress index from its position's
+/// In the progress mode (see [`crate::relay::progress`]): the rows (id,
+/// topic, created_at) of the slot `pos.slot` in the windows after its
+/// position (joined as `pos`, from [`POSITIONS`]) that `passed` (a
+/// condition on the row `e` and `pos`) does not pass, in no particular
+/// order. They are read over the progress index from the position's
 /// snapshot on (the transactions in flight then, and those after), as the
 /// relay reads them (the transactions of the `xip` list probed one by one:
-/// see the relay's window list). Written after `WITH RECURSIVE`
-/// [`POSITIONS`]`,`.
+/// see the relay's window list); a `LIMIT` over them, or over a nested loop
+/// of slots joined to them, stops the scan.
 ///
 /// [`POSITIONS`]: crate::relay::progress::POSITIONS
-pub(crate) fn progress_queue_rows(limit: &str) -> String {
-    // Rows the windows reached are out of the queue: published, or (a held
-    // topic's) counted by the topic's hold.
-    let passed = crate::relay::progress::reached("e");
+pub(crate) fn progress_slot_rows(passed: &str) -> String {
     format!(
-        "SELECT e.id, e.topic FROM pos CROSS JOIN LATERAL (
-    (SELECT e.id, e.topic FROM pg_snapshot_xip(pos.done) AS x(txid)
+        "(SELECT e.id, e.topic, e.created_at FROM pg_snapshot_xip(pos.done) AS x(txid)
      CROSS JOIN LATERAL (
-         SELECT e.id, e.topic, e.txid, e.lane_slot FROM outbox_event e
+         SELECT e.id, e.topic, e.txid, e.created_at FROM outbox_event e
          WHERE e.lane_slot = pos.slot AND e.txid = x.txid
            AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3
          OFFSET 0) e
      WHERE NOT {passed})
     UNION ALL
-    (SELECT e.id, e.topic FROM outbox_event e
+    (SELECT e.id, e.topic, e.created_at FROM outbox_event e
      WHERE e.lane_slot = pos.slot AND e.txid >= pg_snapshot_xmax(pos.done)
-       AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3 AND NOT {passed}
-     LIMIT {limit})) e
-ORDER BY e.id LIMIT {limit}"
+       AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3 AND NOT {passed})"
     )
 }
 
-/// [`QUEUE_SAMPLE`] in the progress mode.
-pub(super) static PROGRESS_QUEUE_SAMPLE: std::sync::LazyLock<String> =
-    std::sync::LazyLock::new(|| {
-        format!(
-            "WITH RECURSIVE {}, s AS ({})
-SELECT topic, count(*)::int8, min(id), max(id), 0::int8 FROM s GROUP BY topic",
-            crate::relay::progress::POSITIONS,
-            progress_queue_rows("$1")
-        )
-    });
+/// The queue's rows of a slot in the progress mode: those the windows did
+/// not reach (a held topic's rows they reached and did not publish are
+/// counted by the topic's hold, `outbox_held_topic.rows`).
+fn progress_queue_rows() -> String {
+    progress_slot_rows(&crate::relay::progress::reached("e"))
+}
 
-/// [`QUEUE_LAST`] in the progress mode: the last row (the queue's last,
-/// unless published since).
-pub(super) const PROGRESS_QUEUE_LAST: &str = "SELECT id FROM outbox_event ORDER BY id DESC LIMIT 1";
+/// Rows of each slot the progress mode's queue sample reads: its share
+/// (of 64 slots) of [`BACKLOG_EXACT_UP_TO`], + 1 (a slot with that many has
+/// more: it is truncated).
+pub(crate) const PROGRESS_SLOT_READ: i64 = (BACKLOG_EXACT_UP_TO + 63) / 64 + 1;
+
+/// In the progress mode: the queue's first rows of each slot (at most
+/// [`PROGRESS_SLOT_READ`]), per slot and topic: rows, lowest and highest
+/// id.
+static PROGRESS_SLOT_SAMPLE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "WITH RECURSIVE {}
+SELECT pos.slot, e.topic, count(*)::int8, min(e.id), max(e.id)
+FROM pos CROSS JOIN LATERAL (SELECT u.id, u.topic FROM ({}) u LIMIT {PROGRESS_SLOT_READ}) e
+GROUP BY pos.slot, e.topic",
+        crate::relay::progress::POSITIONS,
+        progress_queue_rows()
+    )
+});
+
+/// In the progress mode: the queue's rows of the slots `$1` read again, at
+/// most `$2` in all (one nested loop over the slots under one `LIMIT`),
+/// per topic: rows, lowest and highest id.
+static PROGRESS_SLOTS_READ: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "WITH RECURSIVE {}
+SELECT e.topic, count(*)::int8, min(e.id), max(e.id)
+FROM (SELECT e.id, e.topic FROM pos CROSS JOIN LATERAL ({}) e
+      WHERE pos.slot = ANY($1) LIMIT $2) e
+GROUP BY e.topic",
+        crate::relay::progress::POSITIONS,
+        progress_queue_rows()
+    )
+});
+
+/// The last row of each slot of `$1` by the progress index (its newest
+/// transaction's last entry): the id the slot's rows reach.
+const PROGRESS_SLOT_LAST: &str = "\
+SELECT s, (SELECT e.id FROM outbox_event e WHERE e.lane_slot = s AND e.txid IS NOT NULL
+           ORDER BY e.txid DESC LIMIT 1)
+FROM unnest($1::int2[]) AS s";
+
+/// The estimated rows of a truncated slot: the `read` rows from `first` to
+/// `upto` (ids) hold the slot's density; its rows reach `last`.
+pub(crate) fn slot_estimate(read: i64, first: i64, upto: i64, last: i64) -> f64 {
+    let span = (last.max(upto) - first + 1) as f64;
+    let density = read as f64 / (upto - first + 1) as f64;
+    (span * density).max(read as f64)
+}
 
 /// Held rows in the order of their index (the time they may go again),
 /// scheduled rows waiting for their time excluded (their hold ends at their
@@ -277,6 +324,111 @@ where
     Ok(kind)
 }
 
+/// A read-only transaction without JIT, for the progress mode's reads.
+pub(crate) const NO_JIT: &str = "BEGIN READ ONLY; SET LOCAL jit = off";
+
+/// One slot's rows read, per topic: (topic, rows, lowest id, highest id).
+type SlotRows = Vec<(String, i64, Option<i64>, Option<i64>)>;
+
+/// The queue in the progress mode, at about the cost of
+/// [`BACKLOG_EXACT_UP_TO`] rows read however large: each slot's first rows
+/// ([`PROGRESS_SLOT_READ`] at most, its share of the bound). A slot read to
+/// the end is counted exactly. When some are not (truncated), and the rows
+/// read are more than the bound, the total is estimated: each truncated
+/// slot's rows from the span of its ids (the first read to its last row by
+/// the progress index) and the density of the ids read, its topics split
+/// as its rows read. When the rows read are within the bound, they cannot
+/// tell: the truncated slots are read again in one scan, up to the bound in
+/// all — counted exactly if they hold no more, estimated if they do.
+async fn progress_queue(pool: &PgPool) -> Result<Kind> {
+    // One snapshot; no JIT (the planner cannot tell how few rows the
+    // windows' filters leave, and its estimates would compile the
+    // statements for longer than they run).
+    let mut tx = pool.begin_with(NO_JIT).await?;
+    type SlotTopic = (i16, String, i64, Option<i64>, Option<i64>);
+    let rows: Vec<SlotTopic> = sqlx::query_as(PROGRESS_SLOT_SAMPLE.as_str())
+        .fetch_all(&mut *tx)
+        .await?;
+    let mut slots: BTreeMap<i16, SlotRows> = BTreeMap::new();
+    for (slot, topic, n, first, upto) in rows {
+        slots.entry(slot).or_default().push((topic, n, first, upto));
+    }
+    let count = |rows: &SlotRows| rows.iter().map(|r| r.1).sum::<i64>();
+    let truncated: Vec<i16> = slots
+        .iter()
+        .filter(|(_, rows)| count(rows) >= PROGRESS_SLOT_READ)
+        .map(|(slot, _)| *slot)
+        .collect();
+    let read: i64 = slots.values().map(count).sum();
+    let exact: i64 = read - truncated.iter().map(|s| count(&slots[s])).sum::<i64>();
+    let mut kind = Kind::default();
+    let mut add = |topic: &str, rows: f64, first: Option<i64>| {
+        let t = kind.topics.entry(topic.to_owned()).or_default();
+        t.rows += rows.round() as i64;
+        t.first = match (t.first, first) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    };
+    // The truncated slots' rows when they are counted (none truncated:
+    // none); `None`: more than the bound, estimated.
+    let again: Option<SlotRows> = if truncated.is_empty() {
+        Some(Vec::new())
+    } else if read <= BACKLOG_EXACT_UP_TO {
+        // The rows read cannot tell: the truncated slots read again in one
+        // scan, up to the bound in all.
+        let room = BACKLOG_EXACT_UP_TO + 1 - exact;
+        let rows: SlotRows = sqlx::query_as(PROGRESS_SLOTS_READ.as_str())
+            .bind(&truncated)
+            .bind(room)
+            .fetch_all(&mut *tx)
+            .await?;
+        (count(&rows) < room).then_some(rows)
+    } else {
+        None
+    };
+    let estimated = again.is_none();
+    if !estimated {
+        for (slot, rows) in &slots {
+            if !truncated.contains(slot) {
+                for (topic, n, first, _) in rows {
+                    add(topic, *n as f64, *first);
+                }
+            }
+        }
+        for (topic, n, first, _) in again.unwrap_or_default() {
+            add(&topic, n as f64, first);
+        }
+    } else {
+        let lasts: Vec<(i16, Option<i64>)> = sqlx::query_as(PROGRESS_SLOT_LAST)
+            .bind(&truncated)
+            .fetch_all(&mut *tx)
+            .await?;
+        for (slot, rows) in &slots {
+            let n = count(rows);
+            let first = rows.iter().filter_map(|r| r.2).min();
+            let upto = rows.iter().filter_map(|r| r.3).max();
+            let last = lasts.iter().find(|(s, _)| s == slot).and_then(|(_, l)| *l);
+            let scale = match (truncated.contains(slot), first, upto) {
+                (true, Some(first), Some(upto)) => {
+                    slot_estimate(n, first, upto, last.unwrap_or(upto)) / n as f64
+                }
+                _ => 1.0,
+            };
+            for (topic, n, first, _) in rows {
+                add(topic, *n as f64 * scale, *first);
+            }
+        }
+    }
+    kind.total = kind.topics.values().map(|t| t.rows).sum();
+    if estimated {
+        kind.total = kind.total.max(BACKLOG_EXACT_UP_TO + 1);
+    }
+    kind.estimated = estimated;
+    tx.commit().await?;
+    Ok(kind)
+}
+
 /// The index entries of `index` on the table `oid` by its statistics.
 async fn index_entries(pool: &PgPool, oid: i64, index: &str) -> Result<f64> {
     Ok(sqlx::query_scalar(INDEX_ENTRIES)
@@ -289,18 +441,17 @@ async fn index_entries(pool: &PgPool, oid: i64, index: &str) -> Result<f64> {
 /// Reads the backlog of the outbox table `oid` (see the module docs); in
 /// the progress mode with `progress`.
 pub(super) async fn read(pool: &PgPool, oid: i64, progress: bool) -> Result<Backlog> {
-    let (sample, last) = if progress {
-        (PROGRESS_QUEUE_SAMPLE.as_str(), PROGRESS_QUEUE_LAST)
+    let queue = if progress {
+        progress_queue(pool).await?
     } else {
-        (QUEUE_SAMPLE, QUEUE_LAST)
+        kind(pool, QUEUE_SAMPLE, async |read, first, upto| {
+            let last: Option<i64> = sqlx::query_scalar(QUEUE_LAST).fetch_optional(pool).await?;
+            let span = (last.unwrap_or(upto).max(upto) - first + 1) as f64;
+            let density = read as f64 / (upto - first + 1) as f64;
+            Ok(span * density)
+        })
+        .await?
     };
-    let queue = kind(pool, sample, async |read, first, upto| {
-        let last: Option<i64> = sqlx::query_scalar(last).fetch_optional(pool).await?;
-        let span = (last.unwrap_or(upto).max(upto) - first + 1) as f64;
-        let density = read as f64 / (upto - first + 1) as f64;
-        Ok(span * density)
-    })
-    .await?;
     let held = kind(pool, HELD_SAMPLE, async |read, _, _| {
         let stats = index_entries(pool, oid, "ix_outbox_event_held").await?;
         checked(pool, stats, read, HELD_COUNT).await
