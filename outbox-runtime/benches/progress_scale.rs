@@ -277,10 +277,14 @@ async fn main() {
     // A transaction in flight inside lane 0's window: it holds the window
     // back, and `progress_lag` reports it.
     let mut open = pool.begin().await.expect("open transaction");
-    sqlx::query("SELECT pg_current_xact_id()")
-        .execute(&mut *open)
+    let xid: String = sqlx::query_scalar("SELECT pg_current_xact_id()::text")
+        .fetch_one(&mut *open)
         .await
         .expect("xid");
+    eprintln!("open transaction {xid}");
+    // A later transaction commits: the open one is then in the snapshots'
+    // `xip` list (a snapshot's `xmax` is past the last completed one).
+    insert(&pool, 1).await;
     sqlx::query(
         "INSERT INTO outbox_progress (slots, done, upto, after_id)
          SELECT slots, done, pg_current_snapshot(), 0 FROM outbox_progress
@@ -332,7 +336,7 @@ async fn main() {
         "   lag: {} lanes, lane 0 {} events; held back by {:?}",
         lag.lanes.len(),
         lag.lanes.first().map_or(0, |l| l.events),
-        lag.holding.as_ref().and_then(|h| h.pid)
+        lag.holding.as_ref().map(|h| (h.xid, h.pid))
     );
     reads.push(
         time(runs, "progress lag (status, gauges, console)", || async {
