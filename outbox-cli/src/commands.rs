@@ -152,7 +152,7 @@ pub(crate) async fn run(ctx: Ctx, command: Command) -> Result<(), Error> {
                      ({error}); run `outbox progress enable` again once the transactions \
                      open on outbox_event have ended"
                 );
-                return Err(error.into());
+                return Err(error);
             }
             println!("the default mode's indexes of unpublished rows: dropped");
         }
