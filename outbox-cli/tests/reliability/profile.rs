@@ -42,9 +42,19 @@ pub fn progress_mode() -> bool {
 }
 
 /// Puts the outbox of `pool` in the relay mode the environment asks for
-/// ([`progress_mode`]); nothing in the default mode.
+/// ([`progress_mode`]); nothing in the default mode, nor when the mode is
+/// on already (`pool` may then be a role's that may only read the
+/// positions, as the relay's in the production profile: [`Setup::prepare`]
+/// enabled it as the owner).
 pub async fn relay_mode(pool: &PgPool) {
-    if progress_mode() {
+    if !progress_mode() {
+        return;
+    }
+    let on: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM outbox_progress)")
+        .fetch_one(pool)
+        .await
+        .expect("the relay mode");
+    if !on {
         outbox_runtime::relay::progress::enable(pool)
             .await
             .expect("the progress mode");
