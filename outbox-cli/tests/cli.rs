@@ -47,14 +47,16 @@ async fn outbox(url: Option<&str>, args: &[&str]) -> Output {
 /// far (`condition` and `published` ignored: a row has no time of its own
 /// there, its creation stands for it).
 async fn publish_by_hand(pool: &PgPool, condition: &str, published: &str) {
-    let sql = if progress_mode() {
-        "INSERT INTO outbox_progress (slots, done)
-         SELECT ARRAY(SELECT generate_series(0, 63))::int2[], pg_current_snapshot()"
-            .to_owned()
+    if progress_mode() {
+        record_position(pool).await;
     } else {
-        format!("UPDATE outbox_event SET published_at = {published} WHERE {condition}")
-    };
-    sqlx::query(&sql).execute(pool).await.unwrap();
+        sqlx::query(&format!(
+            "UPDATE outbox_event SET published_at = {published} WHERE {condition}"
+        ))
+        .execute(pool)
+        .await
+        .unwrap();
+    }
 }
 
 fn text(o: &Output) -> (String, String) {

@@ -43,19 +43,6 @@ async fn set(pool: &PgPool, sql: &str, ids: &[i64]) {
         .unwrap();
 }
 
-/// Records a position of every lane slot at the current snapshot, as a
-/// relay records one (the progress mode): every row committed so far is
-/// passed.
-async fn record_position(pool: &PgPool) {
-    sqlx::query(
-        "INSERT INTO outbox_progress (slots, done)
-         SELECT ARRAY(SELECT generate_series(0, 63))::int2[], pg_current_snapshot()",
-    )
-    .execute(pool)
-    .await
-    .unwrap();
-}
-
 async fn remaining(pool: &PgPool, ids: &[i64]) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM outbox_event WHERE id = ANY($1)")
         .bind(ids)

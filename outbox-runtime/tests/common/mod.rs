@@ -341,6 +341,19 @@ pub fn progress_mode() -> bool {
     std::env::var("OUTBOX_TEST_RELAY_MODE").as_deref() == Ok("progress")
 }
 
+/// Records a position of every lane slot at the current snapshot, as a
+/// relay records one in the progress mode: every row committed so far
+/// (and not parked or held) is published.
+pub async fn record_position(pool: &PgPool) {
+    sqlx::query(
+        "INSERT INTO outbox_progress (slots, done)
+         SELECT ARRAY(SELECT generate_series(0, 63))::int2[], pg_current_snapshot()",
+    )
+    .execute(pool)
+    .await
+    .expect("a position");
+}
+
 /// Puts the outbox of `pool` in the progress mode when
 /// `OUTBOX_TEST_RELAY_MODE=progress` (the suites that run in both modes
 /// call it before their relays start).
