@@ -5,7 +5,7 @@
 # scenarios again in the production
 # profile (every process as the README's role, 10-second partitions created
 # and dropped by a maintainer meanwhile: outbox-cli/tests/reliability/profile.rs);
-# then the relay's, lanes', held and scheduled rows', refusals' and
+# then the relay's, lanes', held and scheduled rows', refusals', roles' and
 # operations' tests and the relay's scenarios in the progress mode (the scenarios in
 # that profile). scripts/test-progress.sh runs every suite in that mode.
 set -euo pipefail
@@ -27,16 +27,14 @@ OUTBOX_TEST_INBOX_MODE=progress cargo test -p outbox-cli --test reliability -- \
 echo "== the reliability scenarios' production-profile subset"
 OUTBOX_TEST_PROFILE=production cargo test -p outbox-cli --test reliability -- \
     relay_sigkilled_repeatedly consumer_killed_between long_transaction
-echo "== the relay's, the lanes', the held and scheduled rows', the refusals' and the operations' tests in the relay's progress mode"
+echo "== the relay's, the lanes', the held and scheduled rows', the refusals', the roles' and the operations' tests in the relay's progress mode"
 # Every test of these binaries but lanes'
 # relays_with_and_without_lanes_refuse_each_other, about relays without
 # lanes, which the progress mode refuses (progress_relay's
 # a_relay_without_lanes_is_refused). scripts/test-progress.sh runs every
-# suite in that mode (roles' the_relay_needs_each_of_its_grants_and_no_more
-# fails there about one run in two: a lane's window stops moving after the
-# refused grants; see CHANGELOG, Known issues).
+# suite in that mode.
 OUTBOX_TEST_RELAY_MODE=progress cargo test -p outbox-runtime --test relay --test lanes --test held \
-    --test scheduled --test refused --test ops -- \
+    --test scheduled --test refused --test ops --test roles -- \
     --skip relays_with_and_without_lanes_refuse_each_other
 echo "== the relay's reliability scenarios in the progress mode (production profile)"
 OUTBOX_TEST_RELAY_MODE=progress OUTBOX_TEST_PROFILE=production cargo test -p outbox-cli --test reliability -- \

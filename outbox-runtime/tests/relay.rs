@@ -387,6 +387,38 @@ async fn rows_held_back_keep_their_keys_in_order(pool: PgPool) {
     assert_eq!(duplicates, 0, "nothing failed: no duplicates");
 }
 
+/// One key's backlog (one lane) through a producer queue a fraction of a
+/// batch: each batch sends a few rows and withholds the rest, and the relay
+/// goes on from there until everything is out, once and in order. In the
+/// progress mode, withheld window rows once held their key, so the next
+/// batch's rows of the lane, read again from the same place while the
+/// batch before was still open, were withheld too, and so on: the lane
+/// never moved again while the relay said it was running.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn one_keys_rows_withheld_batch_after_batch_still_drain(pool: PgPool) {
+    relay_mode(&pool).await;
+    let topic = unique_topic("relay-one-key");
+    create_topic(&brokers(), &topic).await;
+    let committed = commit_messages(&pool, &topic, 600, 1, 100).await;
+
+    let handle = relay(&pool)
+        .kafka_setting("queue.buffering.max.messages", "5")
+        .batch_size(50)
+        .spawn()
+        .unwrap();
+    let drained = wait_until_published(&pool, Duration::from_secs(60)).await;
+    let counts = handle.counts();
+    handle.shutdown().await.unwrap();
+    assert!(drained, "the relay drained the outbox: {counts:?}");
+    assert!(
+        counts.withheld > 0,
+        "the small queue held rows back: {counts:?}"
+    );
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(60)).await;
+    assert_eq!(verify(&committed, &received), 0, "{counts:?}");
+    assert_eq!(counts.published, 600, "nothing sent twice: {counts:?}");
+}
+
 /// A topic missing on the broker does not hold the others up, says why
 /// (on its rows in the default mode; on its row of `outbox_held_topic` in
 /// the progress mode, which writes none of its events), never parks, and

@@ -706,19 +706,18 @@ impl Loop<'_> {
         super::trace_links::link_events(&span, &batch.rows, &go);
         let pending = span.in_scope(|| publisher.send(&batch.rows, go, &mut outcomes));
         // Rows held back now (here, or by the producer: a full queue, an
-        // earlier row of their key refused) keep their keys held. Not, in
-        // the progress mode, a window's rows of a missing topic: they are
-        // not locked, the topic's later rows are held back by the topic,
-        // and the key's rows of other topics need not wait (they would be
-        // read again and again).
+        // earlier row of their key refused) keep their keys held: they stay
+        // locked until the batch ends. Not, in the progress mode, a
+        // window's rows: they are not locked, and a window row left without
+        // a state stops its lane's position and sends the lane back there,
+        // the key's later rows with it (a key's rows are all of one lane);
+        // holding the key would withhold its rows of the next batch, read
+        // again from there, and so on while batches overlap: the lane would
+        // never move again.
         let read = batch.progress.as_ref();
         for (i, (row, outcome)) in batch.rows.iter().zip(&outcomes).enumerate() {
-            let topic_held = read.is_some_and(|r| {
-                r.lanes.get(i).copied().flatten().is_some()
-                    && (r.held_topics.contains(&row.topic)
-                        || self.topics.held(&row.topic).is_some())
-            });
-            if !topic_held
+            let window_row = read.is_some_and(|r| r.lanes.get(i).copied().flatten().is_some());
+            if !window_row
                 && outcome
                     .as_ref()
                     .is_some_and(|o| !matches!(o, Outcome::Unrecorded))

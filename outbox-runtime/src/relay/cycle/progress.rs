@@ -7,9 +7,10 @@
 //! neither (a transient failure, a row withheld without a hold) stops the
 //! lane's position just before it, and the lane's window goes back there:
 //! a **rewind**. The lane's later rows of the batch get no state (they are
-//! read again, a delivered one sent again: at least once), and rows of the
-//! lane in batches claimed before the rewind are stale: withheld, given no
-//! state, their positions dropped (each lane has a generation, stamped on
+//! read again; a delivered one is marked published, a write on this rare
+//! path, so that it is not sent again), and rows of the lane in batches
+//! claimed before the rewind are stale: withheld, given no state, their
+//! positions dropped (each lane has a generation, stamped on
 //! the positions a claim reads and bumped by a rewind).
 //!
 //! A finish that does not commit is carried: the next batch's finish
@@ -234,7 +235,16 @@ impl Loop<'_> {
                 work.stands.push(stand.clone());
                 continue;
             };
-            // Rows from the first undone on are read again: no state.
+            // Rows from the first undone on are read again: no state. Those
+            // among them that were delivered (of other keys, or of a batch
+            // claimed before a rewind) are marked published, not sent again:
+            // a write per row, on this rare path only.
+            for (i, row) in batch.rows.iter().enumerate() {
+                if lane_of(i) == Some(stand.lane) && row.id >= undone && published.contains(&row.id)
+                {
+                    work.published.push(row.event_id);
+                }
+            }
             for id in rows.iter().filter(|id| **id >= undone) {
                 failures.remove(id);
                 holds.remove(id);

@@ -140,7 +140,12 @@ pub(crate) async fn held_topics(pool: &PgPool, scope: OutboxScope) -> Result<Ski
 #[derive(Debug)]
 struct Lane {
     window: Window,
+    /// The `done` last recorded by an idle claim, and when.
     recorded: (String, Instant),
+    /// Rows were handed over since: the window's end is recorded at the
+    /// next idle claim, not [`IDLE_RECORD`] later (the due held rows of the
+    /// window's last rows wait for it: see [`DUE`]).
+    handed: bool,
 }
 
 /// The windows of the lanes a relay reads, by lane (loaded when a lane is
@@ -180,16 +185,17 @@ WHERE {} AND pid = $2 AND objid::int8 >= $3 AND objid::int8 < $3 + $4",
 /// claim, before it); scheduled rows hold back no key (the held-key index
 /// leaves them out).
 ///
-/// Only rows its slot's window has reached (`$4` slots, each with the
-/// window's `done`, `upto` and `after_id` in `$5`, `$6`, `$7`): a row whose
-/// transaction the window's `done` sees, or that lies in the window at or
-/// before the rows handed over. A scheduled row due while rows of its key
-/// committed before it are still in the window waits for them, as the
-/// default mode's claim takes it in id order after them; a row held after
-/// its window handed it over (a failure, a key held) is reached.
+/// Only rows their slot's recorded position has reached (its newest, as
+/// committed: [`reached`](super::reached)). A scheduled row due while rows
+/// of its key committed before it are not yet published waits for them, as
+/// the default mode's claim takes it in id order after them; a row held
+/// after its window passed it (a failure, a key held) is reached. Not the
+/// windows' positions in memory: those count rows handed to batches still
+/// open, which a rewind may send again (after a due row of their key).
 static DUE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
-        "{CLAIM_MARK} SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version,
+        "{CLAIM_MARK} WITH RECURSIVE {positions}
+SELECT id, event_id, aggregate_type, aggregate_id, event_type, event_version,
        created_at, topic, partition_key, payload::text AS payload, headers::text AS headers,
        attempts, ctid::text AS tid,
        (SELECT EXTRACT(EPOCH FROM h.held_until - statement_timestamp())::float8
@@ -201,13 +207,10 @@ FROM outbox_event o
 WHERE held_until <= statement_timestamp() AND published_at IS NULL AND parked_at IS NULL
   AND lane_slot = ANY($1::int2[]) AND partition_key <> ALL($2::text[])
   AND (txid IS NULL
-       OR EXISTS (SELECT 1 FROM unnest($4::int2[], $5::text[], $6::text[], $7::int8[])
-                                AS w(slot, done, upto, after_id)
-                  WHERE w.slot = o.lane_slot
-                    AND (pg_visible_in_snapshot(o.txid, w.done::pg_snapshot)
-                         OR (pg_visible_in_snapshot(o.txid, w.upto::pg_snapshot)
-                             AND o.id <= w.after_id))))
-ORDER BY id LIMIT $3 FOR UPDATE SKIP LOCKED"
+       OR EXISTS (SELECT 1 FROM pos WHERE pos.slot = o.lane_slot AND {reached}))
+ORDER BY id LIMIT $3 FOR UPDATE OF o SKIP LOCKED",
+        positions = super::POSITIONS,
+        reached = super::reached("o"),
     )
 });
 
@@ -292,6 +295,7 @@ pub(crate) async fn claim(
                 *lane,
                 Lane {
                     recorded: (window.done.clone(), Instant::now()),
+                    handed: false,
                     window,
                 },
             );
@@ -315,28 +319,10 @@ pub(crate) async fn claim(
         .iter()
         .flat_map(|lane| slots(lanes.count, *lane))
         .collect();
-    // Where each owned slot's window stands (readied above: `upto` taken).
-    let (mut w_slots, mut w_done, mut w_upto, mut w_after) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for lane in &owned {
-        if let Some(entry) = windows.lanes.get(lane) {
-            let w = &entry.window;
-            for slot in &w.slots {
-                w_slots.push(*slot);
-                w_done.push(w.done.as_str());
-                w_upto.push(w.upto.as_deref().unwrap_or(w.done.as_str()));
-                w_after.push(w.after_id);
-            }
-        }
-    }
     let mut rows: Vec<Row> = sqlx::query_as(&DUE)
         .bind(&all_slots)
         .bind(held_keys)
         .bind(limit)
-        .bind(&w_slots)
-        .bind(&w_done)
-        .bind(&w_upto)
-        .bind(&w_after)
         .fetch_all(&mut *tx)
         .await?;
     // The byte budget over the held rows: those past it stay locked by this
@@ -415,6 +401,7 @@ pub(crate) async fn claim(
             read.lanes
                 .extend(std::iter::repeat_n(Some(lane), more.len()));
             rows.extend(more);
+            entry.handed = true;
             read.stands.push(Stand::of(lane, generation, &entry.window));
         }
     }
@@ -425,10 +412,11 @@ pub(crate) async fn claim(
             .filter(|(_, l)| {
                 l.window.upto.is_none()
                     && l.window.done != l.recorded.0
-                    && l.recorded.1.elapsed() >= IDLE_RECORD
+                    && (l.handed || l.recorded.1.elapsed() >= IDLE_RECORD)
             })
             .map(|(lane, l)| {
                 l.recorded = (l.window.done.clone(), Instant::now());
+                l.handed = false;
                 Stand::of(
                     *lane,
                     generations.get(lane).copied().unwrap_or(0),
@@ -491,7 +479,8 @@ async fn insert_stands(
 /// What finishing a batch writes in the progress mode.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Work {
-    /// Held rows delivered (event ids): marked published.
+    /// Held rows delivered, and a window's rows delivered past where its
+    /// lane's position stops (a rewind), by event id: marked published.
     pub published: Vec<Uuid>,
     pub failures: Vec<Failure>,
     /// Rows to hold: id, seconds.
