@@ -10,6 +10,10 @@
 //! - writers (sessions committing one event per Unit of Work) alone for a
 //!   while, then while a relay drains a backlog at full speed: their
 //!   commits per second in both, and the ratio;
+//! - the writers' control: the same writers beside a plain producer
+//!   sending as many messages of the same size at full speed (run once,
+//!   before both modes), what the broker's and a producer's use of the
+//!   cores costs the writers with no database work beside them;
 //! - rounds of inserts and drains while a transaction holds the xmin
 //!   horizon, then as many without (each round's rate counts from the
 //!   relay's start: a relay is started per drain);
@@ -18,7 +22,8 @@
 //!   assigned from the start, no group) the time it receives the message:
 //!   an upper bound of commit → published, the same in both modes.
 //!
-//! `BENCH_MODE=marks|progress` runs one mode;
+//! `BENCH_MODE=marks|progress` runs one mode; `BENCH_CPU_DETAIL=1` prints
+//! each drain's backends, their CPU time and the statements seen on them;
 //! `RUST_LOG=outbox_runtime::relay::cycle=trace` prints each relay step's
 //! claim and delivery times.
 //!
@@ -195,8 +200,19 @@ fn cpu_secs(pid: i32) -> Option<f64> {
 
 /// The pids of the backends serving the relay.
 async fn relay_backends(pool: &PgPool) -> Vec<i32> {
-    sqlx::query_scalar(
-        "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND datname = current_database()",
+    relay_queries(pool)
+        .await
+        .into_iter()
+        .map(|(pid, _)| pid)
+        .collect()
+}
+
+/// The backends serving the relay, each with the start of its last
+/// statement.
+async fn relay_queries(pool: &PgPool) -> Vec<(i32, String)> {
+    sqlx::query_as(
+        "SELECT pid, left(regexp_replace(query, '\\s+', ' ', 'g'), 70) FROM pg_stat_activity \
+         WHERE application_name = $1 AND datname = current_database()",
     )
     .bind(RELAY_APP)
     .fetch_all(pool)
@@ -210,6 +226,8 @@ async fn relay_backends(pool: &PgPool) -> Vec<i32> {
 struct CpuMeter {
     base: HashMap<i32, f64>,
     last: HashMap<i32, f64>,
+    /// Each backend's statements seen at the samples (`BENCH_CPU_DETAIL`).
+    seen: HashMap<i32, std::collections::BTreeSet<String>>,
 }
 
 impl CpuMeter {
@@ -222,16 +240,37 @@ impl CpuMeter {
         Self {
             last: base.clone(),
             base,
+            seen: HashMap::new(),
         }
     }
 
     async fn sample(&mut self, pool: &PgPool) {
-        let mut pids = relay_backends(pool).await;
+        let queries = relay_queries(pool).await;
+        let mut pids: Vec<i32> = queries.iter().map(|(pid, _)| *pid).collect();
+        if std::env::var("BENCH_CPU_DETAIL").is_ok() {
+            for (pid, q) in queries {
+                self.seen.entry(pid).or_default().insert(q);
+            }
+        }
         pids.extend(self.last.keys().copied());
         for pid in pids {
             if let Some(c) = cpu_secs(pid) {
                 self.last.insert(pid, c);
             }
+        }
+    }
+
+    /// Prints each backend's CPU seconds and the statements seen on it.
+    fn detail(&self) {
+        let mut rows: Vec<(f64, i32)> = self
+            .last
+            .iter()
+            .map(|(pid, c)| (c - self.base.get(pid).unwrap_or(&0.0), *pid))
+            .collect();
+        rows.sort_by(|a, b| b.0.total_cmp(&a.0));
+        for (secs, pid) in rows {
+            let seen = self.seen.get(&pid).cloned().unwrap_or_default();
+            println!("  backend {pid}: {secs:.2} s CPU; statements seen: {seen:?}");
         }
     }
 
@@ -298,6 +337,9 @@ async fn drain(p: &Pools, n: u64, commits: Option<&AtomicU64>) -> Drain {
     }
     let (secs, commits) = (t.elapsed().as_secs_f64(), count() - c0);
     meter.sample(&p.bench).await;
+    if std::env::var("BENCH_CPU_DETAIL").is_ok() {
+        meter.detail();
+    }
     relay.shutdown().await.unwrap();
     close_relay_pool(p, pool).await;
     Drain {
@@ -406,6 +448,65 @@ async fn writers_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, f6
         d.commits as f64 / d.secs,
         a.writers_backlog as f64 / d.secs,
     )
+}
+
+/// The control of the writers' stage, with no database work beside the
+/// writers: writers alone, then beside a plain producer (the relay's
+/// producer settings) sending `a.writers_backlog` messages of the same size
+/// to the broker at full speed. Their commits/s alone, beside it, and the
+/// producer's rate: what the broker's and a producer's share of the cores
+/// costs the writers, whatever a relay reads or writes.
+async fn producer_control(p: &Pools, topic: &str, a: &Args) -> (f64, f64, f64) {
+    let warm = Duration::from_millis(500);
+    reset(&p.bench, Mode::Marks).await;
+    sqlx::query("CHECKPOINT").execute(&p.bench).await.unwrap();
+    let (stop, commits) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let handles = writers(&p.writers, topic, a.writers, stop.clone(), commits.clone());
+    tokio::time::sleep(warm).await;
+    let (c0, t0) = (commits.load(Ordering::Relaxed), Instant::now());
+    tokio::time::sleep(Duration::from_secs(a.writers_secs)).await;
+    let alone = (commits.load(Ordering::Relaxed) - c0) as f64 / t0.elapsed().as_secs_f64();
+    stop_writers(&stop, handles).await;
+
+    reset(&p.bench, Mode::Marks).await;
+    sqlx::query("CHECKPOINT").execute(&p.bench).await.unwrap();
+    let producer: rdkafka::producer::FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", common::brokers())
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "1")
+        .set("queue.buffering.max.messages", "100000")
+        .create()
+        .unwrap();
+    let messages: Vec<(String, String, String)> = (0..a.writers_backlog)
+        .map(|i| {
+            let m = message(topic, i);
+            (m.partition_key, m.payload, m.event_id.to_string())
+        })
+        .collect();
+    let (stop, commits) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let handles = writers(&p.writers, topic, a.writers, stop.clone(), commits.clone());
+    tokio::time::sleep(warm).await;
+    let (c0, t0) = (commits.load(Ordering::Relaxed), Instant::now());
+    let mut deliveries = Vec::with_capacity(messages.len());
+    for (key, payload, id) in &messages {
+        let record = rdkafka::producer::FutureRecord::to(topic)
+            .key(key.as_bytes())
+            .payload(payload.as_bytes())
+            .headers(common::identity_headers(id, "placed"));
+        deliveries.push(common::queue(&producer, record).await);
+    }
+    common::delivered(deliveries).await.unwrap();
+    let secs = t0.elapsed().as_secs_f64();
+    let during = (commits.load(Ordering::Relaxed) - c0) as f64 / secs;
+    stop_writers(&stop, handles).await;
+    (alone, during, a.writers_backlog as f64 / secs)
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -661,6 +762,31 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
          {} rounds of {} with a held xmin and without; commit → consumed at {} ev/s for {} s",
         a.events, a.writers, a.writers_backlog, a.rounds, a.round_events, a.rate, a.latency_secs
     );
+    let control_topic = format!("bench-relay-modes-control-{}", Uuid::new_v4().simple());
+    outbox_runtime::kafka::create_topics(
+        &common::brokers(),
+        &[],
+        std::slice::from_ref(&control_topic),
+        PARTITIONS,
+        1,
+    )
+    .await?;
+    let (alone, beside, produced) = producer_control(&pools, &control_topic, &a).await;
+    println!(
+        " control: writers {:.2}x alone beside a plain producer ({:.0} commits/s while it sends {} \
+         messages at {:.0} msg/s, {:.0} alone): no database work beside them",
+        beside / alone,
+        beside,
+        a.writers_backlog,
+        produced,
+        alone
+    );
+    let control = serde_json::json!({
+        "writers_alone_commits_per_s": alone.round(),
+        "writers_beside_producer_commits_per_s": beside.round(),
+        "writers_ratio": round2(beside / alone),
+        "producer_messages_per_s": produced.round(),
+    });
     let mut stages = Vec::new();
     let modes = match std::env::var("BENCH_MODE").as_deref() {
         Ok("progress") => vec![Mode::Progress],
@@ -727,6 +853,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "latency_rate": a.rate,
         "latency_secs": a.latency_secs,
         "progress_over_marks_drain": ratio,
+        "writers_beside_a_plain_producer": control,
         "stages": stages,
     });
     println!("{json}");
