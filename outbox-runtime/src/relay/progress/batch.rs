@@ -169,11 +169,15 @@ impl Windows {
 
 /// The lanes of this outbox (`$1` oid) the lane session (pid `$2`) owns,
 /// lane 0's `objid` `$3`, `$4` lanes; and the snapshot the claim's new
-/// windows end at (one for every lane: one statement, not one per lane).
+/// windows end at (one for every lane: one statement, not one per lane);
+/// and whether any held row's hold has ended (else [`DUE`] is not run).
 static OWNED: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         "SELECT coalesce(array_agg((objid::int8 - $3)::int4), '{{}}'),
-       pg_current_snapshot()::text FROM pg_locks
+       pg_current_snapshot()::text,
+       EXISTS (SELECT 1 FROM outbox_event
+               WHERE held_until <= statement_timestamp() AND published_at IS NULL)
+FROM pg_locks
 WHERE {} AND pid = $2 AND objid::int8 >= $3 AND objid::int8 < $3 + $4",
         lanes::SCOPE_LOCKS
     )
@@ -272,7 +276,7 @@ pub(crate) async fn claim(
             progress: Some(read),
         });
     }
-    let (owned, snapshot): (Vec<i32>, String) = sqlx::query_as(&OWNED)
+    let (owned, snapshot, any_due): (Vec<i32>, String, bool) = sqlx::query_as(&OWNED)
         .bind(i64::from(lanes.scope.oid()))
         .bind(lanes.pid)
         .bind(OutboxScope::objid(Lock::Lane))
@@ -319,12 +323,19 @@ pub(crate) async fn claim(
         .iter()
         .flat_map(|lane| slots(lanes.count, *lane))
         .collect();
-    let mut rows: Vec<Row> = sqlx::query_as(&DUE)
-        .bind(&all_slots)
-        .bind(held_keys)
-        .bind(limit)
-        .fetch_all(&mut *tx)
-        .await?;
+    // No held row whose hold has ended (the usual case, one probe of the
+    // held rows' index): no statement. One that ends later is read by a
+    // later claim.
+    let mut rows: Vec<Row> = if any_due {
+        sqlx::query_as(&DUE)
+            .bind(&all_slots)
+            .bind(held_keys)
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await?
+    } else {
+        Vec::new()
+    };
     // The byte budget over the held rows: those past it stay locked by this
     // transaction without being in the batch (`cut`).
     let mut bytes = 0i64;
