@@ -257,10 +257,13 @@ pub(crate) async fn claim(
     record_idle: bool,
     skip: Skip,
 ) -> Result<Batch> {
+    // The lists and fetches are prepared once per connection and planned
+    // at each execution with their arguments (see `LIST_MANY`).
+    let begin = format!("{begin}; SET LOCAL plan_cache_mode = force_custom_plan");
     let begin = if lanes.count > 0 && !lanes.lanes.is_empty() {
         format!("{begin}; {}", claim::hold_in_use(lanes.scope, &lanes.lanes))
     } else {
-        begin.to_owned()
+        begin
     };
     let mut tx = pool.begin_with(begin).await?;
     let mut read = Read {
