@@ -240,9 +240,10 @@ pub async fn load(conn: &mut PgConnection, slots: &[i16]) -> Result<Window> {
 /// each execution with its arguments as constants (a statement sent
 /// unprepared each time cost a parse and a round trip more per claim:
 /// about 0.3 ms each, a claim's list and fetch at 1,000 events/s).
-/// Callers outside a claim ([`Window::next`]) set it themselves. It starts with the claim's mark
-/// ([`super::claim::CLAIM_MARK`]), as the fetches do: the claim's name in
-/// `pg_stat_activity`, in either mode.
+/// Callers outside a claim ([`Window::next`]) set it themselves.
+///
+/// It starts with the claim's mark ([`super::claim::CLAIM_MARK`]), as the
+/// fetches do: the claim's name in `pg_stat_activity`, in either mode.
 static LIST_MANY: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         "{}
@@ -530,7 +531,9 @@ impl Window {
 
     /// The next rows of the window: at most `limit`, past the first at most
     /// `budget` bytes. The position moves past them (in memory: see
-    /// [`Window::record`]).
+    /// [`Window::record`]). Sets `plan_cache_mode = force_custom_plan` on
+    /// `conn`'s session (the list and the fetch are prepared, and must be
+    /// planned with their arguments).
     pub async fn next(
         &mut self,
         conn: &mut PgConnection,
