@@ -415,10 +415,9 @@ async fn stop_writers(stop: &AtomicBool, handles: Vec<tokio::task::JoinHandle<()
     }
 }
 
-/// Writers alone, then beside a relay draining a backlog: commits/s alone,
-/// during the drain, and the relay's rate.
-async fn writers_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, f64, f64) {
-    let warm = Duration::from_millis(500);
+/// The writers alone on an emptied outbox in `mode`: their commits/s over
+/// `a.writers_secs`, after half a second to warm up.
+async fn writers_alone(p: &Pools, mode: Mode, topic: &str, a: &Args) -> f64 {
     reset(&p.bench, mode).await;
     sqlx::query("CHECKPOINT").execute(&p.bench).await.unwrap();
     let (stop, commits) = (
@@ -426,11 +425,21 @@ async fn writers_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, f6
         Arc::new(AtomicU64::new(0)),
     );
     let handles = writers(&p.writers, topic, a.writers, stop.clone(), commits.clone());
-    tokio::time::sleep(warm).await;
+    tokio::time::sleep(WARM).await;
     let (c0, t0) = (commits.load(Ordering::Relaxed), Instant::now());
     tokio::time::sleep(Duration::from_secs(a.writers_secs)).await;
     let alone = (commits.load(Ordering::Relaxed) - c0) as f64 / t0.elapsed().as_secs_f64();
     stop_writers(&stop, handles).await;
+    alone
+}
+
+/// How long the writers run before their commits are counted.
+const WARM: Duration = Duration::from_millis(500);
+
+/// Writers alone, then beside a relay draining a backlog: commits/s alone,
+/// during the drain, and the relay's rate.
+async fn writers_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, f64, f64) {
+    let alone = writers_alone(p, mode, topic, a).await;
 
     reset(&p.bench, mode).await;
     insert(&p.bench, topic, a.writers_backlog).await;
@@ -440,7 +449,7 @@ async fn writers_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, f6
         Arc::new(AtomicU64::new(0)),
     );
     let handles = writers(&p.writers, topic, a.writers, stop.clone(), commits.clone());
-    tokio::time::sleep(warm).await;
+    tokio::time::sleep(WARM).await;
     let d = drain(p, a.writers_backlog, Some(&commits)).await;
     stop_writers(&stop, handles).await;
     (
@@ -457,19 +466,7 @@ async fn writers_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, f6
 /// producer's rate: what the broker's and a producer's share of the cores
 /// costs the writers, whatever a relay reads or writes.
 async fn producer_control(p: &Pools, topic: &str, a: &Args) -> (f64, f64, f64) {
-    let warm = Duration::from_millis(500);
-    reset(&p.bench, Mode::Marks).await;
-    sqlx::query("CHECKPOINT").execute(&p.bench).await.unwrap();
-    let (stop, commits) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU64::new(0)),
-    );
-    let handles = writers(&p.writers, topic, a.writers, stop.clone(), commits.clone());
-    tokio::time::sleep(warm).await;
-    let (c0, t0) = (commits.load(Ordering::Relaxed), Instant::now());
-    tokio::time::sleep(Duration::from_secs(a.writers_secs)).await;
-    let alone = (commits.load(Ordering::Relaxed) - c0) as f64 / t0.elapsed().as_secs_f64();
-    stop_writers(&stop, handles).await;
+    let alone = writers_alone(p, Mode::Marks, topic, a).await;
 
     reset(&p.bench, Mode::Marks).await;
     sqlx::query("CHECKPOINT").execute(&p.bench).await.unwrap();
@@ -492,7 +489,7 @@ async fn producer_control(p: &Pools, topic: &str, a: &Args) -> (f64, f64, f64) {
         Arc::new(AtomicU64::new(0)),
     );
     let handles = writers(&p.writers, topic, a.writers, stop.clone(), commits.clone());
-    tokio::time::sleep(warm).await;
+    tokio::time::sleep(WARM).await;
     let (c0, t0) = (commits.load(Ordering::Relaxed), Instant::now());
     let mut deliveries = Vec::with_capacity(messages.len());
     for (key, payload, id) in &messages {
