@@ -377,41 +377,60 @@ fn message(topic: &str, i: u64) -> OutboxMessage {
     }
 }
 
-/// Writers: `n` sessions committing one event per Unit of Work until
-/// `stop`, counting their commits in `commits`.
-fn writers(
-    pool: &PgPool,
-    topic: &str,
-    n: usize,
+/// Writers: `a.writers` sessions committing one event per Unit of Work
+/// until stopped, counting their commits.
+struct Writers {
     stop: Arc<AtomicBool>,
     commits: Arc<AtomicU64>,
-) -> Vec<tokio::task::JoinHandle<()>> {
-    (0..n)
-        .map(|w| {
-            let (pool, topic, stop, commits) = (
-                pool.clone(),
-                topic.to_owned(),
-                stop.clone(),
-                commits.clone(),
-            );
-            tokio::spawn(async move {
-                let mut i = w as u64;
-                while !stop.load(Ordering::Relaxed) {
-                    let mut uow = UnitOfWork::begin(&pool).await.unwrap();
-                    uow.record_message(message(&topic, i));
-                    uow.commit().await.unwrap();
-                    commits.fetch_add(1, Ordering::Relaxed);
-                    i += n as u64;
-                }
-            })
-        })
-        .collect()
+    handles: Vec<tokio::task::JoinHandle<()>>,
 }
 
-async fn stop_writers(stop: &AtomicBool, handles: Vec<tokio::task::JoinHandle<()>>) {
-    stop.store(true, Ordering::Relaxed);
-    for h in handles {
-        h.await.unwrap();
+impl Writers {
+    /// Starts the writers on `topic` and lets them warm up ([`WARM`]).
+    async fn start(p: &Pools, topic: &str, a: &Args) -> Self {
+        let (stop, commits) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicU64::new(0)),
+        );
+        let n = a.writers;
+        let handles = (0..n)
+            .map(|w| {
+                let (pool, topic, stop, commits) = (
+                    p.writers.clone(),
+                    topic.to_owned(),
+                    stop.clone(),
+                    commits.clone(),
+                );
+                tokio::spawn(async move {
+                    let mut i = w as u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+                        uow.record_message(message(&topic, i));
+                        uow.commit().await.unwrap();
+                        commits.fetch_add(1, Ordering::Relaxed);
+                        i += n as u64;
+                    }
+                })
+            })
+            .collect();
+        tokio::time::sleep(WARM).await;
+        Self {
+            stop,
+            commits,
+            handles,
+        }
+    }
+
+    /// Their commits so far.
+    fn commits(&self) -> u64 {
+        self.commits.load(Ordering::Relaxed)
+    }
+
+    async fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for h in self.handles {
+            h.await.unwrap();
+        }
     }
 }
 
@@ -420,16 +439,11 @@ async fn stop_writers(stop: &AtomicBool, handles: Vec<tokio::task::JoinHandle<()
 async fn writers_alone(p: &Pools, mode: Mode, topic: &str, a: &Args) -> f64 {
     reset(&p.bench, mode).await;
     sqlx::query("CHECKPOINT").execute(&p.bench).await.unwrap();
-    let (stop, commits) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU64::new(0)),
-    );
-    let handles = writers(&p.writers, topic, a.writers, stop.clone(), commits.clone());
-    tokio::time::sleep(WARM).await;
-    let (c0, t0) = (commits.load(Ordering::Relaxed), Instant::now());
+    let writers = Writers::start(p, topic, a).await;
+    let (c0, t0) = (writers.commits(), Instant::now());
     tokio::time::sleep(Duration::from_secs(a.writers_secs)).await;
-    let alone = (commits.load(Ordering::Relaxed) - c0) as f64 / t0.elapsed().as_secs_f64();
-    stop_writers(&stop, handles).await;
+    let alone = (writers.commits() - c0) as f64 / t0.elapsed().as_secs_f64();
+    writers.stop().await;
     alone
 }
 
@@ -444,14 +458,9 @@ async fn writers_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, f6
     reset(&p.bench, mode).await;
     insert(&p.bench, topic, a.writers_backlog).await;
     sqlx::query("CHECKPOINT").execute(&p.bench).await.unwrap();
-    let (stop, commits) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU64::new(0)),
-    );
-    let handles = writers(&p.writers, topic, a.writers, stop.clone(), commits.clone());
-    tokio::time::sleep(WARM).await;
-    let d = drain(p, a.writers_backlog, Some(&commits)).await;
-    stop_writers(&stop, handles).await;
+    let writers = Writers::start(p, topic, a).await;
+    let d = drain(p, a.writers_backlog, Some(writers.commits.as_ref())).await;
+    writers.stop().await;
     (
         alone,
         d.commits as f64 / d.secs,
@@ -484,13 +493,8 @@ async fn producer_control(p: &Pools, topic: &str, a: &Args) -> (f64, f64, f64) {
             (m.partition_key, m.payload, m.event_id.to_string())
         })
         .collect();
-    let (stop, commits) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU64::new(0)),
-    );
-    let handles = writers(&p.writers, topic, a.writers, stop.clone(), commits.clone());
-    tokio::time::sleep(WARM).await;
-    let (c0, t0) = (commits.load(Ordering::Relaxed), Instant::now());
+    let writers = Writers::start(p, topic, a).await;
+    let (c0, t0) = (writers.commits(), Instant::now());
     let mut deliveries = Vec::with_capacity(messages.len());
     for (key, payload, id) in &messages {
         let record = rdkafka::producer::FutureRecord::to(topic)
@@ -501,8 +505,8 @@ async fn producer_control(p: &Pools, topic: &str, a: &Args) -> (f64, f64, f64) {
     }
     common::delivered(deliveries).await.unwrap();
     let secs = t0.elapsed().as_secs_f64();
-    let during = (commits.load(Ordering::Relaxed) - c0) as f64 / secs;
-    stop_writers(&stop, handles).await;
+    let during = (writers.commits() - c0) as f64 / secs;
+    writers.stop().await;
     (alone, during, a.writers_backlog as f64 / secs)
 }
 
