@@ -393,12 +393,61 @@ pub(crate) async fn relay_task(pool: PgPool, stats: Arc<RelayStats>, shutdown: C
 }
 
 /// The `BEGIN` of a sample's read-only transaction: its query gives up
-/// (`statement_timeout`) when the next sample is due.
+/// (`statement_timeout`) when the next sample is due. No sequential scan
+/// (as the claims): on a young outbox, analyzed while empty, the progress
+/// mode's reads otherwise scanned the table once per lane slot (380–540 ms
+/// a sample at 14,000 rows, found under the latency benchmark).
 fn sample_begin() -> String {
     format!(
-        "BEGIN READ ONLY; SET LOCAL statement_timeout = {}; SET LOCAL jit = off",
+        "BEGIN READ ONLY; SET LOCAL statement_timeout = {}; SET LOCAL jit = off; \
+         SET LOCAL enable_seqscan = off",
         BACKLOG_INTERVAL.as_millis()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use sqlx::PgPool;
+
+    /// An outbox analyzed while empty, then 9,000 events in the progress
+    /// mode: the sample's statements read the lane slots through their
+    /// indexes, not the table once per slot.
+    #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+    async fn a_young_outbox_is_sampled_through_its_indexes(pool: PgPool) {
+        crate::relay::progress::enable(&pool).await.unwrap();
+        sqlx::query("VACUUM ANALYZE outbox_event")
+            .execute(&pool)
+            .await
+            .unwrap();
+        sqlx::query(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                       payload, topic, partition_key)
+             SELECT gen_random_uuid(), 'A', 'a', 'E', '{}', 't', 'k' || g
+             FROM generate_series(1, 9000) AS g",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let mut tx = pool.begin_with(super::sample_begin()).await.unwrap();
+        for sql in [
+            super::PROGRESS_BACKLOG.as_str(),
+            crate::ops::lag::LANES.as_str(),
+            super::SCHEDULED,
+        ] {
+            let plan: Vec<String> = sqlx::query_scalar(&format!("EXPLAIN {sql}"))
+                .fetch_all(&mut *tx)
+                .await
+                .unwrap();
+            let plan = plan.join("\n");
+            assert!(!plan.contains("Seq Scan on outbox_event"), "{plan}");
+        }
+        let (backlog, _, _, _): (i64, Option<f64>, i64, i64) =
+            sqlx::query_as(&super::PROGRESS_BACKLOG)
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+        assert_eq!(backlog, 9000, "counted exactly up to 10,000");
+    }
 }
 
 /// Samples the backlog gauges; returns the backlog.

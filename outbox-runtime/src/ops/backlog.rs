@@ -324,8 +324,11 @@ where
     Ok(kind)
 }
 
-/// A read-only transaction without JIT, for the progress mode's reads.
-pub(crate) const NO_JIT: &str = "BEGIN READ ONLY; SET LOCAL jit = off";
+/// A read-only transaction for the progress mode's reads: without JIT,
+/// and without sequential scans (on a young outbox, analyzed while empty,
+/// they scanned the table once per lane slot; see the relay's gauges).
+pub(crate) const PROGRESS_READS: &str =
+    "BEGIN READ ONLY; SET LOCAL jit = off; SET LOCAL enable_seqscan = off";
 
 /// One slot's rows read, per topic: (topic, rows, lowest id, highest id).
 type SlotRows = Vec<(String, i64, Option<i64>, Option<i64>)>;
@@ -344,7 +347,7 @@ async fn progress_queue(pool: &PgPool) -> Result<Kind> {
     // One snapshot; no JIT (the planner cannot tell how few rows the
     // windows' filters leave, and its estimates would compile the
     // statements for longer than they run).
-    let mut tx = pool.begin_with(NO_JIT).await?;
+    let mut tx = pool.begin_with(PROGRESS_READS).await?;
     type SlotTopic = (i16, String, i64, Option<i64>, Option<i64>);
     let rows: Vec<SlotTopic> = sqlx::query_as(PROGRESS_SLOT_SAMPLE.as_str())
         .fetch_all(&mut *tx)

@@ -119,7 +119,7 @@ impl ProgressLag {
 /// turn into a join: as a join it once walked every position recorded, in
 /// `slots` order, its estimate of the table's size stale after a cleanup:
 /// 120 ms of the relay's gauges' sample at 24,000 positions, every 5 s).
-static LANES: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+pub(crate) static LANES: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     let passed = crate::relay::progress::passed("e");
     let rows = crate::ops::backlog::progress_slot_rows(&passed);
     let cap = LAG_EXACT_UP_TO + 1;
@@ -271,7 +271,7 @@ pub(crate) async fn read(conn: &mut PgConnection) -> std::result::Result<Progres
 /// in the default mode.
 pub async fn progress_lag(pool: &PgPool) -> Result<Option<ProgressLag>> {
     // No JIT (see `backlog`'s `progress_queue`).
-    let mut tx = pool.begin_with(super::backlog::NO_JIT).await?;
+    let mut tx = pool.begin_with(super::backlog::PROGRESS_READS).await?;
     let lag = read(&mut tx).await?;
     tx.commit().await?;
     Ok((!lag.lanes.is_empty()).then_some(lag))
