@@ -325,8 +325,9 @@ where
 }
 
 /// A read-only transaction for the progress mode's reads: without JIT,
-/// and without sequential scans (on a young outbox, analyzed while empty,
-/// they scanned the table once per lane slot; see the relay's gauges).
+/// and without sequential scans (a connection's prepared statement planned
+/// while the outbox was empty scanned the table once per lane slot from
+/// then on; see the relay's gauges' `sample_begin`).
 pub(crate) const PROGRESS_READS: &str =
     "BEGIN READ ONLY; SET LOCAL jit = off; SET LOCAL enable_seqscan = off";
 
