@@ -116,9 +116,10 @@ impl ProgressLag {
 /// snapshot's `xip` list, and its first after its `xmax`), and the oldest
 /// transaction of the position's snapshots still in progress. Each lane's
 /// position is then read by its id (a lateral probe the planner cannot
-/// turn into a join: as a join it once walked every position recorded, in
-/// `slots` order, its estimate of the table's size stale after a cleanup:
-/// 120 ms of the relay's gauges' sample at 24,000 positions, every 5 s).
+/// turn into a join: as a join, in the plan a connection kept from when
+/// the table was small, it walked every position recorded, in `slots`
+/// order: 120 ms of the relay's gauges' sample at 24,000 positions, every
+/// 5 s).
 pub(crate) static LANES: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     let passed = crate::relay::progress::passed("e");
     let rows = crate::ops::backlog::progress_slot_rows(&passed);
