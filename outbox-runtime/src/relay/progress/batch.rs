@@ -170,13 +170,18 @@ impl Windows {
 /// The lanes of this outbox (`$1` oid) the lane session (pid `$2`) owns,
 /// lane 0's `objid` `$3`, `$4` lanes; and the snapshot the claim's new
 /// windows end at (one for every lane: one statement, not one per lane);
-/// and whether any held row's hold has ended (else [`DUE`] is not run).
+/// whether any held row's hold has ended (else [`DUE`] is not run); and
+/// whether the outbox is partitioned (the fetch's statement: see
+/// [`super::fetch`]; read at each claim, as the table may be converted
+/// while relays run).
 static OWNED: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         "SELECT coalesce(array_agg((objid::int8 - $3)::int4), '{{}}'),
        pg_current_snapshot()::text,
        EXISTS (SELECT 1 FROM outbox_event
-               WHERE held_until <= statement_timestamp() AND published_at IS NULL)
+               WHERE held_until <= statement_timestamp() AND published_at IS NULL),
+       coalesce((SELECT c.relkind = 'p' FROM pg_class c
+                 WHERE c.oid = to_regclass('outbox_event')), false)
 FROM pg_locks
 WHERE {} AND pid = $2 AND objid::int8 >= $3 AND objid::int8 < $3 + $4",
         lanes::SCOPE_LOCKS
@@ -257,9 +262,14 @@ pub(crate) async fn claim(
     record_idle: bool,
     skip: Skip,
 ) -> Result<Batch> {
-    // The lists and fetches are prepared once per connection and planned
-    // at each execution with their arguments (see `LIST_MANY`).
-    let begin = format!("{begin}; SET LOCAL plan_cache_mode = force_custom_plan");
+    // The claim's common statements (the lanes', the list, the fetch) and
+    // the finish's keep the generic plans of their first execution on this
+    // connection: their plans do not depend on the table's statistics (see
+    // `LIST_MANY`), and planning them at each call was a third of a claim
+    // at 1,000 events/s. Those that do depend on them (a lane's position
+    // loaded, the held rows due: rare; the fetch on the partitioned layout)
+    // are planned with their arguments (`custom_plans`).
+    let begin = format!("{begin}; SET LOCAL plan_cache_mode = force_generic_plan");
     let begin = if lanes.count > 0 && !lanes.lanes.is_empty() {
         format!("{begin}; {}", claim::hold_in_use(lanes.scope, &lanes.lanes))
     } else {
@@ -279,13 +289,14 @@ pub(crate) async fn claim(
             progress: Some(read),
         });
     }
-    let (owned, snapshot, any_due): (Vec<i32>, String, bool) = sqlx::query_as(&OWNED)
-        .bind(i64::from(lanes.scope.oid()))
-        .bind(lanes.pid)
-        .bind(OutboxScope::objid(Lock::Lane))
-        .bind(lanes.count)
-        .fetch_one(&mut *tx)
-        .await?;
+    let (owned, snapshot, any_due, partitioned): (Vec<i32>, String, bool, bool) =
+        sqlx::query_as(&OWNED)
+            .bind(i64::from(lanes.scope.oid()))
+            .bind(lanes.pid)
+            .bind(OutboxScope::objid(Lock::Lane))
+            .bind(lanes.count)
+            .fetch_one(&mut *tx)
+            .await?;
     let owned: Vec<i32> = lanes
         .lanes
         .iter()
@@ -295,8 +306,10 @@ pub(crate) async fn claim(
     // A lane this relay does not own may have been read by another since:
     // read from its recorded position if it comes back.
     windows.lanes.retain(|lane, _| owned.contains(lane));
+    let mut custom = false;
     for lane in &owned {
         if !windows.lanes.contains_key(lane) {
+            custom_plans(&mut tx, &mut custom).await?;
             let window = load(&mut tx, &slots(lanes.count, *lane)).await?;
             windows.lanes.insert(
                 *lane,
@@ -330,6 +343,7 @@ pub(crate) async fn claim(
     // held rows' index): no statement. One that ends later is read by a
     // later claim.
     let mut rows: Vec<Row> = if any_due {
+        custom_plans(&mut tx, &mut custom).await?;
         sqlx::query_as(&DUE)
             .bind(&all_slots)
             .bind(held_keys)
@@ -389,7 +403,10 @@ pub(crate) async fn claim(
         }
     }
     let all: Vec<Listed> = takes.iter().flat_map(|(_, t)| t.iter().cloned()).collect();
-    let fetched = super::fetch(&mut tx, &all).await?;
+    if partitioned && !all.is_empty() {
+        custom_plans(&mut tx, &mut custom).await?;
+    }
+    let fetched = super::fetch(&mut tx, &all, partitioned).await?;
     let mut by_event: HashMap<Uuid, Row> = fetched.into_iter().map(|r| (r.event_id, r)).collect();
     let mut full = false;
     for (lane, taken) in takes {
@@ -449,6 +466,24 @@ pub(crate) async fn claim(
         cut,
         progress: Some(read),
     })
+}
+
+/// From here on, the claim's transaction plans each statement with its
+/// arguments (`custom`: it already does), for the statements whose plans
+/// depend on the table's statistics ([`load`]'s, [`DUE`], the fetch on the
+/// partitioned layout); rare (or, for the last, the layout's choice), so
+/// the claim's common path keeps its generic plans.
+async fn custom_plans(
+    tx: &mut Transaction<'static, Postgres>,
+    custom: &mut bool,
+) -> std::result::Result<(), sqlx::Error> {
+    if !*custom {
+        sqlx::query("SET LOCAL plan_cache_mode = force_custom_plan")
+            .execute(&mut **tx)
+            .await?;
+        *custom = true;
+    }
+    Ok(())
 }
 
 /// The slots of `lane` of `count`.

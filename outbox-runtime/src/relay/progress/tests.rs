@@ -357,7 +357,7 @@ async fn windows_listed_together_under_a_cap_read_each_row_once(pool: PgPool) {
             .await
             .unwrap()
         {
-            let rows = fetch(&mut conn, &taken).await.unwrap();
+            let rows = fetch(&mut conn, &taken, false).await.unwrap();
             let keep = rows.len();
             read.extend(w.hand(&taken, rows, keep).into_iter().map(|r| r.id));
         }
@@ -584,4 +584,111 @@ async fn the_partitioned_layout_reads_the_same(pool: PgPool) {
     read.sort();
     all.sort();
     assert_eq!(read, all);
+}
+
+/// A claim's list over every slot (one window from `done`) and a fetch of
+/// the first 20 rows' places, as `EXECUTE` arguments.
+async fn claim_args(conn: &mut sqlx::PgConnection, done: &str) -> (String, String) {
+    let upto: String = sqlx::query_scalar("SELECT pg_current_snapshot()::text")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    let tids: Vec<String> =
+        sqlx::query_scalar("SELECT ctid::text FROM outbox_event ORDER BY id LIMIT 20")
+            .fetch_all(&mut *conn)
+            .await
+            .unwrap();
+    let slots: Vec<String> = (0..64).map(|s| s.to_string()).collect();
+    let each = |v: &str| vec![v; 64].join(",");
+    let list = format!(
+        "'{{{}}}', '{{{}}}', '{{{}}}', '{{{}}}', '{{{}}}', '{{{}}}', '{{}}', '{{}}', NULL",
+        slots.join(","),
+        each("0"),
+        each(done),
+        each(&upto),
+        each("0"),
+        each("100000"),
+    );
+    let quoted: Vec<String> = tids.iter().map(|t| format!("\"{t}\"")).collect();
+    (list, format!("'{{{}}}', '{{}}'", quoted.join(",")))
+}
+
+/// The plan of `sql` (an `EXPLAIN`), as text.
+async fn plan_of(conn: &mut sqlx::PgConnection, sql: &str) -> String {
+    let plan: Vec<String> = sqlx::query_scalar(sql)
+        .persistent(false)
+        .fetch_all(conn)
+        .await
+        .unwrap();
+    plan.join("\n")
+}
+
+/// A claim keeps the generic plans of its first execution on a connection
+/// (see `LIST_MANY`): planned while the outbox was nearly empty, and run
+/// once it has grown a thousandfold since its last `ANALYZE`, the list
+/// still reads the windows through the progress index (not the primary
+/// key: every row of the table at each list) and the fetch reads its rows
+/// by their places (a TID scan, not a range of the events' unique index).
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn the_claims_kept_plans_do_not_depend_on_the_tables_statistics(pool: PgPool) {
+    enable(&pool).await.unwrap();
+    let insert = |n: i64| {
+        format!(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                       payload, topic, partition_key)
+             SELECT gen_random_uuid(), 'A', 'a', 'E', '{{}}', 't', 'k' || g
+             FROM generate_series(1, {n}) AS g"
+        )
+    };
+    sqlx::raw_sql(&format!(
+        "ALTER TABLE outbox_event SET (autovacuum_enabled = false);
+         {}; ANALYZE outbox_event",
+        insert(3)
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let done: String = sqlx::query_scalar("SELECT done::text FROM outbox_progress LIMIT 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let begin = "BEGIN; SET LOCAL enable_seqscan = off; \
+                 SET LOCAL plan_cache_mode = force_generic_plan";
+    sqlx::raw_sql(begin).execute(&mut *conn).await.unwrap();
+    sqlx::raw_sql(&format!(
+        "PREPARE claim_list AS {}; PREPARE claim_fetch AS {}",
+        *LIST_MANY, *FETCH_AT
+    ))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    let (list, fetch) = claim_args(&mut conn, &done).await;
+    let listed = sqlx::raw_sql(&format!("EXECUTE claim_list({list})"))
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 3);
+    let fetched = sqlx::raw_sql(&format!("EXECUTE claim_fetch({fetch})"))
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(fetched.len(), 3);
+    sqlx::raw_sql("COMMIT").execute(&mut *conn).await.unwrap();
+
+    sqlx::raw_sql(&insert(5000)).execute(&pool).await.unwrap();
+    let (list, fetch) = claim_args(&mut conn, &done).await;
+    sqlx::raw_sql(begin).execute(&mut *conn).await.unwrap();
+    let plan = plan_of(&mut conn, &format!("EXPLAIN EXECUTE claim_list({list})")).await;
+    assert!(plan.contains(INDEX), "{plan}");
+    assert!(!plan.contains("outbox_event_pkey"), "{plan}");
+    let plan = plan_of(&mut conn, &format!("EXPLAIN EXECUTE claim_fetch({fetch})")).await;
+    assert!(plan.contains("Tid Scan on outbox_event"), "{plan}");
+    assert!(!plan.contains("outbox_event_event_id_key"), "{plan}");
+    let listed = sqlx::raw_sql(&format!("EXECUTE claim_list({list})"))
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 5003, "the whole window");
+    sqlx::raw_sql("COMMIT").execute(&mut *conn).await.unwrap();
 }
