@@ -20,7 +20,11 @@
 //! - commit → consumed at a steady rate with a relay running: the writer
 //!   notes the time its commit returned, a plain consumer (partitions
 //!   assigned from the start, no group) the time it receives the message:
-//!   an upper bound of commit → published, the same in both modes.
+//!   an upper bound of commit → published, the same in both modes. These
+//!   stages run last, after both modes' other stages, in the order marks,
+//!   progress, progress, marks (each mode's samples pooled): the broker
+//!   slows as its topics grow, and a mode measured after the other's stages
+//!   would be measured on a slower broker.
 //!
 //! `BENCH_MODE=marks|progress` runs one mode; `BENCH_CPU_DETAIL=1` prints
 //! each drain's backends, their CPU time and the statements seen on them;
@@ -125,6 +129,8 @@ struct Stage {
     latency_samples: usize,
     commit_consumed_p50_ms: f64,
     commit_consumed_p99_ms: f64,
+    /// Each latency run's p50 and p99, in the order run.
+    latency_runs: Vec<[f64; 2]>,
 }
 
 /// `application_name` of the relay's connections.
@@ -662,11 +668,10 @@ fn round2(x: f64) -> f64 {
 async fn stage(p: &Pools, mode: Mode, a: &Args) -> Stage {
     let run = Uuid::new_v4().simple();
     let topic = format!("bench-relay-modes-{run}");
-    let latency_topic = format!("bench-relay-modes-latency-{run}");
     outbox_runtime::kafka::create_topics(
         &common::brokers(),
         &[],
-        &[topic.clone(), latency_topic.clone()],
+        std::slice::from_ref(&topic),
         PARTITIONS,
         1,
     )
@@ -690,7 +695,6 @@ async fn stage(p: &Pools, mode: Mode, a: &Args) -> Stage {
     let (alone, during, beside) = writers_stage(p, mode, &topic, a).await;
     let held = rounds(p, mode, &topic, a, true).await;
     let free = rounds(p, mode, &topic, a, false).await;
-    let (achieved, latencies) = latency_stage(p, mode, &latency_topic, a).await;
     let last = |xs: &[f64]| xs.last().copied().unwrap_or(f64::NAN);
     Stage {
         mode,
@@ -715,11 +719,57 @@ async fn stage(p: &Pools, mode: Mode, a: &Args) -> Stage {
         ),
         rounds_held_xmin_events_per_s: held,
         rounds_free_events_per_s: free,
-        latency_rate_per_s: achieved.round(),
-        latency_samples: latencies.len(),
-        commit_consumed_p50_ms: (percentile(&latencies, 0.5) * 10.0).round() / 10.0,
-        commit_consumed_p99_ms: (percentile(&latencies, 0.99) * 10.0).round() / 10.0,
+        latency_rate_per_s: f64::NAN,
+        latency_samples: 0,
+        commit_consumed_p50_ms: f64::NAN,
+        commit_consumed_p99_ms: f64::NAN,
+        latency_runs: Vec::new(),
     }
+}
+
+/// The latency stages of `stages`' modes, in the order marks, progress,
+/// progress, marks (one mode: once), each on a topic of its own; each
+/// mode's figures from its runs' samples pooled.
+async fn latencies(p: &Pools, stages: &mut [Stage], a: &Args) {
+    let order: Vec<usize> = match stages.len() {
+        2 => vec![0, 1, 1, 0],
+        n => (0..n).collect(),
+    };
+    let mut samples: Vec<Vec<f64>> = vec![Vec::new(); stages.len()];
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); stages.len()];
+    for i in order {
+        let topic = format!("bench-relay-modes-latency-{}", Uuid::new_v4().simple());
+        outbox_runtime::kafka::create_topics(
+            &common::brokers(),
+            &[],
+            std::slice::from_ref(&topic),
+            PARTITIONS,
+            1,
+        )
+        .await
+        .unwrap();
+        let (achieved, mut run) = latency_stage(p, stages[i].mode, &topic, a).await;
+        run.sort_by(f64::total_cmp);
+        let (p50, p99) = (percentile(&run, 0.5), percentile(&run, 0.99));
+        println!(
+            "{:>8}  commit → consumed, one run: {achieved:.0} ev/s, p50 {p50:.1} ms, p99 {p99:.1} ms",
+            format!("{:?}", stages[i].mode).to_lowercase(),
+        );
+        stages[i].latency_runs.push([round1(p50), round1(p99)]);
+        rates[i].push(achieved);
+        samples[i].extend(run);
+    }
+    for (i, s) in stages.iter_mut().enumerate() {
+        samples[i].sort_by(f64::total_cmp);
+        s.latency_rate_per_s = mean(&rates[i]).round();
+        s.latency_samples = samples[i].len();
+        s.commit_consumed_p50_ms = round1(percentile(&samples[i], 0.5));
+        s.commit_consumed_p99_ms = round1(percentile(&samples[i], 0.99));
+    }
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
 }
 
 /// A pool on the benchmark's database whose connections carry
@@ -800,8 +850,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "{:>8}: {:>6.0} ev/s ({:.1} s); WAL {:>4.0} B/event to publish ({:.3}x the insert's {:.0}); \
              {:.2} dead row versions/event; {:.1} us of the relay's backends' CPU/event ({} backends)\n\
              {:>8}  writers {:.2}x alone ({:.0} commits/s during a drain at {:.0} ev/s, {:.0} alone)\n\
-             {:>8}  rounds with a held xmin {:?} ev/s, without {:?} (held/without: {:.2}x mean, {:.2}x last round)\n\
-             {:>8}  commit → consumed at {:.0} ev/s ({} samples): p50 {:.1} ms, p99 {:.1} ms",
+             {:>8}  rounds with a held xmin {:?} ev/s, without {:?} (held/without: {:.2}x mean, {:.2}x last round)",
             format!("{mode:?}").to_lowercase(),
             s.events_per_s,
             s.secs,
@@ -821,13 +870,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             s.rounds_free_events_per_s,
             s.rounds_held_over_free,
             s.last_round_held_over_free,
-            "",
+        );
+        stages.push(s);
+    }
+    if a.latency_secs > 0 {
+        latencies(&pools, &mut stages, &a).await;
+    }
+    for s in &stages {
+        println!(
+            "{:>8}: commit → consumed at {:.0} ev/s ({} samples, {} runs): p50 {:.1} ms, p99 {:.1} ms",
+            format!("{:?}", s.mode).to_lowercase(),
             s.latency_rate_per_s,
             s.latency_samples,
+            s.latency_runs.len(),
             s.commit_consumed_p50_ms,
             s.commit_consumed_p99_ms,
         );
-        stages.push(s);
     }
     if let [m, p] = &stages[..] {
         println!(
