@@ -394,7 +394,7 @@ pub struct Skip {
 }
 
 /// The rows at the places `$1` (`ctid`s, as listed) without a state of
-/// their own, in id order: a TID scan, a page read for many rows. `$2` is
+/// their own, in no order: a TID scan, a page read for many rows. `$2` is
 /// the claim's list of keys to leave out, always empty here: a row left
 /// out would be passed over by the position. A place may hold another
 /// event than the one listed there (the row moved since, and another took
