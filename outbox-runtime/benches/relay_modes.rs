@@ -666,17 +666,7 @@ fn round2(x: f64) -> f64 {
 }
 
 async fn stage(p: &Pools, mode: Mode, a: &Args) -> Stage {
-    let run = Uuid::new_v4().simple();
-    let topic = format!("bench-relay-modes-{run}");
-    outbox_runtime::kafka::create_topics(
-        &common::brokers(),
-        &[],
-        std::slice::from_ref(&topic),
-        PARTITIONS,
-        1,
-    )
-    .await
-    .unwrap();
+    let topic = new_topic("").await;
 
     // The backlog: what inserting it writes, then what publishing it
     // writes, leaves dead and costs the relay's backends.
@@ -738,16 +728,7 @@ async fn latencies(p: &Pools, stages: &mut [Stage], a: &Args) {
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); stages.len()];
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); stages.len()];
     for i in order {
-        let topic = format!("bench-relay-modes-latency-{}", Uuid::new_v4().simple());
-        outbox_runtime::kafka::create_topics(
-            &common::brokers(),
-            &[],
-            std::slice::from_ref(&topic),
-            PARTITIONS,
-            1,
-        )
-        .await
-        .unwrap();
+        let topic = new_topic("latency-").await;
         let (achieved, mut run) = latency_stage(p, stages[i].mode, &topic, a).await;
         run.sort_by(f64::total_cmp);
         let (p50, p99) = (percentile(&run, 0.5), percentile(&run, 0.99));
@@ -770,6 +751,22 @@ async fn latencies(p: &Pools, stages: &mut [Stage], a: &Args) {
 
 fn round1(x: f64) -> f64 {
     (x * 10.0).round() / 10.0
+}
+
+/// Creates a topic of its own for a stage (`bench-relay-modes-{kind}…`,
+/// [`PARTITIONS`] partitions) and returns its name.
+async fn new_topic(kind: &str) -> String {
+    let topic = format!("bench-relay-modes-{kind}{}", Uuid::new_v4().simple());
+    outbox_runtime::kafka::create_topics(
+        &common::brokers(),
+        &[],
+        std::slice::from_ref(&topic),
+        PARTITIONS,
+        1,
+    )
+    .await
+    .unwrap();
+    topic
 }
 
 /// A pool on the benchmark's database whose connections carry
@@ -813,15 +810,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
          {} rounds of {} with a held xmin and without; commit → consumed at {} ev/s for {} s",
         a.events, a.writers, a.writers_backlog, a.rounds, a.round_events, a.rate, a.latency_secs
     );
-    let control_topic = format!("bench-relay-modes-control-{}", Uuid::new_v4().simple());
-    outbox_runtime::kafka::create_topics(
-        &common::brokers(),
-        &[],
-        std::slice::from_ref(&control_topic),
-        PARTITIONS,
-        1,
-    )
-    .await?;
+    let control_topic = new_topic("control-").await;
     let (alone, beside, produced) = producer_control(&pools, &control_topic, &a).await;
     println!(
         " control: writers {:.2}x alone beside a plain producer ({:.0} commits/s while it sends {} \
