@@ -27,14 +27,21 @@ const FAILING_SEQ: u64 = 4;
 struct Recorder<E> {
     failing: Arc<AtomicBool>,
     calls: Arc<AtomicUsize>,
+    /// The events that fail (by `seq`).
+    fails: fn(u64) -> bool,
     _event: std::marker::PhantomData<fn() -> E>,
 }
 
 impl<E> Recorder<E> {
     fn new() -> Self {
+        Self::failing_on(|seq| seq == FAILING_SEQ)
+    }
+
+    fn failing_on(fails: fn(u64) -> bool) -> Self {
         Self {
             failing: Arc::new(AtomicBool::new(true)),
             calls: Arc::default(),
+            fails,
             _event: std::marker::PhantomData,
         }
     }
@@ -74,7 +81,7 @@ impl<E: Keyed> InboxHandler for Recorder<E> {
                 .bind(seq as i64)
                 .execute(&mut **ctx)
                 .await?;
-            if seq == FAILING_SEQ && self.failing.load(Ordering::SeqCst) {
+            if (self.fails)(seq) && self.failing.load(Ordering::SeqCst) {
                 return Err(format!("payment provider refused order {key}").into());
             }
             Ok(())
@@ -415,6 +422,104 @@ async fn out_of_attempts_in_memory_the_event_is_dead_lettered_and_its_key_goes_o
         .await
         .unwrap();
     assert_eq!(rows, vec![0, 8, 12, 16, 20, 24, 28, 32, 36]);
+}
+
+event!(AgainEvent, "memory-retries-again");
+
+/// A key that fails again soon after its failed event is through stays in
+/// memory: 200 events over four keys, k0's 50 of them failing at seq 4, 40
+/// and 100 until dead-lettered. Behind seq 4, k0's next 48 events wait; they
+/// then run in chunks (16, then 32), and seq 40 fails inside the first chunk
+/// while the second still waits: it and the chunk's later events of k0 go
+/// back before the rest. Every other event is applied once, k0's in order,
+/// nothing goes to `inbox_event`, and the counts agree with the tables.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn a_key_failing_again_soon_stays_in_memory_and_in_order(pool: PgPool) {
+    const FAILING: [u64; 3] = [4, 40, 100];
+    let topic = AgainEvent::TOPIC;
+    init_tracing();
+    reset_topic(&brokers(), topic).await;
+    effect_table(&pool).await;
+    let (messages, ids): (Vec<TestMessage>, Vec<Uuid>) = (0..200u64)
+        .map(|seq| {
+            let id = Uuid::now_v7();
+            let key = format!("k{}", seq % 4);
+            let body = serde_json::json!({ "key": key, "seq": seq });
+            let message = TestMessage::event(id, "OrderPlaced", &key, body).on_partition(0);
+            (message, id)
+        })
+        .unzip();
+    produce_unbatched(&brokers(), topic, &messages).await;
+    let group = unique_topic(topic);
+    let handle = consumer(&pool, &group)
+        .handler(Recorder::<AgainEvent>::failing_on(|seq| {
+            FAILING.contains(&seq)
+        }))
+        .max_attempts(3)
+        .spawn()
+        .unwrap();
+    let applied: Vec<Uuid> = ids
+        .iter()
+        .enumerate()
+        .filter(|(seq, _)| !FAILING.contains(&(*seq as u64)))
+        .map(|(_, id)| *id)
+        .collect();
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            effects_of(&pool, &applied).await.iter().all(|n| *n == 1)
+                && handle.counts().dead_lettered == 3
+        })
+        .await,
+        "{:?}",
+        handle.counts()
+    );
+    let stats = handle.stats();
+    handle.shutdown().await.unwrap();
+    let counts = stats.snapshot();
+    let failed: Vec<Uuid> = FAILING.iter().map(|seq| ids[*seq as usize]).collect();
+    assert_eq!(effects_of(&pool, &failed).await, vec![0, 0, 0]);
+    assert_eq!(counts.processed, 197, "{counts:?}");
+    assert_eq!(
+        counts.handler_failures, 9,
+        "three attempts each: {counts:?}"
+    );
+    assert_eq!(counts.stored, 0, "nothing set aside: {counts:?}");
+    assert_eq!(
+        scalar(
+            &pool,
+            "SELECT count(*) FROM inbox_event WHERE consumer = $1",
+            &group
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        scalar(
+            &pool,
+            "SELECT count(*) FROM dead_letter WHERE consumer = $1 AND attempts = 3",
+            &group
+        )
+        .await,
+        3
+    );
+    let k0: Vec<i64> = sqlx::query_scalar("SELECT seq FROM effect WHERE key = 'k0' ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let expected: Vec<i64> = (0..200)
+        .step_by(4)
+        .filter(|seq| !FAILING.contains(&(*seq as u64)))
+        .collect();
+    assert_eq!(k0, expected, "k0 applied once each, in order");
+    for k in 1..4 {
+        let seqs: Vec<i64> =
+            sqlx::query_scalar("SELECT seq FROM effect WHERE key = $1 ORDER BY id")
+                .bind(format!("k{k}"))
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert_eq!(seqs, (k..200).step_by(4).collect::<Vec<i64>>());
+    }
 }
 
 event!(SpillEvent, "memory-retries-spill");

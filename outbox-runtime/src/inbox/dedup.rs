@@ -537,10 +537,10 @@ impl Applier<'_> {
 
 /// Holds in memory, where `memory_retries` allows, the failures of this
 /// transaction (`Aside::Failed`) with the later events of their keys:
-/// the next attempt due within the window, room left, and not a first
-/// failure of an event released from its key's queue (a key failing that
-/// often goes to the inbox rather than have its queue run again and
-/// again). Out of attempts, the event is dead-lettered in this transaction
+/// the next attempt due within the window and room left (a key that fails
+/// again soon after its queue ran stays in memory: its queue runs in
+/// chunks, see `held.rs`, so a failure does not run the rest of a long
+/// queue again). Out of attempts, the event is dead-lettered in this transaction
 /// instead and the later events of its key wait in memory, due at once.
 /// Otherwise it is set aside in `inbox_event` with its attempts so far.
 fn hold_failures(
@@ -590,10 +590,7 @@ fn hold_failures(
             aside[i] = None;
             set_aside[i] = false;
             (tokio::time::Instant::now(), false)
-        } else if delay <= window
-            && held.room(1 + behind.len())
-            && !(attempts == 1 && held.was_released(&records[i]))
-        {
+        } else if delay <= window && held.room(1 + behind.len()) {
             tracing::debug!(
                 offset = records[i].offset,
                 partition = records[i].partition,

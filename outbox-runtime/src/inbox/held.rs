@@ -13,6 +13,14 @@
 //! dead-lettered, the rest of the queue at once. An event is unpinned once
 //! the transaction that applied, dead-lettered or set it aside in
 //! `inbox_event` committed.
+//!
+//! A queue whose failed event is through runs in chunks, one per batch:
+//! the first [`FIRST_CHUNK`] events, then twice as many each time, its key
+//! held until the last chunk is taken. A chunk's event that fails goes
+//! back to the front of the queue with the chunk's later events of its
+//! key; the dedup rows of those later events, written for the chunk, are
+//! taken out again, so a failure costs at most the chunk it falls in, not
+//! the rest of a queue that can hold thousands of events.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -25,6 +33,13 @@ use super::record::{Body, Record};
 /// Most events held in memory per consumer; past it, failures are set
 /// aside in `inbox_event`.
 pub(crate) const MAX_HELD: usize = 10_000;
+
+/// Events of a queue run in the first batch after its failed event is
+/// through; each later chunk is twice the one before.
+pub(crate) const FIRST_CHUNK: usize = 16;
+
+/// The largest chunk.
+const MAX_CHUNK: usize = 4096;
 
 /// A (topic, partition key).
 pub(crate) type Key = (Arc<str>, String);
@@ -39,8 +54,9 @@ fn place(r: &Record) -> Place {
 /// The failing keys held in memory.
 #[derive(Default)]
 pub(crate) struct Held {
-    /// Each queued key's events, in offset order, and when the first is due.
-    queues: HashMap<Key, (VecDeque<Record>, Instant)>,
+    /// Each queued key's events, in offset order, when the first is due,
+    /// and how many events its next chunk takes.
+    queues: HashMap<Key, Queue>,
     /// Keys held by the batch being applied (queued at its end), and when
     /// their first event is due.
     pending: HashMap<Key, Instant>,
@@ -51,10 +67,46 @@ pub(crate) struct Held {
     /// Failed heads taken out of their queue for a retry, with their key
     /// (which stays held meanwhile).
     in_flight: HashMap<Place, Key>,
-    /// Events of queues released after their head went through: one of
-    /// them that fails is set aside in `inbox_event` rather than held again
-    /// (a key failing that often would have its queue run again and again).
-    released: HashSet<Place>,
+    /// Events of a chunk being run: their key is still held (for the
+    /// rest of its queue), but not for them.
+    running: HashSet<Place>,
+}
+
+/// A key's events waiting in memory.
+struct Queue {
+    /// In offset order.
+    records: VecDeque<Record>,
+    /// When the first is due.
+    due: Instant,
+    /// Events the next chunk takes (once the first has not failed).
+    chunk: usize,
+}
+
+impl Queue {
+    fn new(due: Instant) -> Self {
+        Self {
+            records: VecDeque::new(),
+            due,
+            chunk: FIRST_CHUNK,
+        }
+    }
+
+    /// Puts `r` in offset order: behind the queue (a later event of its
+    /// key), or before the events of its partition it precedes (a chunk's
+    /// event that failed, or was behind one that did, going back).
+    fn insert(&mut self, r: Record) {
+        let later = |q: &Record| q.partition == r.partition && q.offset > r.offset;
+        if self.records.back().is_none_or(|last| !later(last)) {
+            self.records.push_back(r);
+            return;
+        }
+        let at = self
+            .records
+            .iter()
+            .position(later)
+            .unwrap_or(self.records.len());
+        self.records.insert(at, r);
+    }
 }
 
 /// How long a key waits for the result of its head's retry before its
@@ -77,15 +129,13 @@ impl Held {
         self.pinned.is_empty() && self.queues.is_empty() && self.pending.is_empty()
     }
 
-    /// Whether `r` is a failed head being retried (its key is held, but
-    /// not for it).
+    /// Whether `r` was taken out of its key's queue to run: a failed head
+    /// being retried, or an event of a chunk (its key is held, but not for
+    /// it).
     pub fn retrying(&self, r: &Record) -> bool {
-        !self.in_flight.is_empty() && self.in_flight.contains_key(&place(r))
-    }
-
-    /// Whether `r` was released from a queue (see `released`).
-    pub fn was_released(&self, r: &Record) -> bool {
-        !self.released.is_empty() && self.released.contains(&place(r))
+        let at = place(r);
+        (!self.in_flight.is_empty() && self.in_flight.contains_key(&at))
+            || (!self.running.is_empty() && self.running.contains(&at))
     }
 
     /// Whether `key`'s events wait in memory.
@@ -133,41 +183,49 @@ impl Held {
             shared.unpin(r);
         }
         self.attempts.remove(&at);
-        if !self.released.is_empty() {
-            self.released.remove(&at);
+        if !self.running.is_empty() {
+            self.running.remove(&at);
         }
-        // A retried head is through: the rest of its key's queue is due.
+        // A retried head is through: the rest of its key's queue is due,
+        // from its first chunk.
         if let Some(key) = self.in_flight.remove(&at)
-            && let Some((queue, due)) = self.queues.get_mut(&key)
+            && let Some(queue) = self.queues.get_mut(&key)
         {
-            if queue.is_empty() {
+            if queue.records.is_empty() {
                 self.queues.remove(&key);
             } else {
-                *due = Instant::now();
+                queue.due = Instant::now();
+                queue.chunk = FIRST_CHUNK;
             }
         }
     }
 
-    /// Queues `r` (held by this batch, or joining its key's queue) behind
-    /// the events of its key already queued.
+    /// Queues `r` (held by this batch, or joining its key's queue) in
+    /// offset order among the events of its key already queued: a retried
+    /// head that failed again, or a chunk's event that failed (and the
+    /// chunk's later events of its key), goes back before the rest.
     pub fn queue(&mut self, r: Record) {
         let Some(key) = Self::key(&r) else { return };
-        let due = self.pending.get(&key).copied().unwrap_or_else(Instant::now);
-        // A retried head that failed again goes back to the front.
-        if self.in_flight.remove(&place(&r)).is_some() {
-            let (queue, at) = self
-                .queues
-                .entry(key)
-                .or_insert_with(|| (VecDeque::new(), due));
-            queue.push_front(r);
-            *at = due;
-            return;
+        let at = place(&r);
+        if !self.running.is_empty() {
+            self.running.remove(&at);
         }
-        self.queues
+        let retried = self.in_flight.remove(&at).is_some();
+        let pending = self.pending.get(&key).copied();
+        let queue = self
+            .queues
             .entry(key)
-            .or_insert_with(|| (VecDeque::new(), due))
-            .0
-            .push_back(r);
+            .or_insert_with(|| Queue::new(pending.unwrap_or_else(Instant::now)));
+        // A failure of this batch puts the key's first event due at its
+        // retry.
+        if let Some(due) = pending {
+            queue.due = due;
+        }
+        if retried {
+            queue.records.push_front(r);
+        } else {
+            queue.insert(r);
+        }
     }
 
     /// The batch's held keys are queued.
@@ -177,41 +235,50 @@ impl Held {
 
     /// When the first queued key is due.
     pub fn next_due(&self) -> Option<Instant> {
-        self.queues.values().map(|(_, due)| *due).min()
+        self.queues.values().map(|q| q.due).min()
     }
 
     /// Takes out what is due by now: of a key whose first event failed
     /// before, that event alone (the key stays held until it is through);
-    /// of a key whose failed event is through, the whole queue, in order.
-    /// The events of partitions this consumer no longer owns are dropped
-    /// and unpinned (their partition's next owner reads them again).
+    /// of a key whose failed event is through, its next chunk, in order
+    /// (the key held until the last chunk is taken). The events of
+    /// partitions this consumer no longer owns are dropped and unpinned
+    /// (their partition's next owner reads them again).
     pub fn take_due(&mut self, shared: &Shared) -> Vec<Record> {
         let now = Instant::now();
         let due: Vec<Key> = self
             .queues
             .iter()
-            .filter(|(_, (_, at))| *at <= now)
+            .filter(|(_, q)| q.due <= now)
             .map(|(k, _)| k.clone())
             .collect();
         let mut records = Vec::new();
         for key in due {
-            let Some((queue, at)) = self.queues.get_mut(&key) else {
+            let Some(queue) = self.queues.get_mut(&key) else {
                 continue;
             };
             let head_failed = queue
+                .records
                 .front()
                 .is_some_and(|r| self.attempts.contains_key(&place(r)));
-            if head_failed && queue.front().is_some_and(|r| shared.owns(r)) {
-                let head = queue.pop_front().expect("a head");
-                *at = now + IN_FLIGHT_TIMEOUT;
+            if head_failed && queue.records.front().is_some_and(|r| shared.owns(r)) {
+                let head = queue.records.pop_front().expect("a head");
+                queue.due = now + IN_FLIGHT_TIMEOUT;
                 self.in_flight.insert(place(&head), key);
                 records.push(head);
                 continue;
             }
-            let (queue, _) = self.queues.remove(&key).expect("due key");
-            for r in queue {
+            let take = queue.chunk.min(queue.records.len());
+            queue.chunk = (queue.chunk * 2).min(MAX_CHUNK);
+            let chunk: Vec<Record> = queue.records.drain(..take).collect();
+            if queue.records.is_empty() {
+                self.queues.remove(&key);
+            }
+            for r in chunk {
                 if shared.owns(&r) {
-                    self.released.insert(place(&r));
+                    if self.queues.contains_key(&key) {
+                        self.running.insert(place(&r));
+                    }
                     records.push(r);
                 } else {
                     self.settled(shared, &r);

@@ -500,11 +500,12 @@ impl ConsumerBuilder {
     /// partition read again from it (the events after it that were applied
     /// are duplicates by their dedup rows, and change nothing). An event
     /// still failing when its next back-off passes the window is set aside
-    /// in `inbox_event` as without this setting, with its attempts so far,
-    /// and so is one that fails right after its key's queue was released
-    /// (a key failing that often); at `max_attempts` it is dead-lettered.
-    /// At most 10,000 events wait in memory; past that, failures are set
-    /// aside. Keep `window` well under
+    /// in `inbox_event` as without this setting, with its attempts so far;
+    /// at `max_attempts` it is dead-lettered. Once its failed event is
+    /// through, a key's waiting events run in chunks (16, then twice as
+    /// many each batch), so that a key failing again soon costs at most
+    /// its chunk. At most 10,000 events wait in memory; past that, failures
+    /// are set aside. Keep `window` well under
     /// the stall timeout (the committed offset does not move meanwhile).
     pub fn memory_retries(mut self, window: Duration) -> Self {
         self.config.memory_retries = Some(window);
