@@ -18,7 +18,7 @@
 //! the consumer's memory within a 1,000 ms window
 //! (`ConsumerBuilder::memory_retries`).
 //!
-//! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--stages 0,0.1,1,5] [--max-attempts N] [--backoff-ms N] [--spread hot|all] [--memory-retries-ms 0,1000] [--mode dedup|inbox|inbox-progress] [--json PATH]`
+//! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--stages 0,0.1,1,5] [--max-attempts N] [--backoff-ms N] [--spread hot|all] [--memory-retries-ms 0,1000] [--memory-max-events N] [--mode dedup|inbox|inbox-progress] [--json PATH]`
 //!
 //! Needs PostgreSQL (DATABASE_URL names the server; the benchmark creates
 //! its own database `outbox_bench_failing_keys`) and a broker (KAFKA_BROKERS).
@@ -70,6 +70,10 @@ struct Args {
     /// off, failing events set aside in `inbox_event`).
     #[arg(long, value_delimiter = ',', default_values_t = [0])]
     memory_retries_ms: Vec<u64>,
+    /// Most events held in memory with retries from memory (the consumer's
+    /// default, 10,000, if not given).
+    #[arg(long)]
+    memory_max_events: Option<usize>,
     /// The consumer's mode: `dedup` (the default), `inbox`, or
     /// `inbox-progress` (inbox mode, the processor in the progress mode).
     #[arg(long, value_enum, default_value_t = RunMode::Dedup)]
@@ -274,6 +278,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         if memory_ms > 0 {
             builder = builder.memory_retries(Duration::from_millis(memory_ms));
+            if let Some(n) = a.memory_max_events {
+                builder = builder.memory_retries_max_events(n);
+            }
         }
         let group = format!("bench-failing-{per_million}-{memory_ms}-{:?}", a.mode);
         match a.mode {
@@ -353,6 +360,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "keys": KEYS,
         "max_attempts": a.max_attempts,
         "backoff_ms": a.backoff_ms,
+        "memory_max_events": a.memory_max_events,
         "processors": a.processors,
         "spread": a.spread,
         "stages": stages,

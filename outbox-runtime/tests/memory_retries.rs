@@ -595,3 +595,75 @@ async fn a_retry_due_after_the_window_is_set_aside_with_its_attempts(pool: PgPoo
     handle.shutdown().await.unwrap();
     assert_in_order(&pool, 4, 10).await;
 }
+
+event!(FullEvent, "memory-retries-full");
+
+/// With room for fewer events than a failing key holds back, nothing waits
+/// in memory: the failing event (first attempt) and its key's 9 later
+/// events are set aside in `inbox_event`, the other keys go on, and once
+/// fixed every event is applied once, in order.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn past_the_memorys_bound_a_failing_key_is_set_aside(pool: PgPool) {
+    let topic = FullEvent::TOPIC;
+    let (ids, behind, group) = start(&pool, topic).await;
+    let recorder = Recorder::<FullEvent>::new();
+    let failing = recorder.failing.clone();
+    let handle = consumer(&pool, &group)
+        .memory_retries_max_events(5)
+        .handler(recorder)
+        .max_attempts(1_000)
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            scalar(
+                &pool,
+                "SELECT count(*) FROM inbox_event WHERE consumer = $1",
+                &group,
+            )
+            .await
+                == behind.len() as i64
+        })
+        .await,
+        "the failing event and its key's later ones are set aside: {:?}",
+        handle.counts()
+    );
+    let first_attempts: i32 = sqlx::query_scalar(
+        "SELECT attempts FROM inbox_event WHERE consumer = $1 AND event_id = $2",
+    )
+    .bind(&group)
+    .bind(behind[0])
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(first_attempts >= 1, "{first_attempts}");
+    failing.store(false, Ordering::SeqCst);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            effects_of(&pool, &ids).await.iter().all(|n| *n == 1)
+        })
+        .await,
+        "{:?}",
+        handle.counts()
+    );
+    let counts = handle.counts();
+    handle.shutdown().await.unwrap();
+    assert_eq!(counts.stored, behind.len() as u64, "{counts:?}");
+    assert_in_order(&pool, 4, 10).await;
+}
+
+/// The bound must be positive.
+#[tokio::test]
+async fn memory_retries_max_events_must_be_positive() {
+    let pool = PgPool::connect_lazy("postgres://localhost/unused").unwrap();
+    let Err(error) = Consumer::builder(pool)
+        .group("g")
+        .memory_retries(Duration::from_secs(1))
+        .memory_retries_max_events(0)
+        .handler(Recorder::<FullEvent>::new())
+        .build()
+    else {
+        panic!("a bound of 0 events was accepted");
+    };
+    assert!(error.to_string().contains("max events"), "{error}");
+}

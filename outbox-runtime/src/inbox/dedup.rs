@@ -590,7 +590,7 @@ fn hold_failures(
             aside[i] = None;
             set_aside[i] = false;
             (tokio::time::Instant::now(), false)
-        } else if delay <= window && held.room(1 + behind.len()) {
+        } else if delay <= window && held.room(1 + behind.len(), config.memory_retries_max_events) {
             tracing::debug!(
                 offset = records[i].offset,
                 partition = records[i].partition,

@@ -30,10 +30,6 @@ use tokio::time::Instant;
 use super::poller::Shared;
 use super::record::{Body, Record};
 
-/// Most events held in memory per consumer; past it, failures are set
-/// aside in `inbox_event`.
-pub(crate) const MAX_HELD: usize = 10_000;
-
 /// Events of a queue run in the first batch after its failed event is
 /// through; each later chunk is twice the one before.
 pub(crate) const FIRST_CHUNK: usize = 16;
@@ -143,9 +139,9 @@ impl Held {
         self.queues.contains_key(key) || self.pending.contains_key(key)
     }
 
-    /// Whether `n` more events may be held.
-    pub fn room(&self, n: usize) -> bool {
-        self.pinned.len() + n <= MAX_HELD
+    /// Whether `n` more events may be held, with at most `max` held.
+    pub fn room(&self, n: usize, max: usize) -> bool {
+        self.pinned.len() + n <= max
     }
 
     /// Failed attempts of `r` so far (0: never failed here).

@@ -163,6 +163,9 @@ pub struct ConsumerConfig {
     /// at the held event until it is applied or dead-lettered, so a crash
     /// or a rebalance reads it again (see `ConsumerBuilder::memory_retries`).
     pub memory_retries: Option<Duration>,
+    /// Dedup mode, with `memory_retries`: most events held in memory at
+    /// once; past it, failures are set aside in `inbox_event`.
+    pub memory_retries_max_events: usize,
     /// A handler call taking longer fails its event (an attempt); also the
     /// `statement_timeout` of the handlers' transactions.
     pub handler_timeout: Duration,
@@ -231,6 +234,7 @@ impl std::fmt::Debug for ConsumerConfig {
             retry_backoff,
             retry_backoff_max,
             memory_retries,
+            memory_retries_max_events,
             handler_timeout,
             outage_backoff,
             outage_backoff_max,
@@ -259,6 +263,7 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("retry_backoff", retry_backoff)
             .field("retry_backoff_max", retry_backoff_max)
             .field("memory_retries", memory_retries)
+            .field("memory_retries_max_events", memory_retries_max_events)
             .field("outage_backoff", outage_backoff)
             .field("outage_backoff_max", outage_backoff_max)
             .field("max_payload_bytes", max_payload_bytes)
@@ -290,6 +295,7 @@ impl ConsumerConfig {
             retry_backoff: Duration::from_millis(100),
             retry_backoff_max: Duration::from_secs(10),
             memory_retries: None,
+            memory_retries_max_events: 10_000,
             handler_timeout: Duration::from_secs(30),
             outage_backoff: Duration::from_millis(100),
             outage_backoff_max: Duration::from_secs(5),
@@ -335,6 +341,12 @@ impl ConsumerConfig {
         }
         if self.max_attempts == 0 {
             return bad("max attempts must be >= 1".into());
+        }
+        if self.memory_retries_max_events == 0 || self.memory_retries_max_events > 10_000_000 {
+            return bad(format!(
+                "memory retries' max events must be 1..=10000000, got {}",
+                self.memory_retries_max_events
+            ));
         }
         if self.max_payload_bytes == 0 || self.max_payload_bytes > 1 << 30 {
             return bad(format!(
@@ -504,11 +516,22 @@ impl ConsumerBuilder {
     /// at `max_attempts` it is dead-lettered. Once its failed event is
     /// through, a key's waiting events run in chunks (16, then twice as
     /// many each batch), so that a key failing again soon costs at most
-    /// its chunk. At most 10,000 events wait in memory; past that, failures
-    /// are set aside. Keep `window` well under
+    /// its chunk. At most 10,000 events wait in memory
+    /// ([`memory_retries_max_events`](Self::memory_retries_max_events));
+    /// past that, failures are set aside. Keep `window` well under
     /// the stall timeout (the committed offset does not move meanwhile).
     pub fn memory_retries(mut self, window: Duration) -> Self {
         self.config.memory_retries = Some(window);
+        self
+    }
+    /// With [`memory_retries`](Self::memory_retries): most events waiting
+    /// in memory at once (default 10,000); past it, a failing event is set
+    /// aside in `inbox_event` with the later events of its key. What waits
+    /// grows with the rate read and the back-offs: the failing keys' events
+    /// read while their failed event waits. Each waiting event holds its
+    /// message (payload and headers) in memory.
+    pub fn memory_retries_max_events(mut self, n: usize) -> Self {
+        self.config.memory_retries_max_events = n;
         self
     }
     /// How long one handler call may take (default 30 s). A slower call
