@@ -192,6 +192,9 @@ impl ConsumerBuilder {
         if let Some(n) = s.memory_retries_ms.filter(|n| *n > 0) {
             self = self.memory_retries(ms(n));
         }
+        if let Some(n) = s.memory_retries_max_events {
+            self = self.memory_retries_max_events(n);
+        }
         if let Some(on) = s.recheck_offset_gaps {
             self = self.recheck_offset_gaps(on);
         }
@@ -234,6 +237,7 @@ mod tests {
             ("OUTBOX_CONSUMER_MODE", "inbox"),
             ("OUTBOX_CONSUMER_OUTAGE_BACKOFF_MS", "300"),
             ("OUTBOX_CONSUMER_MEMORY_RETRIES_MS", "800"),
+            ("OUTBOX_CONSUMER_MEMORY_RETRIES_MAX_EVENTS", "50000"),
         ])
         .unwrap();
         let relay = crate::Relay::builder(pool.clone())
@@ -265,6 +269,7 @@ mod tests {
             (ms(300), Duration::from_secs(5))
         );
         assert_eq!(c.memory_retries, Some(ms(800)));
+        assert_eq!(c.memory_retries_max_events, 50_000);
         let bad = ConsumerSettings {
             mode: Some("fast".into()),
             ..ConsumerSettings::default()

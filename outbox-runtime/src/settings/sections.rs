@@ -135,6 +135,9 @@ pub struct ConsumerSettings {
     /// Dedup mode: retry a failing event from memory while its next
     /// attempt is due within this many ms (default: off).
     pub memory_retries_ms: Option<u64>,
+    /// With `memory_retries_ms`: most events waiting in memory at once
+    /// (default 10,000).
+    pub memory_retries_max_events: Option<usize>,
     /// Read a partition again from the expected offset when a message
     /// arrives past it, once per gap (default true).
     pub recheck_offset_gaps: Option<bool>,
@@ -166,6 +169,9 @@ impl ConsumerSettings {
             stall_timeout_ms: higher.stall_timeout_ms.or(self.stall_timeout_ms),
             saga_stuck_after_ms: higher.saga_stuck_after_ms.or(self.saga_stuck_after_ms),
             memory_retries_ms: higher.memory_retries_ms.or(self.memory_retries_ms),
+            memory_retries_max_events: higher
+                .memory_retries_max_events
+                .or(self.memory_retries_max_events),
             recheck_offset_gaps: higher.recheck_offset_gaps.or(self.recheck_offset_gaps),
         }
     }
