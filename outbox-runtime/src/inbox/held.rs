@@ -10,8 +10,8 @@
 //! (`dedup.rs`) decides what is held and runs what is due: a failed head
 //! alone (its key's later events stay queued, and so does every new event
 //! of the key, while it runs), then, once the head is applied or
-//! dead-lettered, the rest of the queue at once. An event is unpinned once
-//! the transaction that applied, dead-lettered or set it aside in
+//! dead-lettered, the rest of the queue. An event is unpinned once the
+//! transaction that applied, dead-lettered or set it aside in
 //! `inbox_event` committed.
 //!
 //! A queue whose failed event is through runs in chunks, one per batch:
