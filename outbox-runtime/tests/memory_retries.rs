@@ -608,7 +608,10 @@ async fn past_the_memorys_bound_a_failing_key_is_set_aside(pool: PgPool) {
     let (ids, behind, group) = start(&pool, topic).await;
     let recorder = Recorder::<FullEvent>::new();
     let failing = recorder.failing.clone();
+    // One batch of all 40 (they were produced before the start): the
+    // failing event meets its key's 9 later events in it, 10 > 5.
     let handle = consumer(&pool, &group)
+        .batch_linger(Duration::from_millis(500))
         .memory_retries_max_events(5)
         .handler(recorder)
         .max_attempts(1_000)
