@@ -18,7 +18,7 @@
 //! the consumer's memory within a 1,000 ms window
 //! (`ConsumerBuilder::memory_retries`).
 //!
-//! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--stages 0,0.1,1,5] [--max-attempts N] [--backoff-ms N] [--spread hot|all] [--memory-retries-ms 0,1000] [--memory-max-events N] [--mode dedup|inbox|inbox-progress] [--json PATH]`
+//! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--stages 0,0.1,1,5] [--max-attempts N] [--backoff-ms N] [--spread hot|all] [--memory-retries-ms 0,1000] [--memory-max-events N] [--control] [--mode dedup|inbox|inbox-progress] [--json PATH]`
 //!
 //! Needs PostgreSQL (DATABASE_URL names the server; the benchmark creates
 //! its own database `outbox_bench_failing_keys`) and a broker (KAFKA_BROKERS).
@@ -82,6 +82,11 @@ struct Args {
     /// if not given).
     #[arg(long)]
     processor_batch: Option<usize>,
+    /// Beside each stage, a plain rdkafka consumer (a group of its own)
+    /// reads the whole topic: its time tells a slow broker from a slow
+    /// consumer.
+    #[arg(long)]
+    control: bool,
     /// Also write the results to this JSON file.
     #[arg(long)]
     json: Option<String>,
@@ -188,6 +193,34 @@ impl InboxHandler for Stage {
     }
 }
 
+/// The control: a plain rdkafka consumer of a group of its own reads the
+/// `n` messages of the topic, join included; returns the seconds it took.
+fn plain_read(brokers: &str, n: u64) -> Result<f64, String> {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set(
+            "group.id",
+            format!("bench-failing-control-{}", Uuid::new_v4().simple()),
+        )
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .map_err(|e| e.to_string())?;
+    let start = Instant::now();
+    consumer.subscribe(&[TOPIC]).map_err(|e| e.to_string())?;
+    let mut seen = 0_u64;
+    while seen < n {
+        if start.elapsed() > Duration::from_secs(300) {
+            return Err(format!("the control read only {seen} of {n} in 300 s"));
+        }
+        if let Some(Ok(_)) = consumer.poll(Duration::from_millis(100)) {
+            seen += 1;
+        }
+    }
+    Ok(start.elapsed().as_secs_f64())
+}
+
 async fn preload(brokers: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
     common::recreate_topic(brokers, TOPIC, PARTITIONS).await?;
     let producer = common::preload_producer(brokers)?;
@@ -271,6 +304,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let floor_s = per_key.values().copied().max().unwrap_or(0) as f64 * waits;
         let clean_applied = Arc::new(AtomicU64::new(0));
         let backoff = Duration::from_millis(a.backoff_ms);
+        let control = a.control.then(|| {
+            let (brokers, n) = (brokers.clone(), a.events);
+            tokio::task::spawn_blocking(move || plain_read(&brokers, n))
+        });
         let start = Instant::now();
         let mut builder = Consumer::builder(pool.clone());
         if let Some(n) = a.processor_batch {
@@ -321,6 +358,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let took = start.elapsed();
         let counts = handle.counts();
         handle.shutdown().await?;
+        let control_s = match control {
+            Some(read) => Some(read.await??),
+            None => None,
+        };
+        if let Some(s) = control_s {
+            println!("  a plain rdkafka consumer beside it read the topic in {s:.2} s");
+        }
         let rate = a.events as f64 / took.as_secs_f64();
         let base = *base_rate.get_or_insert(rate);
         let clean_s = clean_done.unwrap_or(took).as_secs_f64();
@@ -350,6 +394,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "set_aside": counts.stored,
             "batches": counts.batches,
             "took_s": (took.as_secs_f64() * 1000.0).round() / 1000.0,
+            "control_read_s": control_s.map(|s| (s * 1000.0).round() / 1000.0),
             "backoff_floor_s": (floor_s * 1000.0).round() / 1000.0,
         }));
     }
