@@ -142,6 +142,26 @@ async fn scalar(pool: &PgPool, sql: &str, group: &str) -> i64 {
         .unwrap()
 }
 
+/// Rows `group` has set aside in `inbox_event`.
+async fn set_aside(pool: &PgPool, group: &str) -> i64 {
+    scalar(
+        pool,
+        "SELECT count(*) FROM inbox_event WHERE consumer = $1",
+        group,
+    )
+    .await
+}
+
+/// The attempts `event_id` was set aside in `inbox_event` with.
+async fn attempts_set_aside(pool: &PgPool, group: &str, event_id: Uuid) -> i32 {
+    sqlx::query_scalar("SELECT attempts FROM inbox_event WHERE consumer = $1 AND event_id = $2")
+        .bind(group)
+        .bind(event_id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 /// The offset `group` has committed on partition 0 of `topic` (-1: none).
 async fn committed(group: &str, topic: &str) -> i64 {
     committed_offsets(group, topic, 1).await[0]
@@ -224,12 +244,7 @@ async fn a_failing_event_waits_in_memory_and_holds_back_only_its_key(pool: PgPoo
     );
     assert_eq!(effects_of(&pool, &later_k0).await, vec![0, 0]);
     assert_eq!(
-        scalar(
-            &pool,
-            "SELECT count(*) FROM inbox_event WHERE consumer = $1",
-            &group
-        )
-        .await,
+        set_aside(&pool, &group).await,
         0,
         "nothing set aside in the database"
     );
@@ -408,15 +423,7 @@ async fn out_of_attempts_in_memory_the_event_is_dead_lettered_and_its_key_goes_o
     assert_eq!(counts.handler_failures, 3, "{counts:?}");
     assert_eq!(counts.processed, 39, "{counts:?}");
     assert_eq!(counts.stored, 0, "{counts:?}");
-    assert_eq!(
-        scalar(
-            &pool,
-            "SELECT count(*) FROM inbox_event WHERE consumer = $1",
-            &group
-        )
-        .await,
-        0
-    );
+    assert_eq!(set_aside(&pool, &group).await, 0);
     let rows: Vec<i64> = sqlx::query_scalar("SELECT seq FROM effect WHERE key = 'k0' ORDER BY id")
         .fetch_all(&pool)
         .await
@@ -484,15 +491,7 @@ async fn a_key_failing_again_soon_stays_in_memory_and_in_order(pool: PgPool) {
         "three attempts each: {counts:?}"
     );
     assert_eq!(counts.stored, 0, "nothing set aside: {counts:?}");
-    assert_eq!(
-        scalar(
-            &pool,
-            "SELECT count(*) FROM inbox_event WHERE consumer = $1",
-            &group
-        )
-        .await,
-        0
-    );
+    assert_eq!(set_aside(&pool, &group).await, 0);
     assert_eq!(
         scalar(
             &pool,
@@ -557,27 +556,14 @@ async fn a_retry_due_after_the_window_is_set_aside_with_its_attempts(pool: PgPoo
     );
     // The failing event keeps the attempts it had in memory; its key's
     // later events follow it into the table, behind it.
-    let first_attempts: i32 = sqlx::query_scalar(
-        "SELECT attempts FROM inbox_event WHERE consumer = $1 AND event_id = $2",
-    )
-    .bind(&group)
-    .bind(behind[0])
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    let first_attempts = attempts_set_aside(&pool, &group, behind[0]).await;
     assert!(
         first_attempts >= 2,
         "set aside with its attempts: {first_attempts}"
     );
     assert!(
         eventually(Duration::from_secs(30), || async {
-            scalar(
-                &pool,
-                "SELECT count(*) FROM inbox_event WHERE consumer = $1",
-                &group,
-            )
-            .await
-                == behind.len() as i64
+            set_aside(&pool, &group).await == behind.len() as i64
         })
         .await,
         "the failing event and its key's later ones are set aside"
@@ -619,26 +605,13 @@ async fn past_the_memorys_bound_a_failing_key_is_set_aside(pool: PgPool) {
         .unwrap();
     assert!(
         eventually(Duration::from_secs(30), || async {
-            scalar(
-                &pool,
-                "SELECT count(*) FROM inbox_event WHERE consumer = $1",
-                &group,
-            )
-            .await
-                == behind.len() as i64
+            set_aside(&pool, &group).await == behind.len() as i64
         })
         .await,
         "the failing event and its key's later ones are set aside: {:?}",
         handle.counts()
     );
-    let first_attempts: i32 = sqlx::query_scalar(
-        "SELECT attempts FROM inbox_event WHERE consumer = $1 AND event_id = $2",
-    )
-    .bind(&group)
-    .bind(behind[0])
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    let first_attempts = attempts_set_aside(&pool, &group, behind[0]).await;
     assert!(first_attempts >= 1, "{first_attempts}");
     failing.store(false, Ordering::SeqCst);
     assert!(

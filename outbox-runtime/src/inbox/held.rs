@@ -267,12 +267,14 @@ impl Held {
             let take = queue.chunk.min(queue.records.len());
             queue.chunk = (queue.chunk * 2).min(MAX_CHUNK);
             let chunk: Vec<Record> = queue.records.drain(..take).collect();
-            if queue.records.is_empty() {
+            // The key stays held while the rest of its queue waits.
+            let rest = !queue.records.is_empty();
+            if !rest {
                 self.queues.remove(&key);
             }
             for r in chunk {
                 if shared.owns(&r) {
-                    if self.queues.contains_key(&key) {
+                    if rest {
                         self.running.insert(place(&r));
                     }
                     records.push(r);
