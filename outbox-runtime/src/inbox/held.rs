@@ -20,7 +20,10 @@
 //! back to the front of the queue with the chunk's later events of its
 //! key; the dedup rows of those later events, written for the chunk, are
 //! taken out again, so a failure costs at most the chunk it falls in, not
-//! the rest of a queue that can hold thousands of events.
+//! the rest of a queue that can hold thousands of events. A failed
+//! event's last attempt takes its key's first chunk along: it is through
+//! after that transaction either way (applied, or dead-lettered in it while
+//! the chunk goes on behind it), which saves its key a batch's turn.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -40,11 +43,14 @@ const MAX_CHUNK: usize = 4096;
 /// A (topic, partition key).
 pub(crate) type Key = (Arc<str>, String);
 
-/// A message's place: topic, partition, offset.
-type Place = (Arc<str>, i32, i64);
+/// A message's place: topic, partition, offset, and the assignment
+/// generation it was polled in (read again after a rebalance, it is another
+/// record: its partition's pins are of another generation, and it never
+/// counts as the retry of the copy polled before).
+type Place = (Arc<str>, i32, i64, u64);
 
 fn place(r: &Record) -> Place {
-    (r.topic.clone(), r.partition, r.offset)
+    (r.topic.clone(), r.partition, r.offset, r.generation)
 }
 
 /// The failing keys held in memory.
@@ -61,8 +67,9 @@ pub(crate) struct Held {
     /// Events pinned in the poller: queued, pending or being retried.
     pinned: HashSet<Place>,
     /// Failed heads taken out of their queue for a retry, with their key
-    /// (which stays held meanwhile).
-    in_flight: HashMap<Place, Key>,
+    /// (which stays held meanwhile) and whether their key's first chunk
+    /// runs behind them (a head's last attempt).
+    in_flight: HashMap<Place, (Key, bool)>,
     /// Events of a chunk being run: their key is still held (for the
     /// rest of its queue), but not for them.
     running: HashSet<Place>,
@@ -184,14 +191,30 @@ impl Held {
         }
         // A retried head is through: the rest of its key's queue is due,
         // from its first chunk.
-        if let Some(key) = self.in_flight.remove(&at)
+        if let Some((key, chunk_ran)) = self.in_flight.remove(&at)
             && let Some(queue) = self.queues.get_mut(&key)
         {
             if queue.records.is_empty() {
                 self.queues.remove(&key);
             } else {
                 queue.due = Instant::now();
-                queue.chunk = FIRST_CHUNK;
+                if !chunk_ran {
+                    queue.chunk = FIRST_CHUNK;
+                }
+            }
+        }
+    }
+
+    /// `records` were dropped before they ran (their partition was
+    /// revoked between [`take_due`](Self::take_due) and the batch's
+    /// start): those taken out of memory are settled, unpinned and
+    /// forgotten, as `take_due` does with the events of a partition no
+    /// longer owned (its next owner reads them again); a retried head's
+    /// key is released, so that the rest of its queue goes the same way.
+    pub fn dropped(&mut self, shared: &Shared, records: &[Record]) {
+        for r in records {
+            if self.retrying(r) {
+                self.settled(shared, r);
             }
         }
     }
@@ -235,12 +258,15 @@ impl Held {
     }
 
     /// Takes out what is due by now: of a key whose first event failed
-    /// before, that event alone (the key stays held until it is through);
-    /// of a key whose failed event is through, its next chunk, in order
-    /// (the key held until the last chunk is taken). The events of
-    /// partitions this consumer no longer owns are dropped and unpinned
-    /// (their partition's next owner reads them again).
-    pub fn take_due(&mut self, shared: &Shared) -> Vec<Record> {
+    /// before, that event alone (the key stays held until it is through),
+    /// or, for that event's last of `max_attempts` (it is through after
+    /// its transaction either way: applied, or dead-lettered in it), that
+    /// event and the first chunk behind it; of a key whose failed event is
+    /// through, its next chunk, in order (the key held until the last
+    /// chunk is taken). The events of partitions this consumer no longer
+    /// owns are dropped and unpinned (their partition's next owner reads
+    /// them again).
+    pub fn take_due(&mut self, shared: &Shared, max_attempts: u32) -> Vec<Record> {
         let now = Instant::now();
         let due: Vec<Key> = self
             .queues
@@ -253,16 +279,21 @@ impl Held {
             let Some(queue) = self.queues.get_mut(&key) else {
                 continue;
             };
-            let head_failed = queue
+            let head_attempts = queue
                 .records
                 .front()
-                .is_some_and(|r| self.attempts.contains_key(&place(r)));
-            if head_failed && queue.records.front().is_some_and(|r| shared.owns(r)) {
+                .and_then(|r| self.attempts.get(&place(r)).copied());
+            if let Some(attempts) = head_attempts
+                && queue.records.front().is_some_and(|r| shared.owns(r))
+            {
                 let head = queue.records.pop_front().expect("a head");
+                let last = attempts + 1 >= max_attempts;
                 queue.due = now + IN_FLIGHT_TIMEOUT;
-                self.in_flight.insert(place(&head), key);
+                self.in_flight.insert(place(&head), (key.clone(), last));
                 records.push(head);
-                continue;
+                if !last || queue.records.is_empty() {
+                    continue;
+                }
             }
             let take = queue.chunk.min(queue.records.len());
             queue.chunk = (queue.chunk * 2).min(MAX_CHUNK);
@@ -284,5 +315,156 @@ impl Held {
             }
         }
         records
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use outbox_core::{Headers, IncomingEvent};
+
+    use super::*;
+    use crate::inbox::record::Event;
+
+    fn record(topic: &Arc<str>, offset: i64, key: &str, generation: u64) -> Record {
+        let incoming = IncomingEvent::new(
+            uuid::Uuid::new_v4(),
+            "t.v1",
+            1,
+            &**topic,
+            key,
+            Headers::default(),
+        );
+        Record {
+            topic: topic.clone(),
+            partition: 0,
+            offset,
+            generation,
+            body: Body::Event(Box::new(Event {
+                incoming,
+                handlers: Vec::new(),
+                payload: b"{}".to_vec(),
+                decoded: Vec::new(),
+            })),
+        }
+    }
+
+    /// Holds key `k`'s events at `offsets` (generation 1) as a batch whose
+    /// first event failed would: pinned, queued, the first due now.
+    fn hold(held: &mut Held, shared: &Shared, topic: &Arc<str>, offsets: &[i64]) {
+        let first = record(topic, offsets[0], "k", 1);
+        held.failed(&first, 1);
+        held.hold_key(Held::key(&first).expect("an event"), Instant::now());
+        for &offset in offsets {
+            let r = record(topic, offset, "k", 1);
+            held.pin(shared, &r);
+            held.queue(r);
+        }
+        held.end_batch();
+    }
+
+    fn offsets(records: &[Record]) -> Vec<i64> {
+        records.iter().map(|r| r.offset).collect()
+    }
+
+    #[test]
+    fn a_retried_head_dropped_on_a_revocation_is_forgotten() {
+        let shared = Shared::new(true);
+        let topic: Arc<str> = Arc::from("orders");
+        shared.set_owned(&topic, 0, Some(1));
+        let mut held = Held::default();
+        hold(&mut held, &shared, &topic, &[3, 4, 5]);
+        assert_eq!(shared.pinned_offsets(), vec![3, 4, 5]);
+
+        let due = held.take_due(&shared, 3);
+        assert_eq!(offsets(&due), vec![3], "the failed head alone");
+        // The partition is revoked before the batch starts.
+        shared.set_owned(&topic, 0, None);
+        let (kept, dropped) = shared.begin_batch(due);
+        assert!(kept.is_empty());
+        held.dropped(&shared, &dropped);
+        assert_eq!(shared.pinned_offsets(), vec![4, 5], "the head is unpinned");
+
+        // Assigned again: the head, read again, is not a retry of the copy
+        // dropped, and the rest of its key's queue is dropped when taken.
+        shared.set_owned(&topic, 0, Some(2));
+        assert!(!held.retrying(&record(&topic, 3, "k", 2)));
+        assert!(held.take_due(&shared, 3).is_empty());
+        assert!(held.is_empty(), "nothing held or pinned");
+        assert!(shared.pinned_offsets().is_empty());
+    }
+
+    #[test]
+    fn a_chunk_dropped_on_a_revocation_is_forgotten() {
+        let shared = Shared::new(true);
+        let topic: Arc<str> = Arc::from("orders");
+        shared.set_owned(&topic, 0, Some(1));
+        let mut held = Held::default();
+        let all: Vec<i64> = (0..40).collect();
+        hold(&mut held, &shared, &topic, &all);
+
+        // The head is retried and applied: the rest runs in chunks.
+        let head = held.take_due(&shared, 3);
+        assert_eq!(offsets(&head), vec![0]);
+        held.settled(&shared, &head[0]);
+        let chunk = held.take_due(&shared, 3);
+        assert_eq!(
+            offsets(&chunk),
+            (1..=FIRST_CHUNK as i64).collect::<Vec<_>>()
+        );
+        assert!(held.retrying(&chunk[0]));
+
+        shared.set_owned(&topic, 0, None);
+        let (kept, dropped) = shared.begin_batch(chunk);
+        assert!(kept.is_empty());
+        held.dropped(&shared, &dropped);
+        assert!(!held.retrying(&dropped[0]), "the chunk is forgotten");
+        assert_eq!(
+            shared.pinned_offsets(),
+            (FIRST_CHUNK as i64 + 1..40).collect::<Vec<_>>()
+        );
+
+        // Assigned again, the chunk's events read again are not taken for
+        // the chunk's, and what was left of the queue goes when taken.
+        shared.set_owned(&topic, 0, Some(2));
+        assert!(!held.retrying(&record(&topic, 1, "k", 2)));
+        while !held.take_due(&shared, 3).is_empty() {}
+        assert!(held.is_empty(), "nothing held or pinned");
+        assert!(shared.pinned_offsets().is_empty());
+    }
+
+    #[test]
+    fn a_heads_last_attempt_takes_its_keys_first_chunk_along() {
+        let shared = Shared::new(true);
+        let topic: Arc<str> = Arc::from("orders");
+        shared.set_owned(&topic, 0, Some(1));
+        let mut held = Held::default();
+        let all: Vec<i64> = (0..60).collect();
+        hold(&mut held, &shared, &topic, &all);
+
+        // The second of three attempts: the head alone.
+        let head = held.take_due(&shared, 3);
+        assert_eq!(offsets(&head), vec![0]);
+        // It fails again, and waits for its last.
+        held.failed(&head[0], 2);
+        held.hold_key(Held::key(&head[0]).expect("an event"), Instant::now());
+        held.queue(head.into_iter().next().expect("the head"));
+        held.end_batch();
+
+        // The last: the head and the first chunk behind it, the key held
+        // for the rest.
+        let due = held.take_due(&shared, 3);
+        assert_eq!(offsets(&due), (0..=FIRST_CHUNK as i64).collect::<Vec<_>>());
+        assert!(due.iter().all(|r| held.retrying(r)));
+        assert!(held.holds(&Held::key(&due[0]).expect("an event")));
+        for r in &due {
+            held.settled(&shared, r);
+        }
+        // The next chunk is twice the first.
+        let next = held.take_due(&shared, 3);
+        let from = FIRST_CHUNK as i64 + 1;
+        assert_eq!(
+            offsets(&next),
+            (from..from + 2 * FIRST_CHUNK as i64).collect::<Vec<_>>()
+        );
     }
 }

@@ -1138,7 +1138,12 @@ impl Consumer {
                     batch = retries;
                 }
             }
-            let batch = shared.begin_batch(batch);
+            let (batch, dropped) = shared.begin_batch(batch);
+            // Retries from memory of a partition revoked since they were
+            // taken out are forgotten (its next owner reads them again).
+            if let Sink::Dedup(applier) = &mut sink {
+                applier.held.dropped(&shared, &dropped);
+            }
             if !batch.is_empty() {
                 match &mut sink {
                     Sink::Dedup(applier) => applier.process(batch, &shutdown).await,

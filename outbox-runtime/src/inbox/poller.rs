@@ -220,16 +220,42 @@ impl Shared {
     }
 
     /// The database task starts applying `batch`: returns the records of
-    /// partitions still owned by the generation they were polled in (the
-    /// others were revoked since; their new owner reads them again).
-    pub fn begin_batch(&self, mut batch: Vec<Record>) -> Vec<Record> {
+    /// partitions still owned by the generation they were polled in, and
+    /// the others (revoked since: their new owner reads them again; the
+    /// caller forgets what it kept of them, such as a retry from memory).
+    pub fn begin_batch(&self, batch: Vec<Record>) -> (Vec<Record>, Vec<Record>) {
         *lock(&self.applying) = true;
         let a = lock(&self.assignment);
-        batch.retain(|r| {
+        batch.into_iter().partition(|r| {
             let partition = (r.topic.clone(), r.partition);
             a.owned.get(&partition) == Some(&r.generation) && !a.revoking.contains(&partition)
-        });
-        batch
+        })
+    }
+
+    /// Sets the partition `(topic, partition)` owned by `generation` (or
+    /// not owned: `None`), as a rebalance would.
+    #[cfg(test)]
+    pub(crate) fn set_owned(&self, topic: &Arc<str>, partition: i32, generation: Option<u64>) {
+        let mut a = lock(&self.assignment);
+        let key = (topic.clone(), partition);
+        match generation {
+            Some(g) => {
+                a.generation = a.generation.max(g);
+                a.owned.insert(key, g);
+            }
+            None => {
+                a.owned.remove(&key);
+            }
+        }
+    }
+
+    /// The offsets pinned, in every partition and generation.
+    #[cfg(test)]
+    pub(crate) fn pinned_offsets(&self) -> Vec<i64> {
+        let pins = lock(&self.pins);
+        let mut offsets: Vec<i64> = pins.values().flat_map(|o| o.keys().copied()).collect();
+        offsets.sort_unstable();
+        offsets
     }
 
     /// The database task finished its batch (committed, or gave up on
