@@ -314,7 +314,7 @@ impl Applier<'_> {
     /// `held.rs`): the consumer's loop puts them before the next batch, in
     /// its transaction.
     pub fn due(&mut self) -> Vec<Record> {
-        self.held.take_due(self.shared, self.config.max_attempts)
+        self.held.take_due(self.shared)
     }
 
     fn account(&self, report: Report) {
@@ -421,27 +421,13 @@ impl Applier<'_> {
         // segment back, its event and the later ones of its key are set
         // aside, the events before it run again, then the rest — in this
         // transaction (see `run_segments`).
-        // Retries from memory on their last attempt: dead-lettered in this
-        // transaction if they fail, the later events of their key going on.
-        let last: Vec<Option<u32>> =
-            if self.config.memory_retries.is_some() && !self.held.is_empty() {
-                records
-                    .iter()
-                    .map(|r| {
-                        let attempts = self.held.attempts(r) + 1;
-                        (attempts > 1 && attempts >= config.max_attempts).then_some(attempts)
-                    })
-                    .collect()
-            } else {
-                Vec::new()
-            };
         let (mut report, follow_ups, time) = run_segments(
             &mut tx,
-            (config, stats),
+            config,
+            stats,
             records,
             aside,
             &mut set_aside,
-            &last,
             handling,
         )
         .await?;
@@ -582,9 +568,25 @@ fn hold_failures(
             .collect();
         let delay = backoff::delay(config.retry_backoff, config.retry_backoff_max, attempts);
         let (due, head) = if attempts >= config.max_attempts {
-            if !dead_letter_in_place(config, &mut records[i], handler, error, attempts) {
+            let Body::Event(e) = &records[i].body else {
                 continue;
-            }
+            };
+            tracing::warn!(
+                group = %config.group,
+                event_id = %e.incoming.event_id,
+                event_type = %e.incoming.event_type,
+                handler,
+                attempts,
+                %error,
+                "handler kept failing: event dead-lettered (re-drive with `outbox dead-letters retry`)"
+            );
+            let rejected = e.rejected(
+                DeadLetterReason::HandlerFailed,
+                error,
+                Some(handler),
+                i32::try_from(attempts).unwrap_or(i32::MAX),
+            );
+            records[i].body = Body::Rejected(Box::new(rejected));
             aside[i] = None;
             set_aside[i] = false;
             (tokio::time::Instant::now(), false)
@@ -617,38 +619,6 @@ fn hold_failures(
             held.pin(shared, &records[j]);
         }
     }
-}
-
-/// Turns the event of `record`, whose handler failed its last of
-/// `attempts`, into its dead letter (written with the transaction's); false
-/// if it is not an event.
-fn dead_letter_in_place(
-    config: &ConsumerConfig,
-    record: &mut Record,
-    handler: &'static str,
-    error: String,
-    attempts: u32,
-) -> bool {
-    let Body::Event(e) = &record.body else {
-        return false;
-    };
-    tracing::warn!(
-        group = %config.group,
-        event_id = %e.incoming.event_id,
-        event_type = %e.incoming.event_type,
-        handler,
-        attempts,
-        %error,
-        "handler kept failing: event dead-lettered (re-drive with `outbox dead-letters retry`)"
-    );
-    let rejected = e.rejected(
-        DeadLetterReason::HandlerFailed,
-        error,
-        Some(handler),
-        i32::try_from(attempts).unwrap_or(i32::MAX),
-    );
-    record.body = Body::Rejected(Box::new(rejected));
-    true
 }
 
 /// A dead-letter insert that failed: an outage, a refusal of our setup (a
@@ -848,14 +818,13 @@ async fn set_aside_rows(
 /// an outage).
 async fn run_segments(
     tx: &mut sqlx::PgConnection,
-    (config, stats): (&ConsumerConfig, &Stats),
+    config: &ConsumerConfig,
+    stats: &Stats,
     records: &mut [Record],
     aside: &mut [Option<Aside>],
     set_aside: &mut [bool],
-    last: &[Option<u32>],
     handling: apply::Handling<'_>,
 ) -> Result<(Report, apply::FollowUps, std::time::Duration), Failure> {
-    let last_attempt = |i: usize| last.get(i).copied().flatten();
     let n = records.len();
     let mut report = Report::default();
     let mut follow_ups = apply::FollowUps::default();
@@ -931,16 +900,6 @@ async fn run_segments(
                             undone.push(e.incoming.event_id);
                             part_follow_ups.forget(i);
                             stats.handler_failures.fetch_add(1, Ordering::Relaxed);
-                            if let Some(attempts) = last_attempt(i) {
-                                dead_letter_in_place(
-                                    config,
-                                    &mut records[i],
-                                    handler,
-                                    error,
-                                    attempts,
-                                );
-                                continue;
-                            }
                             for j in set_key_aside(records, aside, set_aside, i, handler, error) {
                                 if let Body::Event(later) = &records[j].body
                                     && j < stop
@@ -1012,14 +971,7 @@ async fn run_segments(
         }
         restore = false;
         stats.handler_failures.fetch_add(1, Ordering::Relaxed);
-        match last_attempt(i) {
-            Some(attempts) => {
-                dead_letter_in_place(config, &mut records[i], handler, error, attempts);
-            }
-            None => {
-                set_key_aside(records, aside, set_aside, i, handler, error);
-            }
-        }
+        set_key_aside(records, aside, set_aside, i, handler, error);
         // The events before it again, then the rest.
         stop = if i > start { i } else { n };
     }

@@ -20,10 +20,7 @@
 //! back to the front of the queue with the chunk's later events of its
 //! key; the dedup rows of those later events, written for the chunk, are
 //! taken out again, so a failure costs at most the chunk it falls in, not
-//! the rest of a queue that can hold thousands of events. A failed
-//! event's last attempt takes its key's first chunk along: it is through
-//! after that transaction either way (applied, or dead-lettered in it while
-//! the chunk goes on behind it), which saves its key a batch's turn.
+//! the rest of a queue that can hold thousands of events.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -67,9 +64,8 @@ pub(crate) struct Held {
     /// Events pinned in the poller: queued, pending or being retried.
     pinned: HashSet<Place>,
     /// Failed heads taken out of their queue for a retry, with their key
-    /// (which stays held meanwhile) and whether their key's first chunk
-    /// runs behind them (a head's last attempt).
-    in_flight: HashMap<Place, (Key, bool)>,
+    /// (which stays held meanwhile).
+    in_flight: HashMap<Place, Key>,
     /// Events of a chunk being run: their key is still held (for the
     /// rest of its queue), but not for them.
     running: HashSet<Place>,
@@ -191,16 +187,14 @@ impl Held {
         }
         // A retried head is through: the rest of its key's queue is due,
         // from its first chunk.
-        if let Some((key, chunk_ran)) = self.in_flight.remove(&at)
+        if let Some(key) = self.in_flight.remove(&at)
             && let Some(queue) = self.queues.get_mut(&key)
         {
             if queue.records.is_empty() {
                 self.queues.remove(&key);
             } else {
                 queue.due = Instant::now();
-                if !chunk_ran {
-                    queue.chunk = FIRST_CHUNK;
-                }
+                queue.chunk = FIRST_CHUNK;
             }
         }
     }
@@ -258,15 +252,12 @@ impl Held {
     }
 
     /// Takes out what is due by now: of a key whose first event failed
-    /// before, that event alone (the key stays held until it is through),
-    /// or, for that event's last of `max_attempts` (it is through after
-    /// its transaction either way: applied, or dead-lettered in it), that
-    /// event and the first chunk behind it; of a key whose failed event is
-    /// through, its next chunk, in order (the key held until the last
-    /// chunk is taken). The events of partitions this consumer no longer
-    /// owns are dropped and unpinned (their partition's next owner reads
-    /// them again).
-    pub fn take_due(&mut self, shared: &Shared, max_attempts: u32) -> Vec<Record> {
+    /// before, that event alone (the key stays held until it is through);
+    /// of a key whose failed event is through, its next chunk, in order
+    /// (the key held until the last chunk is taken). The events of
+    /// partitions this consumer no longer owns are dropped and unpinned
+    /// (their partition's next owner reads them again).
+    pub fn take_due(&mut self, shared: &Shared) -> Vec<Record> {
         let now = Instant::now();
         let due: Vec<Key> = self
             .queues
@@ -279,21 +270,16 @@ impl Held {
             let Some(queue) = self.queues.get_mut(&key) else {
                 continue;
             };
-            let head_attempts = queue
+            let head_failed = queue
                 .records
                 .front()
-                .and_then(|r| self.attempts.get(&place(r)).copied());
-            if let Some(attempts) = head_attempts
-                && queue.records.front().is_some_and(|r| shared.owns(r))
-            {
+                .is_some_and(|r| self.attempts.contains_key(&place(r)));
+            if head_failed && queue.records.front().is_some_and(|r| shared.owns(r)) {
                 let head = queue.records.pop_front().expect("a head");
-                let last = attempts + 1 >= max_attempts;
                 queue.due = now + IN_FLIGHT_TIMEOUT;
-                self.in_flight.insert(place(&head), (key.clone(), last));
+                self.in_flight.insert(place(&head), key);
                 records.push(head);
-                if !last || queue.records.is_empty() {
-                    continue;
-                }
+                continue;
             }
             let take = queue.chunk.min(queue.records.len());
             queue.chunk = (queue.chunk * 2).min(MAX_CHUNK);
@@ -375,7 +361,7 @@ mod tests {
         hold(&mut held, &shared, &topic, &[3, 4, 5]);
         assert_eq!(shared.pinned_offsets(), vec![3, 4, 5]);
 
-        let due = held.take_due(&shared, 3);
+        let due = held.take_due(&shared);
         assert_eq!(offsets(&due), vec![3], "the failed head alone");
         // The partition is revoked before the batch starts.
         shared.set_owned(&topic, 0, None);
@@ -388,7 +374,7 @@ mod tests {
         // dropped, and the rest of its key's queue is dropped when taken.
         shared.set_owned(&topic, 0, Some(2));
         assert!(!held.retrying(&record(&topic, 3, "k", 2)));
-        assert!(held.take_due(&shared, 3).is_empty());
+        assert!(held.take_due(&shared).is_empty());
         assert!(held.is_empty(), "nothing held or pinned");
         assert!(shared.pinned_offsets().is_empty());
     }
@@ -403,10 +389,10 @@ mod tests {
         hold(&mut held, &shared, &topic, &all);
 
         // The head is retried and applied: the rest runs in chunks.
-        let head = held.take_due(&shared, 3);
+        let head = held.take_due(&shared);
         assert_eq!(offsets(&head), vec![0]);
         held.settled(&shared, &head[0]);
-        let chunk = held.take_due(&shared, 3);
+        let chunk = held.take_due(&shared);
         assert_eq!(
             offsets(&chunk),
             (1..=FIRST_CHUNK as i64).collect::<Vec<_>>()
@@ -427,44 +413,8 @@ mod tests {
         // the chunk's, and what was left of the queue goes when taken.
         shared.set_owned(&topic, 0, Some(2));
         assert!(!held.retrying(&record(&topic, 1, "k", 2)));
-        while !held.take_due(&shared, 3).is_empty() {}
+        while !held.take_due(&shared).is_empty() {}
         assert!(held.is_empty(), "nothing held or pinned");
         assert!(shared.pinned_offsets().is_empty());
-    }
-
-    #[test]
-    fn a_heads_last_attempt_takes_its_keys_first_chunk_along() {
-        let shared = Shared::new(true);
-        let topic: Arc<str> = Arc::from("orders");
-        shared.set_owned(&topic, 0, Some(1));
-        let mut held = Held::default();
-        let all: Vec<i64> = (0..60).collect();
-        hold(&mut held, &shared, &topic, &all);
-
-        // The second of three attempts: the head alone.
-        let head = held.take_due(&shared, 3);
-        assert_eq!(offsets(&head), vec![0]);
-        // It fails again, and waits for its last.
-        held.failed(&head[0], 2);
-        held.hold_key(Held::key(&head[0]).expect("an event"), Instant::now());
-        held.queue(head.into_iter().next().expect("the head"));
-        held.end_batch();
-
-        // The last: the head and the first chunk behind it, the key held
-        // for the rest.
-        let due = held.take_due(&shared, 3);
-        assert_eq!(offsets(&due), (0..=FIRST_CHUNK as i64).collect::<Vec<_>>());
-        assert!(due.iter().all(|r| held.retrying(r)));
-        assert!(held.holds(&Held::key(&due[0]).expect("an event")));
-        for r in &due {
-            held.settled(&shared, r);
-        }
-        // The next chunk is twice the first.
-        let next = held.take_due(&shared, 3);
-        let from = FIRST_CHUNK as i64 + 1;
-        assert_eq!(
-            offsets(&next),
-            (from..from + 2 * FIRST_CHUNK as i64).collect::<Vec<_>>()
-        );
     }
 }
