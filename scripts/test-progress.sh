@@ -22,7 +22,7 @@ cargo test --workspace "$@" -- --skip groups::consumer_groups_killed_and_restart
     --skip relays_with_and_without_lanes_refuse_each_other
 echo "== the consumer-groups reliability scenario, alone, both processors' modes"
 cargo test -p outbox-cli --test reliability -- groups::consumer_groups_killed_and_restarted
-OUTBOX_TEST_INBOX_MODE=progress cargo test -p outbox-cli --test reliability -- \
+OUTBOX_TEST_INBOX_MODE=progress OUTBOX_TEST_DEDUP_MEMORY=1 cargo test -p outbox-cli --test reliability -- \
     groups::consumer_groups_killed_and_restarted
 echo "== the reliability scenarios in the production profile"
 OUTBOX_TEST_PROFILE=production cargo test -p outbox-cli --test reliability -- \

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the whole test suite against real services, starting them as needed;
 # the consumer-groups scenario alone (then again with the inbox group's
-# processor in the progress mode); then a subset of the reliability
+# processor in the progress mode, and the dedup group's members retrying
+# transient failures from memory); then a subset of the reliability
 # scenarios again in the production
 # profile (every process as the README's role, 10-second partitions created
 # and dropped by a maintainer meanwhile: outbox-cli/tests/reliability/profile.rs);
@@ -21,8 +22,8 @@ export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
 cargo test --workspace "$@" -- --skip groups::consumer_groups_killed_and_restarted
 echo "== the consumer-groups reliability scenario, alone"
 cargo test -p outbox-cli --test reliability -- groups::consumer_groups_killed_and_restarted
-echo "== the consumer-groups scenario with the inbox group's processor in the progress mode, alone"
-OUTBOX_TEST_INBOX_MODE=progress cargo test -p outbox-cli --test reliability -- \
+echo "== the consumer-groups scenario with the inbox group's processor in the progress mode and the dedup group's retries from memory, alone"
+OUTBOX_TEST_INBOX_MODE=progress OUTBOX_TEST_DEDUP_MEMORY=1 cargo test -p outbox-cli --test reliability -- \
     groups::consumer_groups_killed_and_restarted
 echo "== the reliability scenarios' production-profile subset"
 OUTBOX_TEST_PROFILE=production cargo test -p outbox-cli --test reliability -- \

@@ -32,6 +32,11 @@ const BROKERS: &str = "RELIABILITY_CHILD_BROKERS";
 const GROUP: &str = "RELIABILITY_CHILD_GROUP";
 const MODE: &str = "RELIABILITY_CHILD_MODE";
 
+/// Set (to anything) for a run, the dedup-mode consumer processes retry
+/// from memory (`ConsumerBuilder::memory_retries`), and their handler
+/// fails transiently: see [`crate::harness::flaky`].
+pub const FLAKY: &str = "OUTBOX_TEST_DEDUP_MEMORY";
+
 /// What a consumer process is to do.
 pub struct Child<'a> {
     pub url: &'a str,
@@ -126,6 +131,16 @@ pub async fn run_consumer_with(register: impl FnOnce(ConsumerBuilder, Mode) -> C
                 .processor_poll_interval(Duration::from_millis(50)),
             Mode::Inbox,
         ),
+        _ if std::env::var_os(FLAKY).is_some() => {
+            crate::harness::FLAKY.store(true, std::sync::atomic::Ordering::Relaxed);
+            (
+                builder
+                    .memory_retries(Duration::from_secs(1))
+                    .max_attempts(4)
+                    .retry_backoff(Duration::from_millis(200), Duration::from_millis(400)),
+                Mode::Dedup,
+            )
+        }
         _ => (builder, Mode::Dedup),
     };
     let handle = register(builder, mode).spawn().expect("consumer");

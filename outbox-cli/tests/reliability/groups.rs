@@ -4,7 +4,12 @@
 //! committed event must be applied by both groups, once, in per-key order,
 //! within a bound after the last fault (the recovery time). With
 //! `OUTBOX_TEST_INBOX_MODE=progress` the inbox-mode group's processor runs
-//! in the progress mode.
+//! in the progress mode. With `OUTBOX_TEST_DEDUP_MEMORY=1` the dedup-mode
+//! members retry from memory (`ConsumerBuilder::memory_retries`), and their
+//! handler fails the first attempt of one event in 32 in each process
+//! (`harness::flaky`): a key waits in memory while members are killed, its
+//! events pinned; each event must still be applied once, in order, with no
+//! dead letter.
 
 use std::time::{Duration, Instant};
 
@@ -168,13 +173,24 @@ async fn consumer_groups_killed_and_restarted_keep_going(pool: PgPool) {
         kafka: evidence.kafka.clone(),
         ..Evidence::default()
     };
-    let rejoins: usize = std::fs::read_dir(&logs)
-        .map(|dir| {
-            dir.filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok())
-                .map(|text| text.matches("rejoining the group").count())
-                .sum()
-        })
-        .unwrap_or(0);
+    let in_logs = |what: &str| -> usize {
+        std::fs::read_dir(&logs)
+            .map(|dir| {
+                dir.filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok())
+                    .map(|text| text.matches(what).count())
+                    .sum()
+            })
+            .unwrap_or(0)
+    };
+    let rejoins = in_logs("rejoining the group");
+    let flaky = std::env::var_os(children::FLAKY).is_some();
+    let transient_failures = in_logs("flaky handler: failing");
+    let dedup_dead_letters: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM dead_letter WHERE consumer = $1")
+            .bind(&groups[0])
+            .fetch_one(&pool)
+            .await
+            .expect("dead letters");
     for (_, mut child) in members {
         if let Some(pid) = child.id() {
             signal(pid, "-TERM");
@@ -187,10 +203,13 @@ async fn consumer_groups_killed_and_restarted_keep_going(pool: PgPool) {
     drop(broker);
 
     let mut figures = checker::check(
-        if inbox_progress {
-            "consumer groups killed and restarted, inbox progress mode"
-        } else {
-            "consumer groups killed and restarted"
+        match (inbox_progress, flaky) {
+            (true, true) => {
+                "consumer groups killed and restarted, inbox progress mode, dedup retries from memory"
+            }
+            (true, false) => "consumer groups killed and restarted, inbox progress mode",
+            (false, true) => "consumer groups killed and restarted, dedup retries from memory",
+            (false, false) => "consumer groups killed and restarted",
         },
         &evidence,
     );
@@ -226,6 +245,12 @@ async fn consumer_groups_killed_and_restarted_keep_going(pool: PgPool) {
         &progress,
     );
     figures.note("rejoins after a stall (all members)", rejoins);
+    if flaky {
+        figures.note(
+            "dedup group: transient handler failures retried from memory; dead letters",
+            format!("{transient_failures}; {dedup_dead_letters}"),
+        );
+    }
     figures.note("writer errors", ledger.errors);
     figures.note("relay", format!("{relay_counts:?}"));
     figures.report();
@@ -235,6 +260,16 @@ async fn consumer_groups_killed_and_restarted_keep_going(pool: PgPool) {
         "not everything committed before the last fault was applied by both groups within {bound:?}: {progress}"
     );
     assert!(inbox_done, "the inbox group did not apply every event");
+    if flaky {
+        assert!(
+            transient_failures > 0,
+            "no handler of the dedup group failed: the run tested no retry from memory"
+        );
+        assert_eq!(
+            dedup_dead_letters, 0,
+            "a transient failure was dead-lettered"
+        );
+    }
     figures.assert_invariants();
     figures_inbox.assert_invariants();
 }

@@ -305,6 +305,7 @@ macro_rules! scenario_event {
             {
                 Box::pin(async move {
                     let event_id = ctx.incoming().event_id;
+                    $crate::harness::flaky(event_id)?;
                     $crate::harness::apply(&mut **ctx, event_id, &event.key, event.seq).await?;
                     Ok(())
                 })
@@ -340,6 +341,33 @@ macro_rules! scenario_event {
     };
 }
 pub(crate) use scenario_event;
+
+/// On in a consumer process of a run with transient failures
+/// ([`crate::children::FLAKY`]).
+pub static FLAKY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// With [`FLAKY`] on, fails the first attempt in this process at one event
+/// in 32 (by its id), without touching the transaction, and says so on
+/// stderr (the scenario counts the lines): the event is retried and
+/// applied; a process killed meanwhile leaves it to the next, which fails
+/// it once more.
+pub fn flaky(event_id: Uuid) -> Result<(), outbox_core::BoxError> {
+    use std::sync::atomic::Ordering;
+    static FAILED: Mutex<Option<HashSet<Uuid>>> = Mutex::new(None);
+    if !FLAKY.load(Ordering::Relaxed) || !event_id.as_bytes()[15].is_multiple_of(32) {
+        return Ok(());
+    }
+    let first = FAILED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_with(Default::default)
+        .insert(event_id);
+    if first {
+        eprintln!("flaky handler: failing {event_id} once");
+        return Err(format!("event {event_id} fails once").into());
+    }
+    Ok(())
+}
 
 /// The verifying consumer's handler of events `E`.
 pub struct Effect<E>(std::marker::PhantomData<fn() -> E>);

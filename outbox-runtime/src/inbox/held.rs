@@ -174,11 +174,29 @@ impl Held {
     /// `r`'s transaction committed (applied, dead-lettered or set aside in
     /// `inbox_event`): unpinned, its attempts forgotten.
     pub fn settled(&mut self, shared: &Shared, r: &Record) {
+        self.forget(Some(shared), r);
+    }
+
+    /// Forgets `r`, held here, of a partition revoked or being revoked:
+    /// its pin stays in the poller until the revocation has committed the
+    /// partition's offsets (which the pin holds back: its next owner reads
+    /// it again) and drops the partition's pins ([`Shared::unpin_revoked`]).
+    /// Unpinned here, a revocation under way could commit past it.
+    fn drop_revoked(&mut self, r: &Record) {
+        self.forget(None, r);
+    }
+
+    /// Forgets `r`: its attempts, its place among the running and in
+    /// flight (a retried head's key released), its pin here, and, with
+    /// `shared`, in the poller.
+    fn forget(&mut self, shared: Option<&Shared>, r: &Record) {
         if self.pinned.is_empty() {
             return;
         }
         let at = place(r);
-        if self.pinned.remove(&at) {
+        if self.pinned.remove(&at)
+            && let Some(shared) = shared
+        {
             shared.unpin(r);
         }
         self.attempts.remove(&at);
@@ -201,14 +219,14 @@ impl Held {
 
     /// `records` were dropped before they ran (their partition was
     /// revoked between [`take_due`](Self::take_due) and the batch's
-    /// start): those taken out of memory are settled, unpinned and
-    /// forgotten, as `take_due` does with the events of a partition no
-    /// longer owned (its next owner reads them again); a retried head's
-    /// key is released, so that the rest of its queue goes the same way.
-    pub fn dropped(&mut self, shared: &Shared, records: &[Record]) {
+    /// start): those taken out of memory are forgotten, as `take_due` does
+    /// with the events of a partition no longer owned (its next owner
+    /// reads them again); a retried head's key is released, so that the
+    /// rest of its queue goes the same way.
+    pub fn dropped(&mut self, records: &[Record]) {
         for r in records {
             if self.retrying(r) {
-                self.settled(shared, r);
+                self.drop_revoked(r);
             }
         }
     }
@@ -255,8 +273,8 @@ impl Held {
     /// before, that event alone (the key stays held until it is through);
     /// of a key whose failed event is through, its next chunk, in order
     /// (the key held until the last chunk is taken). The events of
-    /// partitions this consumer no longer owns are dropped and unpinned
-    /// (their partition's next owner reads them again).
+    /// partitions this consumer no longer owns, or is giving up, are
+    /// dropped (their partition's next owner reads them again).
     pub fn take_due(&mut self, shared: &Shared) -> Vec<Record> {
         let now = Instant::now();
         let due: Vec<Key> = self
@@ -296,7 +314,7 @@ impl Held {
                     }
                     records.push(r);
                 } else {
-                    self.settled(shared, &r);
+                    self.drop_revoked(&r);
                 }
             }
         }
@@ -363,12 +381,19 @@ mod tests {
 
         let due = held.take_due(&shared);
         assert_eq!(offsets(&due), vec![3], "the failed head alone");
-        // The partition is revoked before the batch starts.
-        shared.set_owned(&topic, 0, None);
+        // A revocation starts before the batch does.
+        shared.set_revoking(&topic, 0);
         let (kept, dropped) = shared.begin_batch(due);
         assert!(kept.is_empty());
-        held.dropped(&shared, &dropped);
-        assert_eq!(shared.pinned_offsets(), vec![4, 5], "the head is unpinned");
+        held.dropped(&dropped);
+        assert!(!held.retrying(&dropped[0]), "the head is forgotten");
+        assert_eq!(
+            shared.pinned_offsets(),
+            vec![3, 4, 5],
+            "still pinned for the revocation's commit"
+        );
+        shared.end_revocation(&topic, 0);
+        assert!(shared.pinned_offsets().is_empty());
 
         // Assigned again: the head, read again, is not a retry of the copy
         // dropped, and the rest of its key's queue is dropped when taken.
@@ -376,7 +401,6 @@ mod tests {
         assert!(!held.retrying(&record(&topic, 3, "k", 2)));
         assert!(held.take_due(&shared).is_empty());
         assert!(held.is_empty(), "nothing held or pinned");
-        assert!(shared.pinned_offsets().is_empty());
     }
 
     #[test]
@@ -399,15 +423,13 @@ mod tests {
         );
         assert!(held.retrying(&chunk[0]));
 
-        shared.set_owned(&topic, 0, None);
+        shared.set_revoking(&topic, 0);
         let (kept, dropped) = shared.begin_batch(chunk);
         assert!(kept.is_empty());
-        held.dropped(&shared, &dropped);
+        held.dropped(&dropped);
         assert!(!held.retrying(&dropped[0]), "the chunk is forgotten");
-        assert_eq!(
-            shared.pinned_offsets(),
-            (FIRST_CHUNK as i64 + 1..40).collect::<Vec<_>>()
-        );
+        assert_eq!(shared.pinned_offsets(), (1..40).collect::<Vec<_>>());
+        shared.end_revocation(&topic, 0);
 
         // Assigned again, the chunk's events read again are not taken for
         // the chunk's, and what was left of the queue goes when taken.
@@ -415,6 +437,27 @@ mod tests {
         assert!(!held.retrying(&record(&topic, 1, "k", 2)));
         while !held.take_due(&shared).is_empty() {}
         assert!(held.is_empty(), "nothing held or pinned");
+        assert!(shared.pinned_offsets().is_empty());
+    }
+
+    /// The events of a partition being revoked are dropped from memory,
+    /// their pins left for the revocation's commit: unpinned at once, that
+    /// commit could pass them, and the partition's next owner would never
+    /// read them (seen: a key's ten events lost when consumers of a group
+    /// were killed and restarted).
+    #[test]
+    fn events_dropped_during_a_revocation_stay_pinned_until_it_commits() {
+        let shared = Shared::new(true);
+        let topic: Arc<str> = Arc::from("orders");
+        shared.set_owned(&topic, 0, Some(1));
+        let mut held = Held::default();
+        hold(&mut held, &shared, &topic, &[7, 8, 9]);
+
+        shared.set_revoking(&topic, 0);
+        assert!(held.take_due(&shared).is_empty(), "nothing of it runs");
+        assert!(held.is_empty(), "nothing held");
+        assert_eq!(shared.pinned_offsets(), vec![7, 8, 9]);
+        shared.end_revocation(&topic, 0);
         assert!(shared.pinned_offsets().is_empty());
     }
 }

@@ -1142,7 +1142,7 @@ impl Consumer {
             // Retries from memory of a partition revoked since they were
             // taken out are forgotten (its next owner reads them again).
             if let Sink::Dedup(applier) = &mut sink {
-                applier.held.dropped(&shared, &dropped);
+                applier.held.dropped(&dropped);
             }
             if !batch.is_empty() {
                 match &mut sink {

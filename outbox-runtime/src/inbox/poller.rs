@@ -206,6 +206,18 @@ impl Shared {
         }
     }
 
+    /// Drops the pins of `partitions`, in every generation: called once a
+    /// revocation has committed their offsets (which the pins held back).
+    /// The database task forgets their records held in memory without
+    /// unpinning them ([`super::held`]): had it unpinned one while the
+    /// revocation was under way, the revocation's commit could pass it.
+    fn unpin_revoked(&self, partitions: &[Partition]) {
+        if partitions.is_empty() {
+            return;
+        }
+        lock(&self.pins).retain(|(partition, _), _| !partitions.contains(partition));
+    }
+
     /// Whether `record`'s partition is still owned by the generation it
     /// was polled in, and not being revoked.
     pub fn owns(&self, record: &Record) -> bool {
@@ -247,6 +259,28 @@ impl Shared {
                 a.owned.remove(&key);
             }
         }
+    }
+
+    /// Marks the partition `(topic, partition)` as being revoked (a
+    /// rebalance's callback waiting for the batch being applied).
+    #[cfg(test)]
+    pub(crate) fn set_revoking(&self, topic: &Arc<str>, partition: i32) {
+        lock(&self.assignment)
+            .revoking
+            .insert((topic.clone(), partition));
+    }
+
+    /// Ends the revocation of `(topic, partition)`, as the rebalance's
+    /// callback does once it has committed.
+    #[cfg(test)]
+    pub(crate) fn end_revocation(&self, topic: &Arc<str>, partition: i32) {
+        let key = (topic.clone(), partition);
+        {
+            let mut a = lock(&self.assignment);
+            a.revoking.remove(&key);
+            a.owned.remove(&key);
+        }
+        self.unpin_revoked(&[key]);
     }
 
     /// The offsets pinned, in every partition and generation.
@@ -428,14 +462,17 @@ impl ConsumerContext for Context {
             self.shared.wait_for_batch(REVOKE_WAIT);
             self.shared.commit(consumer, CommitMode::Sync, false);
             let mut a = lock(&self.shared.assignment);
+            let mut revoked = Vec::new();
             for e in tpl.elements() {
                 if let Some(topic) = a.topics.get(e.topic()).cloned() {
                     a.owned.remove(&(topic.clone(), e.partition()));
                     a.committed.remove(&(topic.clone(), e.partition()));
                     a.applied.remove(&(topic.clone(), e.partition()));
-                    a.revoking.remove(&(topic, e.partition()));
+                    a.revoking.remove(&(topic.clone(), e.partition()));
+                    revoked.push((topic, e.partition()));
                 }
             }
+            self.shared.unpin_revoked(&revoked);
             tracing::info!(
                 revoked = tpl.count(),
                 owned = a.owned.len(),
