@@ -12,7 +12,11 @@
 //! of the key, while it runs), then, once the head is applied or
 //! dead-lettered, the rest of the queue. An event is unpinned once the
 //! transaction that applied, dead-lettered or set it aside in
-//! `inbox_event` committed.
+//! `inbox_event` committed. The events of a partition revoked are dropped
+//! here but unpinned by the revocation, once it has committed the
+//! partition's offsets (a revocation under way commits what the pins
+//! allow: unpinned earlier, an event dropped here would be passed, and
+//! lost).
 //!
 //! A queue whose failed event is through runs in chunks, one per batch:
 //! the first [`FIRST_CHUNK`] events, then twice as many each time, its key
