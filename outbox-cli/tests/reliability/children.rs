@@ -35,7 +35,7 @@ const MODE: &str = "RELIABILITY_CHILD_MODE";
 /// Set (to anything) for a run, the dedup-mode consumer processes retry
 /// from memory (`ConsumerBuilder::memory_retries`), and their handler
 /// fails transiently: see [`crate::harness::flaky`].
-pub const FLAKY: &str = "OUTBOX_TEST_DEDUP_MEMORY";
+pub const DEDUP_MEMORY: &str = "OUTBOX_TEST_DEDUP_MEMORY";
 
 /// What a consumer process is to do.
 pub struct Child<'a> {
@@ -131,7 +131,7 @@ pub async fn run_consumer_with(register: impl FnOnce(ConsumerBuilder, Mode) -> C
                 .processor_poll_interval(Duration::from_millis(50)),
             Mode::Inbox,
         ),
-        _ if std::env::var_os(FLAKY).is_some() => {
+        _ if std::env::var_os(DEDUP_MEMORY).is_some() => {
             crate::harness::FLAKY.store(true, std::sync::atomic::Ordering::Relaxed);
             (
                 builder

@@ -183,7 +183,7 @@ async fn consumer_groups_killed_and_restarted_keep_going(pool: PgPool) {
             .unwrap_or(0)
     };
     let rejoins = in_logs("rejoining the group");
-    let flaky = std::env::var_os(children::FLAKY).is_some();
+    let flaky = std::env::var_os(children::DEDUP_MEMORY).is_some();
     let transient_failures = in_logs("flaky handler: failing");
     let dedup_dead_letters: i64 =
         sqlx::query_scalar("SELECT count(*) FROM dead_letter WHERE consumer = $1")

@@ -343,7 +343,7 @@ macro_rules! scenario_event {
 pub(crate) use scenario_event;
 
 /// On in a consumer process of a run with transient failures
-/// ([`crate::children::FLAKY`]).
+/// ([`crate::children::DEDUP_MEMORY`]).
 pub static FLAKY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// With [`FLAKY`] on, fails the first attempt in this process at one event

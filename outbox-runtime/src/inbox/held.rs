@@ -356,18 +356,24 @@ mod tests {
         }
     }
 
-    /// Holds key `k`'s events at `offsets` (generation 1) as a batch whose
-    /// first event failed would: pinned, queued, the first due now.
-    fn hold(held: &mut Held, shared: &Shared, topic: &Arc<str>, offsets: &[i64]) {
-        let first = record(topic, offsets[0], "k", 1);
+    /// A consumer owning partition 0 of `orders` (generation 1) that holds
+    /// key `k`'s events at `offsets` as a batch whose first event failed
+    /// would: pinned, queued, the first due now.
+    fn holding(offsets: &[i64]) -> (Shared, Arc<str>, Held) {
+        let shared = Shared::new(true);
+        let topic: Arc<str> = Arc::from("orders");
+        shared.set_owned(&topic, 0, Some(1));
+        let mut held = Held::default();
+        let first = record(&topic, offsets[0], "k", 1);
         held.failed(&first, 1);
         held.hold_key(Held::key(&first).expect("an event"), Instant::now());
         for &offset in offsets {
-            let r = record(topic, offset, "k", 1);
-            held.pin(shared, &r);
+            let r = record(&topic, offset, "k", 1);
+            held.pin(&shared, &r);
             held.queue(r);
         }
         held.end_batch();
+        (shared, topic, held)
     }
 
     fn offsets(records: &[Record]) -> Vec<i64> {
@@ -376,11 +382,7 @@ mod tests {
 
     #[test]
     fn a_retried_head_dropped_on_a_revocation_is_forgotten() {
-        let shared = Shared::new(true);
-        let topic: Arc<str> = Arc::from("orders");
-        shared.set_owned(&topic, 0, Some(1));
-        let mut held = Held::default();
-        hold(&mut held, &shared, &topic, &[3, 4, 5]);
+        let (shared, topic, mut held) = holding(&[3, 4, 5]);
         assert_eq!(shared.pinned_offsets(), vec![3, 4, 5]);
 
         let due = held.take_due(&shared);
@@ -409,12 +411,8 @@ mod tests {
 
     #[test]
     fn a_chunk_dropped_on_a_revocation_is_forgotten() {
-        let shared = Shared::new(true);
-        let topic: Arc<str> = Arc::from("orders");
-        shared.set_owned(&topic, 0, Some(1));
-        let mut held = Held::default();
         let all: Vec<i64> = (0..40).collect();
-        hold(&mut held, &shared, &topic, &all);
+        let (shared, topic, mut held) = holding(&all);
 
         // The head is retried and applied: the rest runs in chunks.
         let head = held.take_due(&shared);
@@ -451,11 +449,7 @@ mod tests {
     /// were killed and restarted).
     #[test]
     fn events_dropped_during_a_revocation_stay_pinned_until_it_commits() {
-        let shared = Shared::new(true);
-        let topic: Arc<str> = Arc::from("orders");
-        shared.set_owned(&topic, 0, Some(1));
-        let mut held = Held::default();
-        hold(&mut held, &shared, &topic, &[7, 8, 9]);
+        let (shared, topic, mut held) = holding(&[7, 8, 9]);
 
         shared.set_revoking(&topic, 0);
         assert!(held.take_due(&shared).is_empty(), "nothing of it runs");
