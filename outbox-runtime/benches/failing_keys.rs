@@ -18,7 +18,7 @@
 //! the consumer's memory within a 1,000 ms window
 //! (`ConsumerBuilder::memory_retries`).
 //!
-//! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--stages 0,0.1,1,5] [--max-attempts N] [--backoff-ms N] [--spread hot|all] [--memory-retries-ms 0,1000] [--memory-max-events N] [--control] [--mode dedup|inbox|inbox-progress] [--json PATH]`
+//! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--partitions N] [--stages 0,0.1,1,5] [--max-attempts N] [--backoff-ms N] [--spread hot|all] [--memory-retries-ms 0,1000] [--memory-max-events N] [--control] [--mode dedup|inbox|inbox-progress] [--json PATH]`
 //!
 //! Needs PostgreSQL (DATABASE_URL names the server; the benchmark creates
 //! its own database `outbox_bench_failing_keys`) and a broker (KAFKA_BROKERS).
@@ -37,7 +37,6 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 const TOPIC: &str = "bench-failing-keys";
-const PARTITIONS: i32 = 4;
 const KEYS: u64 = 1000;
 
 /// The benchmark's options (`cargo bench … -- --help`).
@@ -46,6 +45,13 @@ struct Args {
     /// Messages produced, read by each stage.
     #[arg(long, default_value_t = 50_000)]
     events: u64,
+    /// Partitions of the topic. The test broker serves one partition per
+    /// fetch, so a consumer reads a preloaded topic's partitions one after
+    /// another (the control prints when each partition's first message
+    /// came): with 1 the stream is read in production order, as fetches
+    /// that interleave partitions give it.
+    #[arg(long, default_value_t = 4)]
+    partitions: i32,
     /// Attempts before a failing event is dead-lettered.
     #[arg(long, default_value_t = 3)]
     max_attempts: u32,
@@ -193,9 +199,17 @@ impl InboxHandler for Stage {
     }
 }
 
+/// What the control saw: the seconds it took to read the topic, and when
+/// each partition's first message came (seconds, by partition).
+struct ControlRead {
+    secs: f64,
+    first: std::collections::BTreeMap<i32, f64>,
+}
+
 /// The control: a plain rdkafka consumer of a group of its own reads the
-/// `n` messages of the topic, join included; returns the seconds it took.
-fn plain_read(brokers: &str, n: u64) -> Result<f64, String> {
+/// `n` messages of the topic, join included.
+fn plain_read(brokers: &str, n: u64) -> Result<ControlRead, String> {
+    use rdkafka::Message as _;
     use rdkafka::consumer::{BaseConsumer, Consumer as _};
     let consumer: BaseConsumer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", brokers)
@@ -210,19 +224,26 @@ fn plain_read(brokers: &str, n: u64) -> Result<f64, String> {
     let start = Instant::now();
     consumer.subscribe(&[TOPIC]).map_err(|e| e.to_string())?;
     let mut seen = 0_u64;
+    let mut first = std::collections::BTreeMap::new();
     while seen < n {
         if start.elapsed() > Duration::from_secs(300) {
             return Err(format!("the control read only {seen} of {n} in 300 s"));
         }
-        if let Some(Ok(_)) = consumer.poll(Duration::from_millis(100)) {
+        if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
+            first
+                .entry(m.partition())
+                .or_insert_with(|| start.elapsed().as_secs_f64());
             seen += 1;
         }
     }
-    Ok(start.elapsed().as_secs_f64())
+    Ok(ControlRead {
+        secs: start.elapsed().as_secs_f64(),
+        first,
+    })
 }
 
-async fn preload(brokers: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
-    common::recreate_topic(brokers, TOPIC, PARTITIONS).await?;
+async fn preload(brokers: &str, n: u64, partitions: i32) -> Result<(), Box<dyn std::error::Error>> {
+    common::recreate_topic(brokers, TOPIC, partitions).await?;
     let producer = common::preload_producer(brokers)?;
     let mut pending = Vec::with_capacity(n as usize);
     for seq in 0..n {
@@ -253,9 +274,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let db = common::BenchDb::create("outbox_bench_failing_keys", 8).await?;
     let pool = db.pool.clone();
     println!(
-        "failing-keys benchmark: {} events on {PARTITIONS} partitions, {KEYS} keys (one in ten hot), \
+        "failing-keys benchmark: {} events on {} partitions, {KEYS} keys (one in ten hot), \
          mode {:?}, max_attempts {}, back-off {} ms, {} inbox processor(s), failing events among {}",
         a.events,
+        a.partitions,
         a.mode,
         a.max_attempts,
         a.backoff_ms,
@@ -265,7 +287,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             Spread::All => "all events",
         }
     );
-    preload(&brokers, a.events).await?;
+    preload(&brokers, a.events, a.partitions).await?;
     let mut stages = Vec::new();
     let mut base_rate = None;
     let runs: Vec<(u64, u64)> = a
@@ -358,13 +380,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let took = start.elapsed();
         let counts = handle.counts();
         handle.shutdown().await?;
-        let control_s = match control {
+        let control = match control {
             Some(read) => Some(read.await??),
             None => None,
         };
-        if let Some(s) = control_s {
-            println!("  a plain rdkafka consumer beside it read the topic in {s:.2} s");
+        if let Some(c) = &control {
+            let first: Vec<String> = c
+                .first
+                .iter()
+                .map(|(p, s)| format!("{p}: {:.0} ms", s * 1000.0))
+                .collect();
+            println!(
+                "  a plain rdkafka consumer beside it read the topic in {:.2} s; each partition's first message after {}",
+                c.secs,
+                first.join(", ")
+            );
         }
+        let control_s = control.as_ref().map(|c| c.secs);
         let rate = a.events as f64 / took.as_secs_f64();
         let base = *base_rate.get_or_insert(rate);
         let clean_s = clean_done.unwrap_or(took).as_secs_f64();
@@ -395,13 +427,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "batches": counts.batches,
             "took_s": (took.as_secs_f64() * 1000.0).round() / 1000.0,
             "control_read_s": control_s.map(|s| (s * 1000.0).round() / 1000.0),
+            "control_first_message_s": control.as_ref().map(|c| {
+                c.first
+                    .iter()
+                    .map(|(p, s)| (p.to_string(), (s * 1000.0).round() / 1000.0))
+                    .collect::<std::collections::BTreeMap<_, _>>()
+            }),
             "backoff_floor_s": (floor_s * 1000.0).round() / 1000.0,
         }));
     }
     let json = serde_json::json!({
         "benchmark": "failing_keys",
         "events": a.events,
-        "partitions": PARTITIONS,
+        "partitions": a.partitions,
         "keys": KEYS,
         "max_attempts": a.max_attempts,
         "backoff_ms": a.backoff_ms,
