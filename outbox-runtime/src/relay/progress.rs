@@ -207,7 +207,9 @@ pub async fn load(conn: &mut PgConnection, slots: &[i16]) -> Result<Window> {
 /// The rows of several windows (a claim's lanes', or one window's), in one
 /// statement: per slot `$1`, its window's index `$2` in the request,
 /// `done` `$3`, `upto` `$4`, `after_id` `$5` and the most rows listed `$6`
-/// (the window's share of [`LIST_CAP`]), lowest ids first. A window's rows
+/// (the window's share of [`LIST_CAP`]), lowest ids first; the rows come
+/// in no order (sorted per window by [`list_windows`]: a sort of a whole
+/// listing on the server spilled to disk at 200,000 rows). A window's rows
 /// (id, event id, `ctid`, and the topic of a row passed over) are those of
 /// its slots after its `after_id` whose transaction is visible in `upto`
 /// and not in `done`, without a state of their own. That condition is
@@ -274,8 +276,7 @@ CROSS JOIN LATERAL (
           AND pg_visible_in_snapshot(e.txid, l.upto)
           AND e.id + 0 > l.after_id AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3
     ) u
-    ORDER BY u.id + 0 LIMIT l.cap) w
-ORDER BY l.idx, w.id",
+    ORDER BY u.id + 0 LIMIT l.cap) w",
         super::claim::CLAIM_MARK
     )
 });
