@@ -176,9 +176,10 @@ ORDER BY p.slots",
 /// in `txid` order, which only an index scan finds without reading the
 /// others; a bitmap scan reads every row of the slot and sorts them. The
 /// planner chose the bitmap (it expects the windows' filters to leave a row
-/// or two) on a table filled since it was last vacuumed, and a plan is kept
-/// per connection: every sample then read the whole backlog. Returns the
-/// setting it replaced, for [`unplan_lanes`].
+/// or two) on a table filled since it was last analyzed, and a connection
+/// keeps the plan until the table is analyzed again: each sample then read
+/// every waiting row. Returns the setting it replaced, for
+/// [`unplan_lanes`].
 async fn plan_lanes(conn: &mut PgConnection) -> std::result::Result<String, sqlx::Error> {
     let was: String = sqlx::query_scalar("SELECT current_setting('enable_bitmapscan')")
         .fetch_one(&mut *conn)
