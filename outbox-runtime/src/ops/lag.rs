@@ -377,11 +377,11 @@ mod tests {
     /// A lane's oldest event is found from each slot's first rows after
     /// its position, in `txid` order through the progress index: a few
     /// rows a slot, however large the backlog. On a table filled since it
-    /// was last vacuumed (a backlog written while the relays were down,
-    /// the table empty at the last vacuum), the planner read each slot's
-    /// rows with a bitmap scan and sorted them for the first: every row of
-    /// the backlog at each sample (measured: 400 ms of the relay's gauges'
-    /// sample at a backlog of 200,000, every 5 s).
+    /// was last analyzed (a backlog written while the relays were down,
+    /// the table empty at the last analyze), the planner read each slot's
+    /// rows with a bitmap scan and sorted them for the first: every waiting
+    /// row at each sample until the table was analyzed again (measured:
+    /// 300–400 ms of the relay's gauges' sample at a backlog of 200,000).
     #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
     async fn the_lag_read_reads_a_few_rows_a_slot_of_a_large_backlog(pool: PgPool) {
         crate::relay::progress::enable(&pool).await.unwrap();
