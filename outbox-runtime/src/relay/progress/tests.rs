@@ -599,7 +599,9 @@ async fn claim_args(conn: &mut sqlx::PgConnection, done: &str) -> (String, Strin
             .await
             .unwrap();
     let slots: Vec<String> = (0..64).map(|s| s.to_string()).collect();
-    let each = |v: &str| vec![v; 64].join(",");
+    // Quoted: a snapshot taken while other transactions run lists them
+    // with commas (`xmin:xmax:xip,xip`).
+    let each = |v: &str| vec![format!("\"{v}\""); 64].join(",");
     let list = format!(
         "'{{{}}}', '{{{}}}', '{{{}}}', '{{{}}}', '{{{}}}', '{{{}}}', '{{}}', '{{}}', NULL",
         slots.join(","),
@@ -676,7 +678,24 @@ async fn the_claims_kept_plans_do_not_depend_on_the_tables_statistics(pool: PgPo
     assert_eq!(fetched.len(), 3);
     sqlx::raw_sql("COMMIT").execute(&mut *conn).await.unwrap();
 
+    // Two transactions in flight across the next writes: the window's
+    // snapshot lists them (`xmin:xmax:xip,xip`), as when writers run.
+    let mut in_flight = Vec::new();
+    for _ in 0..2 {
+        let mut other = pool.acquire().await.unwrap();
+        sqlx::raw_sql("BEGIN; SELECT pg_current_xact_id()")
+            .execute(&mut *other)
+            .await
+            .unwrap();
+        in_flight.push(other);
+    }
     sqlx::raw_sql(&insert(5000)).execute(&pool).await.unwrap();
+    let xip: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pg_snapshot_xip(pg_current_snapshot())")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+    assert!(xip >= 2, "{xip} transactions in flight");
     let (list, fetch) = claim_args(&mut conn, &done).await;
     sqlx::raw_sql(begin).execute(&mut *conn).await.unwrap();
     let plan = plan_of(&mut conn, &format!("EXPLAIN EXECUTE claim_list({list})")).await;
@@ -691,4 +710,10 @@ async fn the_claims_kept_plans_do_not_depend_on_the_tables_statistics(pool: PgPo
         .unwrap();
     assert_eq!(listed.len(), 5003, "the whole window");
     sqlx::raw_sql("COMMIT").execute(&mut *conn).await.unwrap();
+    for mut other in in_flight {
+        sqlx::raw_sql("ROLLBACK")
+            .execute(&mut *other)
+            .await
+            .unwrap();
+    }
 }
