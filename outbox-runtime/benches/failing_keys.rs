@@ -45,11 +45,11 @@ struct Args {
     /// Messages produced, read by each stage.
     #[arg(long, default_value_t = 50_000)]
     events: u64,
-    /// Partitions of the topic. The test broker serves one partition per
-    /// fetch, so a consumer reads a preloaded topic's partitions one after
-    /// another (the control prints when each partition's first message
-    /// came): with 1 the stream is read in production order, as fetches
-    /// that interleave partitions give it.
+    /// Partitions of the topic. The test broker serves a preloaded topic's
+    /// partitions in bursts, one or two at a time, so a consumer reads them
+    /// one after another (the control prints when each partition's first
+    /// message came): with 1 the stream is read in production order, as
+    /// fetches that interleave partitions give it.
     #[arg(long, default_value_t = 4)]
     partitions: i32,
     /// Attempts before a failing event is dead-lettered.
