@@ -171,7 +171,7 @@ ORDER BY p.slots",
     )
 });
 
-/// Sets the planner up for [`LANES`], in the caller's transaction: no
+/// Sets the planner up for [`LANES`], in the transaction of `conn`: no
 /// bitmap scans. A slot's oldest event is its first row after its position
 /// in `txid` order, which only an index scan finds without reading the
 /// others; a bitmap scan reads every row of the slot and sorts them. The
@@ -240,12 +240,15 @@ fn lane_of(slots: &[i16]) -> Option<(i16, i32)> {
 }
 
 /// Reads the lag of every lane and the transaction holding them back, on
-/// `conn` (in the caller's transaction, if any). Empty lanes: the progress
-/// mode is off.
+/// `conn`: in a transaction of its own, or a savepoint of the caller's
+/// (the planner's setting of [`plan_lanes`] applies only within a
+/// transaction). Empty lanes: the progress mode is off.
 pub(crate) async fn read(conn: &mut PgConnection) -> std::result::Result<ProgressLag, sqlx::Error> {
-    let was = plan_lanes(&mut *conn).await?;
-    let rows: Vec<LaneRow> = sqlx::query_as(&LANES).fetch_all(&mut *conn).await?;
-    unplan_lanes(&mut *conn, &was).await?;
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let was = plan_lanes(&mut tx).await?;
+    let rows: Vec<LaneRow> = sqlx::query_as(&LANES).fetch_all(&mut *tx).await?;
+    unplan_lanes(&mut tx, &was).await?;
+    tx.commit().await?;
     let lanes: Vec<LaneLag> = rows
         .into_iter()
         .map(
@@ -402,6 +405,31 @@ mod tests {
             .await
             .unwrap();
         }
+        // On a connection outside any transaction, as on one inside: the
+        // planner's setting applies there too (it did not: `SET LOCAL`
+        // outside a transaction only warns). The pages read, from the
+        // table's counters.
+        let mut conn = pool.acquire().await.unwrap();
+        async fn pages_so_far(conn: &mut sqlx::PgConnection) -> i64 {
+            sqlx::query("SELECT pg_stat_force_next_flush()")
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            sqlx::query_scalar(
+                "SELECT (coalesce(heap_blks_hit, 0) + coalesce(heap_blks_read, 0)
+                         + coalesce(idx_blks_hit, 0) + coalesce(idx_blks_read, 0))::int8
+                 FROM pg_statio_user_tables WHERE relname = 'outbox_event'",
+            )
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap()
+        }
+        let before = pages_so_far(&mut conn).await;
+        let lag = read(&mut conn).await.unwrap();
+        let pages = pages_so_far(&mut conn).await - before;
+        assert_eq!(lag.events(), super::LAG_EXACT_UP_TO + 1, "{lag:?}");
+        assert!(pages < 3_000, "{pages} pages read on a plain connection");
+        drop(conn);
         let mut tx = pool
             .begin_with(crate::ops::backlog::PROGRESS_READS)
             .await
