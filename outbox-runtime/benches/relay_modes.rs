@@ -15,8 +15,9 @@
 //!   before both modes), what the broker's and a producer's use of the
 //!   cores costs the writers with no database work beside them;
 //! - rounds of inserts and drains while a transaction holds the xmin
-//!   horizon, then as many without (each round's rate counts from the
-//!   relay's start: a relay is started per drain);
+//!   horizon, and as many without in a second database, the two in turns
+//!   (each round's rate counts from the relay's start: a relay is started
+//!   per drain);
 //! - commit → consumed at a steady rate with a relay running: the writer
 //!   notes the time its commit returned, a plain consumer (partitions
 //!   assigned from the start, no group) the time it receives the message:
@@ -25,6 +26,14 @@
 //!   progress, progress, marks (each mode's samples pooled): the broker
 //!   slows as its topics grow, and a mode measured after the other's stages
 //!   would be measured on a slower broker.
+//!
+//! After both modes' stages and before the latency stages, each mode drains
+//! a fresh backlog twice more, in the order progress, marks, marks,
+//! progress: the drain's rate and CPU per event are each mode's mean over
+//! its three drains (its stage's and these two), the ratio of the modes'
+//! drains the ratio of those means. One drain per mode moved with the
+//! machine and the broker from run to run (the marks' 37,557 ev/s in one
+//! run, 52,731 in the next).
 //!
 //! `BENCH_MODE=marks|progress` runs one mode; `BENCH_CPU_DETAIL=1` prints
 //! each drain's backends, their CPU time and the statements seen on them;
@@ -131,6 +140,20 @@ struct Stage {
     commit_consumed_p99_ms: f64,
     /// Each latency run's p50 and p99, in the order run.
     latency_runs: Vec<[f64; 2]>,
+    /// Each drain of a fresh backlog of `events`, in the order run: the
+    /// stage's, then those of [`more_drains`].
+    drains: Vec<Drained>,
+    /// Their mean rate.
+    drains_events_per_s: f64,
+    /// Their mean CPU per event.
+    drains_cpu_us_per_event: f64,
+}
+
+/// One drain of a fresh backlog.
+#[derive(Debug, Serialize)]
+struct Drained {
+    events_per_s: f64,
+    cpu_us_per_event: f64,
 }
 
 /// `application_name` of the relay's connections.
@@ -626,35 +649,92 @@ async fn latency_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, Ve
 }
 
 /// `a.rounds` rounds (insert `a.round_events`, then drain them with a new
-/// relay), from an emptied table; their rates.
-async fn rounds(p: &Pools, mode: Mode, topic: &str, a: &Args, hold_xmin: bool) -> Vec<f64> {
+/// relay) with a transaction holding the xmin horizon in the benchmark's
+/// database, and as many without in a second database (`free`: a held xmin
+/// holds back only its own database's row versions), each from an emptied
+/// table. The two alternate round by round, in turns (held first in the
+/// odd rounds, free first in the even ones), so that neither runs on a
+/// broker or a machine the other did not have; their rates.
+async fn rounds(
+    p: &Pools,
+    free: &Pools,
+    mode: Mode,
+    topic: &str,
+    a: &Args,
+) -> (Vec<f64>, Vec<f64>) {
     reset(&p.bench, mode).await;
-    let mut holder = if hold_xmin {
-        let mut c = PgConnection::connect_with(&p.bench.connect_options())
-            .await
-            .unwrap();
-        sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
-            .execute(&mut c)
-            .await
-            .unwrap();
-        sqlx::query("SELECT count(*) FROM outbox_event")
-            .execute(&mut c)
-            .await
-            .unwrap();
-        Some(c)
-    } else {
-        None
+    reset(&free.bench, mode).await;
+    let mut holder = PgConnection::connect_with(&p.bench.connect_options())
+        .await
+        .unwrap();
+    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    sqlx::query("SELECT count(*) FROM outbox_event")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let (mut held, mut without) = (Vec::new(), Vec::new());
+    for i in 0..a.rounds {
+        for held_now in if i % 2 == 0 {
+            [true, false]
+        } else {
+            [false, true]
+        } {
+            let (pools, rates) = if held_now {
+                (p, &mut held)
+            } else {
+                (free, &mut without)
+            };
+            insert(&pools.bench, topic, a.round_events).await;
+            let d = drain(pools, a.round_events, None).await;
+            rates.push((a.round_events as f64 / d.secs).round());
+        }
+    }
+    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+    (held, without)
+}
+
+/// Drains of a fresh backlog of `a.events` in each mode of `stages`, in
+/// the order progress, marks, marks, progress (one mode: twice), each on a
+/// topic of its own: added to each mode's drain of its stage, the drain's
+/// rate and the CPU per event are a mean of three drains run at spread
+/// times (the marks' first, fourth and fifth, the progress mode's second,
+/// third and sixth), not of one run at the place of its mode in the
+/// program.
+async fn more_drains(p: &Pools, stages: &mut [Stage], a: &Args) {
+    let order: Vec<usize> = match stages.len() {
+        2 => vec![1, 0, 0, 1],
+        n => (0..n).chain(0..n).collect(),
     };
-    let mut rates = Vec::new();
-    for _ in 0..a.rounds {
-        insert(&p.bench, topic, a.round_events).await;
-        let d = drain(p, a.round_events, None).await;
-        rates.push((a.round_events as f64 / d.secs).round());
+    for i in order {
+        let mode = stages[i].mode;
+        let topic = new_topic("drain-").await;
+        reset(&p.bench, mode).await;
+        insert(&p.bench, &topic, a.events).await;
+        sqlx::query("CHECKPOINT").execute(&p.bench).await.unwrap();
+        let d = drain(p, a.events, None).await;
+        let (rate, cpu) = (
+            (a.events as f64 / d.secs).round(),
+            round1(d.cpu.0 * 1e6 / a.events as f64),
+        );
+        println!(
+            "{:>8}  drain of {}: {rate:.0} ev/s, {cpu:.1} us of the relay's backends' CPU/event",
+            format!("{mode:?}").to_lowercase(),
+            a.events,
+        );
+        stages[i].drains.push(Drained {
+            events_per_s: rate,
+            cpu_us_per_event: cpu,
+        });
     }
-    if let Some(c) = holder.as_mut() {
-        sqlx::query("ROLLBACK").execute(&mut *c).await.unwrap();
+    for s in stages.iter_mut() {
+        let rates: Vec<f64> = s.drains.iter().map(|d| d.events_per_s).collect();
+        let cpu: Vec<f64> = s.drains.iter().map(|d| d.cpu_us_per_event).collect();
+        s.drains_events_per_s = mean(&rates).round();
+        s.drains_cpu_us_per_event = round1(mean(&cpu));
     }
-    rates
 }
 
 fn mean(xs: &[f64]) -> f64 {
@@ -665,7 +745,7 @@ fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
 
-async fn stage(p: &Pools, mode: Mode, a: &Args) -> Stage {
+async fn stage(p: &Pools, free: &Pools, mode: Mode, a: &Args) -> Stage {
     let topic = new_topic("").await;
 
     // The backlog: what inserting it writes, then what publishing it
@@ -683,19 +763,20 @@ async fn stage(p: &Pools, mode: Mode, a: &Args) -> Stage {
     let dead = (versions(pool).await - v1) as f64 / a.events as f64;
 
     let (alone, during, beside) = writers_stage(p, mode, &topic, a).await;
-    let held = rounds(p, mode, &topic, a, true).await;
-    let free = rounds(p, mode, &topic, a, false).await;
+    let (held, free) = rounds(p, free, mode, &topic, a).await;
     let last = |xs: &[f64]| xs.last().copied().unwrap_or(f64::NAN);
+    let cpu = (d.cpu.0 * 1e6 / a.events as f64 * 10.0).round() / 10.0;
+    let rate = (a.events as f64 / d.secs).round();
     Stage {
         mode,
         events: a.events,
         secs: d.secs,
-        events_per_s: (a.events as f64 / d.secs).round(),
+        events_per_s: rate,
         insert_wal_bytes_per_event: insert_wal.round(),
         publish_wal_bytes_per_event: publish_wal.round(),
         publish_wal_over_insert_wal: (publish_wal / insert_wal * 1000.0).round() / 1000.0,
         dead_tuples_per_event: dead,
-        relay_backend_cpu_us_per_event: (d.cpu.0 * 1e6 / a.events as f64 * 10.0).round() / 10.0,
+        relay_backend_cpu_us_per_event: cpu,
         relay_backends: d.cpu.1,
         writers: a.writers,
         writers_alone_commits_per_s: alone.round(),
@@ -714,6 +795,12 @@ async fn stage(p: &Pools, mode: Mode, a: &Args) -> Stage {
         commit_consumed_p50_ms: f64::NAN,
         commit_consumed_p99_ms: f64::NAN,
         latency_runs: Vec::new(),
+        drains: vec![Drained {
+            events_per_s: rate,
+            cpu_us_per_event: cpu,
+        }],
+        drains_events_per_s: rate,
+        drains_cpu_us_per_event: cpu,
     }
 }
 
@@ -805,6 +892,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         writers: pool_named(&pool, WRITERS_APP, a.writers.max(8) as u32).await,
         bench: pool.clone(),
     };
+    // The rounds without a held xmin run in a database of their own.
+    let free_db = common::BenchDb::create("outbox_bench_relay_modes_free", 8).await?;
+    let free = Pools {
+        writers: pools.writers.clone(),
+        bench: free_db.pool.clone(),
+    };
     println!(
         "relay modes, with the broker: {} events backlog; {} writers beside a drain of {}; \
          {} rounds of {} with a held xmin and without; commit → consumed at {} ev/s for {} s",
@@ -834,7 +927,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         _ => vec![Mode::Marks, Mode::Progress],
     };
     for mode in modes {
-        let s = stage(&pools, mode, &a).await;
+        let s = stage(&pools, &free, mode, &a).await;
         println!(
             "{:>8}: {:>6.0} ev/s ({:.1} s); WAL {:>4.0} B/event to publish ({:.3}x the insert's {:.0}); \
              {:.2} dead row versions/event; {:.1} us of the relay's backends' CPU/event ({} backends)\n\
@@ -862,10 +955,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
         stages.push(s);
     }
+    more_drains(&pools, &mut stages, &a).await;
     if a.latency_secs > 0 {
         latencies(&pools, &mut stages, &a).await;
     }
     for s in &stages {
+        println!(
+            "{:>8}: drains {:?} ev/s, mean {:.0}; CPU {:?} us/event, mean {:.1}",
+            format!("{:?}", s.mode).to_lowercase(),
+            s.drains.iter().map(|d| d.events_per_s).collect::<Vec<_>>(),
+            s.drains_events_per_s,
+            s.drains
+                .iter()
+                .map(|d| d.cpu_us_per_event)
+                .collect::<Vec<_>>(),
+            s.drains_cpu_us_per_event,
+        );
         println!(
             "{:>8}: commit → consumed at {:.0} ev/s ({} samples, {} runs): p50 {:.1} ms, p99 {:.1} ms",
             format!("{:?}", s.mode).to_lowercase(),
@@ -878,7 +983,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if let [m, p] = &stages[..] {
         println!(
-            "progress / marks: drain {:.2}x; commit → consumed p50 {:.1} vs {:.1} ms, p99 {:.1} vs {:.1} ms",
+            "progress / marks: drain {:.2}x (mean of the drains; {:.2}x of the stages' own); \
+             commit → consumed p50 {:.1} vs {:.1} ms, p99 {:.1} vs {:.1} ms",
+            p.drains_events_per_s / m.drains_events_per_s,
             p.events_per_s / m.events_per_s,
             p.commit_consumed_p50_ms,
             m.commit_consumed_p50_ms,
@@ -887,7 +994,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     let ratio = match &stages[..] {
-        [m, p] => Some(round2(p.events_per_s / m.events_per_s)),
+        [m, p] => Some(round2(p.drains_events_per_s / m.drains_events_per_s)),
         _ => None,
     };
     let json = serde_json::json!({
@@ -909,6 +1016,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
     }
     pools.writers.close().await;
+    free.bench.close().await;
+    free_db.drop_database().await?;
     db.drop_database().await?;
     Ok(())
 }

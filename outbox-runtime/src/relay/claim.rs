@@ -71,7 +71,8 @@ pub struct Row {
     /// `due_at`) are not among those probed: they hold no later row back.
     pub behind_held_secs: Option<f64>,
     /// The row version's physical address, stable while the claim's
-    /// transaction holds the row lock: the mark finds the row by it.
+    /// transaction holds the row lock: the mark finds the row by it. Empty
+    /// in the progress mode's batches, which mark no row by it.
     pub tid: String,
 }
 
