@@ -378,13 +378,47 @@ async fn drain(p: &Pools, n: u64, commits: Option<&AtomicU64>) -> Drain {
     }
 }
 
+/// The default mode's indexes of unpublished rows as the migrations make
+/// them (`CREATE INDEX IF NOT EXISTS …`), read at the start: enabling the
+/// progress mode drops them, and [`reset`] makes them again for a drain in
+/// the default mode after one in the progress mode.
+static MARKS_INDEXES: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+
+async fn read_marks_indexes(pool: &PgPool) {
+    let defs: Vec<String> =
+        sqlx::query_scalar("SELECT indexdef FROM pg_indexes WHERE indexname = ANY($1)")
+            .bind(progress::MARKS_INDEXES.as_slice())
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    assert_eq!(defs.len(), progress::MARKS_INDEXES.len());
+    let defs = defs
+        .iter()
+        .map(|d| d.replacen("CREATE INDEX ", "CREATE INDEX IF NOT EXISTS ", 1))
+        .collect();
+    let _ = MARKS_INDEXES.set(defs);
+}
+
+/// Empties the outbox and lays the table out as `mode` has it: the
+/// progress mode enabled (its index made, the default mode's indexes of
+/// unpublished rows dropped), or the default mode's indexes there and the
+/// progress mode's index gone.
 async fn reset(pool: &PgPool, mode: Mode) {
-    for sql in [
-        "TRUNCATE outbox_event, outbox_progress",
-        "VACUUM ANALYZE outbox_event",
-    ] {
-        sqlx::query(sql).execute(pool).await.unwrap();
+    sqlx::query("TRUNCATE outbox_event, outbox_progress")
+        .execute(pool)
+        .await
+        .unwrap();
+    if mode == Mode::Marks {
+        let mut sqls = vec![format!("DROP INDEX IF EXISTS {}", progress::INDEX)];
+        sqls.extend(MARKS_INDEXES.get().expect("read at the start").iter().cloned());
+        for sql in sqls {
+            sqlx::query(&sql).execute(pool).await.unwrap();
+        }
     }
+    sqlx::query("VACUUM ANALYZE outbox_event")
+        .execute(pool)
+        .await
+        .unwrap();
     if mode == Mode::Progress {
         progress::enable(pool).await.unwrap();
     }
@@ -892,6 +926,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         writers: pool_named(&pool, WRITERS_APP, a.writers.max(8) as u32).await,
         bench: pool.clone(),
     };
+    read_marks_indexes(&pool).await;
     // The rounds without a held xmin run in a database of their own.
     let free_db = common::BenchDb::create("outbox_bench_relay_modes_free", 8).await?;
     let free = Pools {
