@@ -410,7 +410,13 @@ async fn reset(pool: &PgPool, mode: Mode) {
         .unwrap();
     if mode == Mode::Marks {
         let mut sqls = vec![format!("DROP INDEX IF EXISTS {}", progress::INDEX)];
-        sqls.extend(MARKS_INDEXES.get().expect("read at the start").iter().cloned());
+        sqls.extend(
+            MARKS_INDEXES
+                .get()
+                .expect("read at the start")
+                .iter()
+                .cloned(),
+        );
         for sql in sqls {
             sqlx::query(&sql).execute(pool).await.unwrap();
         }
