@@ -13,7 +13,9 @@
 //! - the writers' control: the same writers beside a plain producer
 //!   sending as many messages of the same size at full speed (run once,
 //!   before both modes), what the broker's and a producer's use of the
-//!   cores costs the writers with no database work beside them;
+//!   cores costs the writers with no database work beside them; and again
+//!   after both modes' stages, the producer paced at the mean rate the
+//!   relays drained at beside the writers;
 //! - rounds of inserts and drains while a transaction holds the xmin
 //!   horizon, and as many without in a second database, the two in turns
 //!   (each round's rate counts from the relay's start: a relay is started
@@ -542,8 +544,10 @@ async fn writers_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, f6
 /// producer settings) sending `a.writers_backlog` messages of the same size
 /// to the broker at full speed. Their commits/s alone, beside it, and the
 /// producer's rate: what the broker's and a producer's share of the cores
-/// costs the writers, whatever a relay reads or writes.
-async fn producer_control(p: &Pools, topic: &str, a: &Args) -> (f64, f64, f64) {
+/// costs the writers, whatever a relay reads or writes. With `rate`, the
+/// producer sends at most that many messages a second (the rate a relay
+/// drained at beside the writers: the broker's share at the relay's pace).
+async fn producer_control(p: &Pools, topic: &str, a: &Args, rate: Option<f64>) -> (f64, f64, f64) {
     let alone = writers_alone(p, Mode::Marks, topic, a).await;
 
     reset(&p.bench, Mode::Marks).await;
@@ -565,7 +569,10 @@ async fn producer_control(p: &Pools, topic: &str, a: &Args) -> (f64, f64, f64) {
     let writers = Writers::start(p, topic, a).await;
     let (c0, t0) = (writers.commits(), Instant::now());
     let mut deliveries = Vec::with_capacity(messages.len());
-    for (key, payload, id) in &messages {
+    for (i, (key, payload, id)) in messages.iter().enumerate() {
+        if let Some(rate) = rate.filter(|_| i % 100 == 0) {
+            tokio::time::sleep_until((t0 + Duration::from_secs_f64(i as f64 / rate)).into()).await;
+        }
         let record = rdkafka::producer::FutureRecord::to(topic)
             .key(key.as_bytes())
             .payload(payload.as_bytes())
@@ -945,7 +952,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         a.events, a.writers, a.writers_backlog, a.rounds, a.round_events, a.rate, a.latency_secs
     );
     let control_topic = new_topic("control-").await;
-    let (alone, beside, produced) = producer_control(&pools, &control_topic, &a).await;
+    let (alone, beside, produced) = producer_control(&pools, &control_topic, &a, None).await;
     println!(
         " control: writers {:.2}x alone beside a plain producer ({:.0} commits/s while it sends {} \
          messages at {:.0} msg/s, {:.0} alone): no database work beside them",
@@ -997,6 +1004,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         stages.push(s);
     }
     more_drains(&pools, &mut stages, &a).await;
+    // The control again, the producer at the pace the relays drained at
+    // beside the writers (their mean over the modes).
+    let pace = mean(
+        &stages
+            .iter()
+            .map(|s| s.drain_beside_writers_events_per_s)
+            .collect::<Vec<_>>(),
+    );
+    let paced_topic = new_topic("control-paced-").await;
+    let (paced_alone, paced_beside, paced) =
+        producer_control(&pools, &paced_topic, &a, Some(pace)).await;
+    println!(
+        " control at the relays' pace: writers {:.2}x alone beside a plain producer ({:.0} commits/s \
+         while it sends {} messages at {:.0} msg/s, {:.0} alone)",
+        paced_beside / paced_alone,
+        paced_beside,
+        a.writers_backlog,
+        paced,
+        paced_alone
+    );
     if a.latency_secs > 0 {
         latencies(&pools, &mut stages, &a).await;
     }
@@ -1050,6 +1077,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "latency_secs": a.latency_secs,
         "progress_over_marks_drain": ratio,
         "writers_beside_a_plain_producer": control,
+        "writers_beside_a_producer_at_the_relays_pace": {
+            "writers_alone_commits_per_s": paced_alone.round(),
+            "writers_beside_producer_commits_per_s": paced_beside.round(),
+            "writers_ratio": round2(paced_beside / paced_alone),
+            "producer_messages_per_s": paced.round(),
+        },
         "stages": stages,
     });
     println!("{json}");
