@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use outbox_runtime::relay::progress::{self, Chunk};
 use serde::Serialize;
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::{Connection, PgPool};
 
 /// The benchmark's options (`cargo bench … -- --help`).
 #[derive(Parser)]
@@ -342,18 +342,7 @@ async fn stage(pool: &PgPool, mode: Mode, a: &Args) -> Stage {
             .await
             .unwrap();
         let mut holder = if held {
-            let mut c = PgConnection::connect_with(&pool.connect_options())
-                .await
-                .unwrap();
-            sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
-                .execute(&mut c)
-                .await
-                .unwrap();
-            sqlx::query("SELECT count(*) FROM outbox_event")
-                .execute(&mut c)
-                .await
-                .unwrap();
-            Some(c)
+            Some(common::hold_xmin(pool).await)
         } else {
             None
         };

@@ -60,8 +60,8 @@ use outbox_runtime::relay::progress;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
 use serde::Serialize;
+use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
-use sqlx::{Connection, PgConnection, PgPool};
 use uuid::Uuid;
 
 /// The benchmark's options (`cargo bench … -- --help`).
@@ -711,17 +711,7 @@ async fn rounds(
 ) -> (Vec<f64>, Vec<f64>) {
     reset(&p.bench, mode).await;
     reset(&free.bench, mode).await;
-    let mut holder = PgConnection::connect_with(&p.bench.connect_options())
-        .await
-        .unwrap();
-    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        .execute(&mut holder)
-        .await
-        .unwrap();
-    sqlx::query("SELECT count(*) FROM outbox_event")
-        .execute(&mut holder)
-        .await
-        .unwrap();
+    let mut holder = common::hold_xmin(&p.bench).await;
     let (mut held, mut without) = (Vec::new(), Vec::new());
     for i in 0..a.rounds {
         for held_now in if i % 2 == 0 {

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
-use sqlx::{ConnectOptions, PgPool};
+use sqlx::{ConnectOptions, Connection, PgPool};
 
 /// SQL for a time-ordered (version 7) UUID, like the event ids the framework
 /// gives events (`Uuid::now_v7`): preloaded rows then cost what real rows
@@ -198,4 +198,23 @@ pub async fn recreate_topic(
         }
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
+}
+
+/// A session holding the xmin horizon of `pool`'s database, as a
+/// `pg_dump` or a forgotten `REPEATABLE READ` session does: a transaction
+/// whose snapshot is taken (a read of `outbox_event`) and kept until the
+/// connection is rolled back or closed.
+pub async fn hold_xmin(pool: &PgPool) -> PgConnection {
+    let mut c = PgConnection::connect_with(&pool.connect_options())
+        .await
+        .unwrap();
+    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut c)
+        .await
+        .unwrap();
+    sqlx::query("SELECT count(*) FROM outbox_event")
+        .execute(&mut c)
+        .await
+        .unwrap();
+    c
 }
