@@ -201,6 +201,7 @@ pub async fn load(conn: &mut PgConnection, slots: &[i16]) -> Result<Window> {
         upto: position.upto,
         listed: VecDeque::new(),
         complete: false,
+        capped: false,
     })
 }
 
@@ -281,6 +282,55 @@ CROSS JOIN LATERAL (
     )
 });
 
+/// The rows of groups of windows that stand at the same place (the same
+/// `done`, `upto` and `after_id`: a claim's lanes, mostly, which take their
+/// windows' snapshots together), in one scan per group: per group, its
+/// windows' slots `$1` (each an `int2[]` as text), `done` `$2`, `upto` `$3`,
+/// `after_id` `$4`, and the most rows it may list plus one `$5`; the held
+/// topics `$6` to `$8` as in [`LIST_MANY`]. The rows come in no order, not
+/// even by id within a slot: a group that returns more than its cap is
+/// listed again slot by slot ([`LIST_MANY`]), whose per-slot order and cap
+/// let a window be read in parts.
+///
+/// [`LIST_MANY`] reads each slot's window on its own, and a slot's rows
+/// are spread over the table (each page holds rows of every slot): in a
+/// 200,000-event backlog over 64 slots, its scans visited 173,708 pages
+/// (one per row) in 540–680 ms; the same rows read as one group visit each
+/// of the table's 9,524 pages once, in 155–190 ms.
+static LIST_GROUPS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "{}
+SELECT l.idx, w.lane_slot, w.id, w.event_id, w.tid,
+       CASE WHEN cardinality($6::text[]) = 0 THEN NULL
+            WHEN EXISTS (SELECT 1 FROM unnest($6::text[], $7::text[]) AS h(topic, since)
+                         WHERE h.topic = w.topic
+                           AND NOT pg_visible_in_snapshot(w.txid, h.since::pg_snapshot)
+                           AND pg_visible_in_snapshot(w.txid, coalesce($8::pg_snapshot, l.upto)))
+            THEN w.topic END AS skipped
+FROM unnest($1::text[], $2::text[]::pg_snapshot[], $3::text[]::pg_snapshot[], $4::int8[],
+            $5::int8[])
+     WITH ORDINALITY AS l(slots, done, upto, after_id, cap, idx)
+CROSS JOIN LATERAL (
+    SELECT e.* FROM unnest(ARRAY(SELECT pg_snapshot_xip(l.done))) AS x(txid)
+    CROSS JOIN LATERAL (
+        SELECT e.lane_slot, e.id, e.event_id, e.ctid::text AS tid, e.topic, e.txid
+        FROM outbox_event e
+        WHERE e.lane_slot = ANY(l.slots::int2[]) AND e.txid = x.txid
+          AND pg_visible_in_snapshot(e.txid, l.upto)
+          AND e.id + 0 > l.after_id AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3
+        OFFSET 0) e
+    UNION ALL
+    SELECT e.lane_slot, e.id, e.event_id, e.ctid::text AS tid, e.topic, e.txid FROM outbox_event e
+    WHERE e.lane_slot = ANY(l.slots::int2[])
+      AND e.txid >= pg_snapshot_xmax(l.done)
+      AND e.txid < pg_snapshot_xmax(l.upto)
+      AND pg_visible_in_snapshot(e.txid, l.upto)
+      AND e.id + 0 > l.after_id AND num_nulls(e.published_at, e.parked_at, e.held_until) = 3
+    LIMIT l.cap) w",
+        super::claim::CLAIM_MARK
+    )
+});
+
 /// The most rows listed of each slot of `w`: a window lists at most
 /// `list_cap` ([`LIST_CAP`]) in all, as when listed alone.
 fn cap_of(w: &Window, list_cap: i64) -> i64 {
@@ -299,8 +349,125 @@ pub(crate) async fn list_windows(
     list_windows_capped(conn, windows, skip, LIST_CAP).await
 }
 
-/// [`list_windows`] with `list_cap` rows at most per window.
+/// [`list_windows`] with `list_cap` rows at most per window: the windows
+/// that stand at the same place in one scan per group ([`LIST_GROUPS`]);
+/// those whose group had more rows than its cap, and those capped before,
+/// slot by slot ([`LIST_MANY`]).
 async fn list_windows_capped(
+    conn: &mut PgConnection,
+    windows: &mut [&mut Window],
+    skip: &Skip,
+    list_cap: i64,
+) -> Result<()> {
+    list_groups(conn, windows, skip, list_cap).await?;
+    let mut rest: Vec<&mut Window> = windows
+        .iter_mut()
+        .filter(|w| w.capped)
+        .map(|w| &mut **w)
+        .collect();
+    list_slots(conn, &mut rest, skip, list_cap).await
+}
+
+/// Lists the windows of `windows` not capped before in groups
+/// ([`LIST_GROUPS`]): each group's windows are listed whole, or, if the
+/// group has more than `list_cap` rows a window, marked capped and left
+/// unlisted.
+async fn list_groups(
+    conn: &mut PgConnection,
+    windows: &mut [&mut Window],
+    skip: &Skip,
+    list_cap: i64,
+) -> Result<()> {
+    // Each group's place and its windows (a handful: linear searches).
+    let mut groups: Vec<((String, String, i64), Vec<usize>)> = Vec::new();
+    for (i, w) in windows.iter().enumerate() {
+        if w.capped {
+            continue;
+        }
+        let Some(upto) = w.upto.as_deref() else {
+            return Err(Error::Config("a window listed before its snapshot".into()));
+        };
+        let place = (w.done.clone(), upto.to_owned(), w.after_id);
+        match groups.iter_mut().find(|(p, _)| *p == place) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((place, vec![i])),
+        }
+    }
+    if groups.is_empty() {
+        return Ok(());
+    }
+    let caps: Vec<i64> = groups
+        .iter()
+        .map(|(_, members)| list_cap.saturating_mul(members.len() as i64))
+        .collect();
+    let mut of_slot: std::collections::HashMap<i16, usize> = Default::default();
+    let (mut slots, mut done, mut upto, mut after, mut limits) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for ((place, members), cap) in groups.iter().zip(&caps) {
+        let mut of_group: Vec<String> = Vec::new();
+        for i in members {
+            for s in &windows[*i].slots {
+                of_slot.insert(*s, *i);
+                of_group.push(s.to_string());
+            }
+        }
+        slots.push(format!("{{{}}}", of_group.join(",")));
+        done.push(place.0.as_str());
+        upto.push(place.1.as_str());
+        after.push(place.2);
+        limits.push(cap.saturating_add(1));
+    }
+    let rows: Vec<(i64, i16, i64, Uuid, String, Option<String>)> =
+        sqlx::query_as(LIST_GROUPS.as_str())
+            .bind(&slots)
+            .bind(&done)
+            .bind(&upto)
+            .bind(&after)
+            .bind(&limits)
+            .bind(&skip.topics)
+            .bind(&skip.since)
+            .bind(skip.fence.as_deref())
+            .fetch_all(&mut *conn)
+            .await?;
+    let mut counts = vec![0i64; groups.len()];
+    for (g, ..) in &rows {
+        if let Some(c) = usize::try_from(*g - 1).ok().and_then(|g| counts.get_mut(g)) {
+            *c += 1;
+        }
+    }
+    let overflowed: Vec<bool> = counts.iter().zip(&caps).map(|(n, cap)| n > cap).collect();
+    let mut per: Vec<Vec<Entry>> = (0..windows.len()).map(|_| Vec::new()).collect();
+    for (g, s, id, event, tid, skipped) in rows {
+        let in_bounds =
+            usize::try_from(g - 1).is_ok_and(|g| !overflowed.get(g).copied().unwrap_or(true));
+        if let (true, Some(i)) = (in_bounds, of_slot.get(&s)) {
+            per[*i].push((id, event, tid, skipped));
+        }
+    }
+    for ((_, members), overflowed) in groups.iter().zip(overflowed) {
+        for i in members {
+            let w = &mut windows[*i];
+            if overflowed {
+                w.capped = true;
+                continue;
+            }
+            let mut list = std::mem::take(&mut per[*i]);
+            list.sort_by_key(|r| r.0);
+            w.listed = list.into();
+            w.complete = true;
+        }
+    }
+    Ok(())
+}
+
+/// A row as listed: id, event id, `ctid`, the topic of a row passed over.
+type Entry = (i64, Uuid, String, Option<String>);
+
+/// Lists `windows` slot by slot ([`LIST_MANY`]), in one statement, each
+/// slot's rows up to its share of `list_cap`, in id order: a window whose
+/// slots reached it is listed up to the lowest last row of those slots
+/// (the rest listed when those run out), and stays capped.
+async fn list_slots(
     conn: &mut PgConnection,
     windows: &mut [&mut Window],
     skip: &Skip,
@@ -330,7 +497,6 @@ async fn list_windows_capped(
     if slot.is_empty() {
         return Ok(());
     }
-    type Entry = (i64, Uuid, String, Option<String>);
     let rows: Vec<(i32, i16, i64, Uuid, String, Option<String>)> =
         sqlx::query_as(LIST_MANY.as_str())
             .bind(&slot)
@@ -369,6 +535,7 @@ async fn list_windows_capped(
             list.retain(|(_, r)| r.0 <= cut);
         }
         w.complete = cut.is_none();
+        w.capped |= cut.is_some();
         w.listed = list.into_iter().map(|(_, r)| r).collect();
     }
     Ok(())
@@ -528,6 +695,10 @@ pub struct Window {
     listed: VecDeque<(i64, Uuid, String, Option<String>)>,
     /// Whether `listed` holds every remaining row of the window.
     complete: bool,
+    /// Whether a list of the window found more rows than its cap: the rest
+    /// of it is listed slot by slot, in id order ([`LIST_MANY`]), not with
+    /// the windows that stand where it does ([`LIST_GROUPS`]).
+    capped: bool,
 }
 
 /// What [`Window::next`] found.
@@ -550,6 +721,7 @@ impl Window {
             after_id: stand.after_id,
             listed: VecDeque::new(),
             complete: false,
+            capped: false,
         }
     }
 
@@ -723,6 +895,7 @@ impl Window {
         self.after_id = 0;
         self.listed.clear();
         self.complete = false;
+        self.capped = false;
     }
 }
 

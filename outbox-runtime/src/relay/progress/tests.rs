@@ -345,7 +345,7 @@ async fn windows_listed_together_under_a_cap_read_each_row_once(pool: PgPool) {
                 .await
                 .unwrap();
         assert!(
-            !w.complete && (w.listed.len() as i64) < of_lane,
+            !w.complete && w.capped && (w.listed.len() as i64) < of_lane,
             "cut by the cap"
         );
         assert!(w.listed.iter().map(|r| r.0).is_sorted());
@@ -369,6 +369,102 @@ async fn windows_listed_together_under_a_cap_read_each_row_once(pool: PgPool) {
                 .unwrap();
         assert!(!expected.is_empty());
         assert_eq!(read, expected);
+    }
+}
+
+/// Reads a window through `take`, `fetch` and `hand` until it is done:
+/// the ids handed over.
+async fn read_all(w: &mut Window, conn: &mut sqlx::PgConnection) -> Vec<i64> {
+    let mut read = Vec::new();
+    while let Some(taken) = w
+        .take(conn, 7, &Skip::default(), &mut Default::default())
+        .await
+        .unwrap()
+    {
+        let rows = fetch(conn, &taken, false).await.unwrap();
+        let keep = rows.len();
+        read.extend(w.hand(&taken, rows, keep).into_iter().map(|r| r.id));
+    }
+    read
+}
+
+/// Windows that stand at the same place are listed together, in one scan
+/// (a group); a window at another place is a group of its own; a group
+/// with more rows than its cap is listed again slot by slot, in parts.
+/// Every window then reads each row of its slots after its position once,
+/// in id order.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn windows_at_one_place_are_listed_together_and_a_group_past_its_cap_slot_by_slot(
+    pool: PgPool,
+) {
+    enable(&pool).await.unwrap();
+    sqlx::query(
+        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                   payload, topic, partition_key)
+         SELECT gen_random_uuid(), 'A', 'a', 'E', '{}', 't', 'k' || (g % 40)
+         FROM generate_series(1, 400) AS g",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let lanes: Vec<Vec<i16>> = (0..3)
+        .map(|l| (0..64).filter(|s| s % 3 == l).collect())
+        .collect();
+    let expected = |slots: &Vec<i16>, after: i64| {
+        let pool = pool.clone();
+        let slots = slots.clone();
+        async move {
+            let ids: Vec<i64> = sqlx::query_scalar(
+                "SELECT id FROM outbox_event WHERE lane_slot = ANY($1) AND id > $2 ORDER BY id",
+            )
+            .bind(&slots)
+            .bind(after)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+            ids
+        }
+    };
+    // The third lane stands further into the window (as after a rewind):
+    // five rows left.
+    let of_third = expected(&lanes[2], 0).await;
+    let third_after = of_third[of_third.len() - 6];
+    for (list_cap, grouped) in [(1_000, true), (5, false)] {
+        let mut windows = Vec::new();
+        for slots in &lanes {
+            windows.push(load(&mut conn, slots).await.unwrap());
+        }
+        windows[2].after_id = third_after;
+        let snapshot: String = sqlx::query_scalar("SELECT pg_current_snapshot()::text")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        let mut ready: Vec<&mut Window> = windows
+            .iter_mut()
+            .filter_map(|w| w.ready(&snapshot).then_some(w))
+            .collect();
+        list_windows_capped(&mut conn, &mut ready, &Skip::default(), list_cap)
+            .await
+            .unwrap();
+        // The first two: one group of 2 × `list_cap` rows at most.
+        for w in &windows[..2] {
+            assert_eq!(w.capped, !grouped, "cap {list_cap}");
+            assert_eq!(w.complete, grouped, "cap {list_cap}");
+        }
+        // The third: a group of its own, of five rows.
+        assert!(!windows[2].capped && windows[2].complete);
+        assert_eq!(windows[2].listed.len(), 5);
+        for (w, slots) in windows.iter_mut().zip(&lanes) {
+            let after = w.after_id;
+            let want = expected(slots, after).await;
+            assert!(!want.is_empty());
+            if grouped {
+                let listed: Vec<i64> = w.listed.iter().map(|r| r.0).collect();
+                assert_eq!(listed, want, "listed whole, in id order");
+            }
+            assert_eq!(read_all(w, &mut conn).await, want, "cap {list_cap}");
+        }
     }
 }
 
@@ -586,9 +682,10 @@ async fn the_partitioned_layout_reads_the_same(pool: PgPool) {
     assert_eq!(read, all);
 }
 
-/// A claim's list over every slot (one window from `done`) and a fetch of
-/// the first 20 rows' places, as `EXECUTE` arguments.
-async fn claim_args(conn: &mut sqlx::PgConnection, done: &str) -> (String, String) {
+/// A claim's list over every slot (one window from `done`), slot by slot
+/// and as one group, and a fetch of the first 20 rows' places, as
+/// `EXECUTE` arguments.
+async fn claim_args(conn: &mut sqlx::PgConnection, done: &str) -> (String, String, String) {
     let upto: String = sqlx::query_scalar("SELECT pg_current_snapshot()::text")
         .fetch_one(&mut *conn)
         .await
@@ -611,8 +708,12 @@ async fn claim_args(conn: &mut sqlx::PgConnection, done: &str) -> (String, Strin
         each("0"),
         each("100000"),
     );
+    let group = format!(
+        "'{{\"{{{}}}\"}}', '{{\"{done}\"}}', '{{\"{upto}\"}}', '{{0}}', '{{100001}}', '{{}}', '{{}}', NULL",
+        slots.join(",")
+    );
     let quoted: Vec<String> = tids.iter().map(|t| format!("\"{t}\"")).collect();
-    (list, format!("'{{{}}}', '{{}}'", quoted.join(",")))
+    (list, group, format!("'{{{}}}', '{{}}'", quoted.join(",")))
 }
 
 /// The plan of `sql` (an `EXPLAIN`), as text.
@@ -659,14 +760,19 @@ async fn the_claims_kept_plans_do_not_depend_on_the_tables_statistics(pool: PgPo
                  SET LOCAL plan_cache_mode = force_generic_plan";
     sqlx::raw_sql(begin).execute(&mut *conn).await.unwrap();
     sqlx::raw_sql(&format!(
-        "PREPARE claim_list AS {}; PREPARE claim_fetch AS {}",
-        *LIST_MANY, *FETCH_AT
+        "PREPARE claim_list AS {}; PREPARE claim_groups AS {}; PREPARE claim_fetch AS {}",
+        *LIST_MANY, *LIST_GROUPS, *FETCH_AT
     ))
     .execute(&mut *conn)
     .await
     .unwrap();
-    let (list, fetch) = claim_args(&mut conn, &done).await;
+    let (list, group, fetch) = claim_args(&mut conn, &done).await;
     let listed = sqlx::raw_sql(&format!("EXECUTE claim_list({list})"))
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 3);
+    let listed = sqlx::raw_sql(&format!("EXECUTE claim_groups({group})"))
         .fetch_all(&mut *conn)
         .await
         .unwrap();
@@ -696,19 +802,29 @@ async fn the_claims_kept_plans_do_not_depend_on_the_tables_statistics(pool: PgPo
             .await
             .unwrap();
     assert!(xip >= 2, "{xip} transactions in flight");
-    let (list, fetch) = claim_args(&mut conn, &done).await;
+    let (list, group, fetch) = claim_args(&mut conn, &done).await;
     sqlx::raw_sql(begin).execute(&mut *conn).await.unwrap();
-    let plan = plan_of(&mut conn, &format!("EXPLAIN EXECUTE claim_list({list})")).await;
-    assert!(plan.contains(INDEX), "{plan}");
-    assert!(!plan.contains("outbox_event_pkey"), "{plan}");
+    for list in [
+        format!("claim_list({list})"),
+        format!("claim_groups({group})"),
+    ] {
+        let plan = plan_of(&mut conn, &format!("EXPLAIN EXECUTE {list}")).await;
+        assert!(plan.contains(INDEX), "{plan}");
+        assert!(!plan.contains("outbox_event_pkey"), "{plan}");
+    }
     let plan = plan_of(&mut conn, &format!("EXPLAIN EXECUTE claim_fetch({fetch})")).await;
     assert!(plan.contains("Tid Scan on outbox_event"), "{plan}");
     assert!(!plan.contains("outbox_event_event_id_key"), "{plan}");
-    let listed = sqlx::raw_sql(&format!("EXECUTE claim_list({list})"))
-        .fetch_all(&mut *conn)
-        .await
-        .unwrap();
-    assert_eq!(listed.len(), 5003, "the whole window");
+    for list in [
+        format!("claim_list({list})"),
+        format!("claim_groups({group})"),
+    ] {
+        let listed = sqlx::raw_sql(&format!("EXECUTE {list}"))
+            .fetch_all(&mut *conn)
+            .await
+            .unwrap();
+        assert_eq!(listed.len(), 5003, "the whole window");
+    }
     sqlx::raw_sql("COMMIT").execute(&mut *conn).await.unwrap();
     for mut other in in_flight {
         sqlx::raw_sql("ROLLBACK")
