@@ -18,7 +18,11 @@
 //! the consumer's memory within a 1,000 ms window
 //! (`ConsumerBuilder::memory_retries`).
 //!
-//! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--partitions N] [--stages 0,0.1,1,5] [--max-attempts N] [--backoff-ms N] [--spread hot|all] [--memory-retries-ms 0,1000] [--memory-max-events N] [--control] [--mode dedup|inbox|inbox-progress] [--json PATH]`
+//! `--handler-writes` has the handler write a row per event it applies, as
+//! a projection would; without it the handler does nothing but fail the
+//! chosen events.
+//!
+//! `cargo bench -p outbox-runtime --bench failing_keys -- [--events N] [--partitions N] [--stages 0,0.1,1,5] [--max-attempts N] [--backoff-ms N] [--spread hot|all] [--memory-retries-ms 0,1000] [--memory-max-events N] [--handler-writes] [--control] [--mode dedup|inbox|inbox-progress] [--json PATH]`
 //!
 //! Needs PostgreSQL (DATABASE_URL names the server; the benchmark creates
 //! its own database `outbox_bench_failing_keys`) and a broker (KAFKA_BROKERS).
@@ -88,6 +92,13 @@ struct Args {
     /// if not given).
     #[arg(long)]
     processor_batch: Option<usize>,
+    /// The handler writes a row per event it applies (into a table of the
+    /// benchmark, as a projection would), in the consumer's transaction.
+    /// Without it the handler does no work at all: the all-good stage then
+    /// measures the consumer's own cost per event, against which a failing
+    /// event's cost weighs most.
+    #[arg(long)]
+    handler_writes: bool,
     /// Beside each stage, a plain rdkafka consumer (a group of its own)
     /// reads the whole topic: its time tells a slow broker from a slow
     /// consumer.
@@ -169,6 +180,7 @@ fn fails(seq: u64, per_million: u64, spread: Spread) -> bool {
 /// Applies events; fails the chosen ones; counts the events of keys that
 /// never fail.
 struct Stage {
+    writes: bool,
     per_million: u64,
     spread: Spread,
     failing_keys: Arc<std::collections::HashSet<u64>>,
@@ -181,7 +193,7 @@ impl InboxHandler for Stage {
 
     fn handle<'a, 'c>(
         &'a self,
-        _ctx: &'a mut HandlerContext<'c>,
+        ctx: &'a mut HandlerContext<'c>,
         event: OrderPlaced,
     ) -> HandlerFuture<'a>
     where
@@ -190,6 +202,13 @@ impl InboxHandler for Stage {
         Box::pin(async move {
             if fails(event.seq, self.per_million, self.spread) {
                 return Err(format!("order {} refused", event.seq).into());
+            }
+            if self.writes {
+                sqlx::query("INSERT INTO bench_applied (seq, order_id) VALUES ($1, $2)")
+                    .bind(event.seq as i64)
+                    .bind(&event.order_id)
+                    .execute(ctx.connection())
+                    .await?;
             }
             if !self.failing_keys.contains(&key_of(event.seq)) {
                 self.clean_applied.fetch_add(1, Ordering::Relaxed);
@@ -275,7 +294,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pool = db.pool.clone();
     println!(
         "failing-keys benchmark: {} events on {} partitions, {KEYS} keys (one in ten hot), \
-         mode {:?}, max_attempts {}, back-off {} ms, {} inbox processor(s), failing events among {}",
+         mode {:?}, max_attempts {}, back-off {} ms, {} inbox processor(s), failing events among {}, \
+         the handler {}",
         a.events,
         a.partitions,
         a.mode,
@@ -285,9 +305,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         match a.spread {
             Spread::Hot => "the hot keys' events",
             Spread::All => "all events",
+        },
+        if a.handler_writes {
+            "writing a row per event"
+        } else {
+            "doing nothing else"
         }
     );
     preload(&brokers, a.events, a.partitions).await?;
+    sqlx::query("CREATE TABLE IF NOT EXISTS bench_applied (seq bigint, order_id text)")
+        .execute(&pool)
+        .await?;
     let mut stages = Vec::new();
     let mut base_rate = None;
     let runs: Vec<(u64, u64)> = a
@@ -330,6 +358,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let (brokers, n) = (brokers.clone(), a.events);
             tokio::task::spawn_blocking(move || plain_read(&brokers, n))
         });
+        sqlx::query("TRUNCATE bench_applied").execute(&pool).await?;
         let start = Instant::now();
         let mut builder = Consumer::builder(pool.clone());
         if let Some(n) = a.processor_batch {
@@ -357,6 +386,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .retry_backoff(backoff, backoff * 10)
             .processors(a.processors)
             .handler(Stage {
+                writes: a.handler_writes,
                 per_million,
                 spread: a.spread,
                 failing_keys,
@@ -446,6 +476,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "memory_max_events": a.memory_max_events,
         "processors": a.processors,
         "spread": a.spread,
+        "handler_writes": a.handler_writes,
         "stages": stages,
     });
     println!("{json}");

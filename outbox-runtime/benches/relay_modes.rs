@@ -24,8 +24,9 @@
 //!   notes the time its commit returned, a plain consumer (partitions
 //!   assigned from the start, no group) the time it receives the message:
 //!   an upper bound of commit → published, the same in both modes. These
-//!   stages run last, after both modes' other stages, in the order marks,
-//!   progress, progress, marks (each mode's samples pooled): the broker
+//!   stages run last, after both modes' other stages, four times per mode
+//!   in the order marks, progress, progress, marks, marks, progress,
+//!   progress, marks (`--latency-runs`; each mode's samples pooled): the broker
 //!   slows as its topics grow, and a mode measured after the other's stages
 //!   would be measured on a slower broker.
 //!
@@ -92,6 +93,12 @@ struct Args {
     /// Seconds of the latency stage.
     #[arg(long, default_value_t = 10)]
     latency_secs: u64,
+    /// Runs of the latency stage per mode, in turns (marks, progress,
+    /// progress, marks, marks, …): one pair of runs moved with the machine
+    /// (the progress mode's p99 13 ms above the marks' in one run, 14 ms
+    /// below in the next).
+    #[arg(long, default_value_t = 4)]
+    latency_runs: usize,
     /// Also write the results to this JSON file.
     #[arg(long)]
     json: Option<String>,
@@ -841,13 +848,16 @@ async fn stage(p: &Pools, free: &Pools, mode: Mode, a: &Args) -> Stage {
     }
 }
 
-/// The latency stages of `stages`' modes, in the order marks, progress,
-/// progress, marks (one mode: once), each on a topic of its own; each
-/// mode's figures from its runs' samples pooled.
+/// The latency stages of `stages`' modes, `a.latency_runs` each, in the
+/// order marks, progress, progress, marks, marks, progress, … (one mode:
+/// its runs), each on a topic of its own; each mode's figures from its
+/// runs' samples pooled.
 async fn latencies(p: &Pools, stages: &mut [Stage], a: &Args) {
     let order: Vec<usize> = match stages.len() {
-        2 => vec![0, 1, 1, 0],
-        n => (0..n).collect(),
+        2 => (0..a.latency_runs.max(1))
+            .flat_map(|k| if k % 2 == 0 { [0, 1] } else { [1, 0] })
+            .collect(),
+        n => (0..a.latency_runs.max(1)).flat_map(|_| 0..n).collect(),
     };
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); stages.len()];
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); stages.len()];
