@@ -294,7 +294,9 @@ CROSS JOIN LATERAL (
 /// topics `$6` to `$8` as in [`LIST_MANY`]. The rows come in no order, not
 /// even by id within a slot: a group that returns more than its cap is
 /// listed again slot by slot ([`LIST_MANY`]), whose per-slot order and cap
-/// let a window be read in parts.
+/// let a window be read in parts. That costs the group's scan, up to its
+/// cap, once per window larger than [`LIST_CAP`] (a backlog of millions):
+/// the window stays capped, and is listed slot by slot, until it is done.
 ///
 /// [`LIST_MANY`] reads each slot's window on its own, and a slot's rows
 /// are spread over the table (each page holds rows of every slot): in a
