@@ -33,10 +33,10 @@
 //! rows), by `event_id` for those that moved since: a backlog of millions
 //! in one window is read in one pass, not once per chunk. The windows of a
 //! claim's lanes that stand at the same place are listed in one scan of all
-//! their slots ([`LIST_GROUPS`]: a slot's rows are spread over the table,
+//! their slots (`LIST_GROUPS`: a slot's rows are spread over the table,
 //! one page per row when read slot by slot); a window with more rows than
 //! [`LIST_CAP`] is listed slot by slot, up to the cap at a time, in id
-//! order ([`LIST_MANY`]).
+//! order (`LIST_MANY`).
 //!
 //! Rows with their own state (published, parked or held by the rare paths,
 //! which still write the row) are skipped: they were handled where they
