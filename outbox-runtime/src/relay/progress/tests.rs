@@ -298,6 +298,19 @@ async fn enabling_leaves_out_only_what_is_published(pool: PgPool) {
     assert_eq!(read, expected);
 }
 
+/// Inserts 400 events over 40 keys, in one transaction.
+async fn insert_over_40_keys(pool: &PgPool) {
+    sqlx::query(
+        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
+                                   payload, topic, partition_key)
+         SELECT gen_random_uuid(), 'A', 'a', 'E', '{}', 't', 'k' || (g % 40)
+         FROM generate_series(1, 400) AS g",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 /// Two lanes' windows listed in one statement with a cap small enough that
 /// most slots reach it: each window's list stops at the lowest last row of
 /// its capped slots, and taking, fetching and handing its rows (the lists
@@ -306,15 +319,7 @@ async fn enabling_leaves_out_only_what_is_published(pool: PgPool) {
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
 async fn windows_listed_together_under_a_cap_read_each_row_once(pool: PgPool) {
     enable(&pool).await.unwrap();
-    sqlx::query(
-        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
-                                   payload, topic, partition_key)
-         SELECT gen_random_uuid(), 'A', 'a', 'E', '{}', 't', 'k' || (g % 40)
-         FROM generate_series(1, 400) AS g",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    insert_over_40_keys(&pool).await;
     let mut conn = pool.acquire().await.unwrap();
     let lanes: Vec<Vec<i16>> = vec![
         (0..64).filter(|s| s % 2 == 0).collect(),
@@ -351,16 +356,7 @@ async fn windows_listed_together_under_a_cap_read_each_row_once(pool: PgPool) {
         assert!(w.listed.iter().map(|r| r.0).is_sorted());
     }
     for (w, slots) in windows.iter_mut().zip(&lanes) {
-        let mut read = Vec::new();
-        while let Some(taken) = w
-            .take(&mut conn, 7, &Skip::default(), &mut Default::default())
-            .await
-            .unwrap()
-        {
-            let rows = fetch(&mut conn, &taken, false).await.unwrap();
-            let keep = rows.len();
-            read.extend(w.hand(&taken, rows, keep).into_iter().map(|r| r.id));
-        }
+        let read = read_all(w, &mut conn).await;
         let expected: Vec<i64> =
             sqlx::query_scalar("SELECT id FROM outbox_event WHERE lane_slot = ANY($1) ORDER BY id")
                 .bind(slots)
@@ -398,15 +394,7 @@ async fn windows_at_one_place_are_listed_together_and_a_group_past_its_cap_slot_
     pool: PgPool,
 ) {
     enable(&pool).await.unwrap();
-    sqlx::query(
-        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type,
-                                   payload, topic, partition_key)
-         SELECT gen_random_uuid(), 'A', 'a', 'E', '{}', 't', 'k' || (g % 40)
-         FROM generate_series(1, 400) AS g",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    insert_over_40_keys(&pool).await;
     let mut conn = pool.acquire().await.unwrap();
     let lanes: Vec<Vec<i16>> = (0..3)
         .map(|l| (0..64).filter(|s| s % 3 == l).collect())
