@@ -23,7 +23,11 @@
 //! - commit → consumed at a steady rate with a relay running: the writer
 //!   notes the time its commit returned, a plain consumer (partitions
 //!   assigned from the start, no group) the time it receives the message:
-//!   an upper bound of commit → published, the same in both modes. These
+//!   an upper bound of commit → published, the same in both modes; split
+//!   at the message's timestamp, which the relay's producer sets when the
+//!   relay hands the message over: commit → sent (the relay's part, where
+//!   the modes differ) and sent → consumed (the producer's, the broker's
+//!   and the consumer's; wall clocks of one machine, in whole ms). These
 //!   stages run last, after both modes' other stages, four times per mode
 //!   in the order marks, progress, progress, marks, marks, progress,
 //!   progress, marks (`--latency-runs`; each mode's samples pooled): the broker
@@ -38,6 +42,7 @@
 //! machine and the broker from run to run (the marks' 37,557 ev/s in one
 //! run, 52,731 in the next).
 //!
+//! `--latency-only` runs the latency stages alone;
 //! `BENCH_MODE=marks|progress` runs one mode; `BENCH_CPU_DETAIL=1` prints
 //! each drain's backends, their CPU time and the statements seen on them;
 //! `RUST_LOG=outbox_runtime::relay::cycle=trace` prints each relay step's
@@ -99,6 +104,10 @@ struct Args {
     /// below in the next).
     #[arg(long, default_value_t = 4)]
     latency_runs: usize,
+    /// Only the latency stages (both modes', or `BENCH_MODE`'s), none of
+    /// the others: a longer comparison of the latencies alone.
+    #[arg(long)]
+    latency_only: bool,
     /// Also write the results to this JSON file.
     #[arg(long)]
     json: Option<String>,
@@ -147,8 +156,20 @@ struct Stage {
     latency_samples: usize,
     commit_consumed_p50_ms: f64,
     commit_consumed_p99_ms: f64,
-    /// Each latency run's p50 and p99, in the order run.
+    /// Commit → the relay handed the message to its producer (the
+    /// message's timestamp, set by the producer when it is handed over;
+    /// wall clock, in ms): the relay's own part, mode by mode.
+    commit_sent_p50_ms: f64,
+    commit_sent_p99_ms: f64,
+    /// The message's timestamp → consumed: the producer's, the broker's
+    /// and the consumer's part, the same whatever the mode.
+    sent_consumed_p50_ms: f64,
+    sent_consumed_p99_ms: f64,
+    /// Each latency run's p50 and p99 (commit → consumed), in the order
+    /// run.
     latency_runs: Vec<[f64; 2]>,
+    /// Each latency run's p50 and p99 commit → sent, in the order run.
+    latency_runs_sent: Vec<[f64; 2]>,
     /// Each drain of a fresh backlog of `events`, in the order run: the
     /// stage's, then those of [`more_drains`].
     drains: Vec<Drained>,
@@ -601,9 +622,42 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
+/// One latency run's samples, in ms, each sorted.
+#[derive(Default)]
+struct Latencies {
+    /// Commit → consumed.
+    consumed: Vec<f64>,
+    /// Commit → the message's timestamp (the relay handed it over).
+    sent: Vec<f64>,
+    /// The message's timestamp → consumed.
+    broker: Vec<f64>,
+}
+
+impl Latencies {
+    fn extend(&mut self, other: Latencies) {
+        self.consumed.extend(other.consumed);
+        self.sent.extend(other.sent);
+        self.broker.extend(other.broker);
+    }
+
+    fn sort(&mut self) {
+        for v in [&mut self.consumed, &mut self.sent, &mut self.broker] {
+            v.sort_by(f64::total_cmp);
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch, as a message's timestamp counts.
+fn wall_ms(at: std::time::SystemTime) -> f64 {
+    at.duration_since(std::time::UNIX_EPOCH)
+        .map_or(f64::NAN, |d| d.as_secs_f64() * 1000.0)
+}
+
 /// Commit → consumed at `a.rate` events/s for `a.latency_secs`, a relay
-/// running: the offered rate achieved, the latencies in ms (sorted).
-async fn latency_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, Vec<f64>) {
+/// running: the offered rate achieved, the latencies (commit → consumed,
+/// split at the message's timestamp: when the relay handed it to its
+/// producer, which sets it then).
+async fn latency_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, Latencies) {
     reset(&p.bench, mode).await;
     // Flush the WAL of the stages before: not in a checkpoint in the middle
     // of this one.
@@ -613,7 +667,7 @@ async fn latency_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, Ve
         .brokers(common::brokers())
         .spawn()
         .unwrap();
-    let committed: Arc<Mutex<HashMap<Uuid, Instant>>> = Arc::default();
+    let committed: Arc<Mutex<HashMap<Uuid, (Instant, f64)>>> = Arc::default();
     let expected = a.rate * a.latency_secs;
     let consumer = {
         let (committed, brokers, topic, secs) = (
@@ -640,12 +694,13 @@ async fn latency_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, Ve
             }
             consumer.assign(&tpl).expect("assign");
             let deadline = Instant::now() + Duration::from_secs(secs + 30);
-            let (mut seen, mut latencies) = (0, Vec::with_capacity(expected as usize));
+            let (mut seen, mut latencies) = (0, Latencies::default());
             while seen < expected && Instant::now() < deadline {
                 let Some(Ok(m)) = consumer.poll(Duration::from_millis(50)) else {
                     continue;
                 };
-                let now = Instant::now();
+                let (now, now_ms) = (Instant::now(), wall_ms(std::time::SystemTime::now()));
+                let sent_ms = m.timestamp().to_millis().map(|t| t as f64);
                 let id = m.headers().and_then(|h| {
                     h.iter()
                         .find(|x| x.key == "event_id")
@@ -656,8 +711,13 @@ async fn latency_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, Ve
                 // The writer notes its commit's time a moment after the
                 // commit returns: the message may be here first.
                 for _ in 0..100 {
-                    if let Some(t) = committed.lock().unwrap().get(&id) {
-                        latencies.push(now.saturating_duration_since(*t).as_secs_f64() * 1000.0);
+                    if let Some((t, t_ms)) = committed.lock().unwrap().get(&id) {
+                        let ms = now.saturating_duration_since(*t).as_secs_f64() * 1000.0;
+                        latencies.consumed.push(ms);
+                        if let Some(sent_ms) = sent_ms {
+                            latencies.sent.push(sent_ms - t_ms);
+                            latencies.broker.push(now_ms - sent_ms);
+                        }
                         break;
                     }
                     std::thread::sleep(Duration::from_millis(1));
@@ -685,7 +745,8 @@ async fn latency_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, Ve
             let mut uow = UnitOfWork::begin(&pool).await.unwrap();
             let id = uow.record_message(message(&topic, i));
             uow.commit().await.unwrap();
-            committed.lock().unwrap().insert(id, Instant::now());
+            let at = (Instant::now(), wall_ms(std::time::SystemTime::now()));
+            committed.lock().unwrap().insert(id, at);
         });
         while let Some(done) = tasks.try_join_next() {
             done.unwrap();
@@ -698,7 +759,7 @@ async fn latency_stage(p: &Pools, mode: Mode, topic: &str, a: &Args) -> (f64, Ve
     let mut latencies = consumer.await.unwrap();
     relay.shutdown().await.unwrap();
     close_relay_pool(p, pool).await;
-    latencies.sort_by(f64::total_cmp);
+    latencies.sort();
     (achieved, latencies)
 }
 
@@ -834,17 +895,55 @@ async fn stage(p: &Pools, free: &Pools, mode: Mode, a: &Args) -> Stage {
         ),
         rounds_held_xmin_events_per_s: held,
         rounds_free_events_per_s: free,
-        latency_rate_per_s: f64::NAN,
-        latency_samples: 0,
-        commit_consumed_p50_ms: f64::NAN,
-        commit_consumed_p99_ms: f64::NAN,
-        latency_runs: Vec::new(),
         drains: vec![Drained {
             events_per_s: rate,
             cpu_us_per_event: cpu,
         }],
         drains_events_per_s: rate,
         drains_cpu_us_per_event: cpu,
+        ..Stage::new(mode)
+    }
+}
+
+impl Stage {
+    /// A mode's stage before any figure is measured (`--latency-only`
+    /// measures only the latency).
+    fn new(mode: Mode) -> Self {
+        Stage {
+            mode,
+            events: 0,
+            secs: f64::NAN,
+            events_per_s: f64::NAN,
+            insert_wal_bytes_per_event: f64::NAN,
+            publish_wal_bytes_per_event: f64::NAN,
+            publish_wal_over_insert_wal: f64::NAN,
+            dead_tuples_per_event: f64::NAN,
+            relay_backend_cpu_us_per_event: f64::NAN,
+            relay_backends: 0,
+            writers: 0,
+            writers_alone_commits_per_s: f64::NAN,
+            writers_during_drain_commits_per_s: f64::NAN,
+            writers_ratio: f64::NAN,
+            drain_beside_writers_events_per_s: f64::NAN,
+            rounds_held_xmin_events_per_s: Vec::new(),
+            rounds_free_events_per_s: Vec::new(),
+            rounds_held_over_free: f64::NAN,
+            last_round_held_over_free: f64::NAN,
+            rounds_held_last_over_first: f64::NAN,
+            latency_rate_per_s: f64::NAN,
+            latency_samples: 0,
+            commit_consumed_p50_ms: f64::NAN,
+            commit_consumed_p99_ms: f64::NAN,
+            commit_sent_p50_ms: f64::NAN,
+            commit_sent_p99_ms: f64::NAN,
+            sent_consumed_p50_ms: f64::NAN,
+            sent_consumed_p99_ms: f64::NAN,
+            latency_runs: Vec::new(),
+            latency_runs_sent: Vec::new(),
+            drains: Vec::new(),
+            drains_events_per_s: f64::NAN,
+            drains_cpu_us_per_event: f64::NAN,
+        }
     }
 }
 
@@ -859,27 +958,34 @@ async fn latencies(p: &Pools, stages: &mut [Stage], a: &Args) {
             .collect(),
         n => (0..a.latency_runs.max(1)).flat_map(|_| 0..n).collect(),
     };
-    let mut samples: Vec<Vec<f64>> = vec![Vec::new(); stages.len()];
+    let mut samples: Vec<Latencies> = stages.iter().map(|_| Latencies::default()).collect();
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); stages.len()];
+    let p50_p99 = |xs: &[f64]| [round1(percentile(xs, 0.5)), round1(percentile(xs, 0.99))];
     for i in order {
         let topic = new_topic("latency-").await;
-        let (achieved, mut run) = latency_stage(p, stages[i].mode, &topic, a).await;
-        run.sort_by(f64::total_cmp);
-        let (p50, p99) = (percentile(&run, 0.5), percentile(&run, 0.99));
+        let (achieved, run) = latency_stage(p, stages[i].mode, &topic, a).await;
+        let ([c50, c99], [s50, s99], [b50, b99]) = (
+            p50_p99(&run.consumed),
+            p50_p99(&run.sent),
+            p50_p99(&run.broker),
+        );
         println!(
-            "{:>8}  commit → consumed, one run: {achieved:.0} ev/s, p50 {p50:.1} ms, p99 {p99:.1} ms",
+            "{:>8}  one run at {achieved:.0} ev/s: commit → consumed p50 {c50:.1} ms, p99 {c99:.1}; \
+             commit → sent {s50:.1}, {s99:.1}; sent → consumed {b50:.1}, {b99:.1}",
             format!("{:?}", stages[i].mode).to_lowercase(),
         );
-        stages[i].latency_runs.push([round1(p50), round1(p99)]);
+        stages[i].latency_runs.push([c50, c99]);
+        stages[i].latency_runs_sent.push([s50, s99]);
         rates[i].push(achieved);
         samples[i].extend(run);
     }
     for (i, s) in stages.iter_mut().enumerate() {
-        samples[i].sort_by(f64::total_cmp);
+        samples[i].sort();
         s.latency_rate_per_s = mean(&rates[i]).round();
-        s.latency_samples = samples[i].len();
-        s.commit_consumed_p50_ms = round1(percentile(&samples[i], 0.5));
-        s.commit_consumed_p99_ms = round1(percentile(&samples[i], 0.99));
+        s.latency_samples = samples[i].consumed.len();
+        [s.commit_consumed_p50_ms, s.commit_consumed_p99_ms] = p50_p99(&samples[i].consumed);
+        [s.commit_sent_p50_ms, s.commit_sent_p99_ms] = p50_p99(&samples[i].sent);
+        [s.sent_consumed_p50_ms, s.sent_consumed_p99_ms] = p50_p99(&samples[i].broker);
     }
 }
 
@@ -911,6 +1017,92 @@ async fn pool_named(pool: &PgPool, name: &str, size: u32) -> PgPool {
         .connect_with((*pool.connect_options()).clone().application_name(name))
         .await
         .unwrap()
+}
+
+/// The stages before the latency's, both modes' (or `BENCH_MODE`'s), and
+/// the writers' controls: the stages, the control beside a plain producer,
+/// the control beside a producer at the relays' pace.
+async fn other_stages(
+    pools: &Pools,
+    free: &Pools,
+    modes: Vec<Mode>,
+    a: &Args,
+) -> (Vec<Stage>, serde_json::Value, serde_json::Value) {
+    let control_topic = new_topic("control-").await;
+    let (alone, beside, produced) = producer_control(pools, &control_topic, a, None).await;
+    println!(
+        " control: writers {:.2}x alone beside a plain producer ({:.0} commits/s while it sends {} \
+         messages at {:.0} msg/s, {:.0} alone): no database work beside them",
+        beside / alone,
+        beside,
+        a.writers_backlog,
+        produced,
+        alone
+    );
+    let control = serde_json::json!({
+        "writers_alone_commits_per_s": alone.round(),
+        "writers_beside_producer_commits_per_s": beside.round(),
+        "writers_ratio": round2(beside / alone),
+        "producer_messages_per_s": produced.round(),
+    });
+    let mut stages = Vec::new();
+    for mode in modes {
+        let s = stage(pools, free, mode, a).await;
+        println!(
+            "{:>8}: {:>6.0} ev/s ({:.1} s); WAL {:>4.0} B/event to publish ({:.3}x the insert's {:.0}); \
+             {:.2} dead row versions/event; {:.1} us of the relay's backends' CPU/event ({} backends)\n\
+             {:>8}  writers {:.2}x alone ({:.0} commits/s during a drain at {:.0} ev/s, {:.0} alone)\n\
+             {:>8}  rounds with a held xmin {:?} ev/s, without {:?} (held/without: {:.2}x mean, {:.2}x last round)",
+            format!("{mode:?}").to_lowercase(),
+            s.events_per_s,
+            s.secs,
+            s.publish_wal_bytes_per_event,
+            s.publish_wal_over_insert_wal,
+            s.insert_wal_bytes_per_event,
+            s.dead_tuples_per_event,
+            s.relay_backend_cpu_us_per_event,
+            s.relay_backends,
+            "",
+            s.writers_ratio,
+            s.writers_during_drain_commits_per_s,
+            s.drain_beside_writers_events_per_s,
+            s.writers_alone_commits_per_s,
+            "",
+            s.rounds_held_xmin_events_per_s,
+            s.rounds_free_events_per_s,
+            s.rounds_held_over_free,
+            s.last_round_held_over_free,
+        );
+        stages.push(s);
+    }
+    more_drains(pools, &mut stages, a).await;
+    // The control again, the producer at the pace the relays drained at
+    // beside the writers (their mean over the modes).
+    let pace = mean(
+        &stages
+            .iter()
+            .map(|s| s.drain_beside_writers_events_per_s)
+            .collect::<Vec<_>>(),
+    );
+    let paced_topic = new_topic("control-paced-").await;
+    let (paced_alone, paced_beside, paced) =
+        producer_control(pools, &paced_topic, a, Some(pace)).await;
+    println!(
+        " control at the relays' pace: writers {:.2}x alone beside a plain producer ({:.0} commits/s \
+         while it sends {} messages at {:.0} msg/s, {:.0} alone)",
+        paced_beside / paced_alone,
+        paced_beside,
+        a.writers_backlog,
+        paced,
+        paced_alone
+    );
+    let paced_control = serde_json::json!({
+        "writers_alone_commits_per_s": paced_alone.round(),
+        "writers_beside_producer_commits_per_s": paced_beside.round(),
+        "writers_ratio": round2(paced_beside / paced_alone),
+        "producer_messages_per_s": paced.round(),
+    });
+    (stages, control, paced_control)
 }
 
 #[tokio::main]
@@ -951,79 +1143,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
          {} rounds of {} with a held xmin and without; commit → consumed at {} ev/s for {} s",
         a.events, a.writers, a.writers_backlog, a.rounds, a.round_events, a.rate, a.latency_secs
     );
-    let control_topic = new_topic("control-").await;
-    let (alone, beside, produced) = producer_control(&pools, &control_topic, &a, None).await;
-    println!(
-        " control: writers {:.2}x alone beside a plain producer ({:.0} commits/s while it sends {} \
-         messages at {:.0} msg/s, {:.0} alone): no database work beside them",
-        beside / alone,
-        beside,
-        a.writers_backlog,
-        produced,
-        alone
-    );
-    let control = serde_json::json!({
-        "writers_alone_commits_per_s": alone.round(),
-        "writers_beside_producer_commits_per_s": beside.round(),
-        "writers_ratio": round2(beside / alone),
-        "producer_messages_per_s": produced.round(),
-    });
-    let mut stages = Vec::new();
     let modes = match std::env::var("BENCH_MODE").as_deref() {
         Ok("progress") => vec![Mode::Progress],
         Ok("marks") => vec![Mode::Marks],
         _ => vec![Mode::Marks, Mode::Progress],
     };
-    for mode in modes {
-        let s = stage(&pools, &free, mode, &a).await;
-        println!(
-            "{:>8}: {:>6.0} ev/s ({:.1} s); WAL {:>4.0} B/event to publish ({:.3}x the insert's {:.0}); \
-             {:.2} dead row versions/event; {:.1} us of the relay's backends' CPU/event ({} backends)\n\
-             {:>8}  writers {:.2}x alone ({:.0} commits/s during a drain at {:.0} ev/s, {:.0} alone)\n\
-             {:>8}  rounds with a held xmin {:?} ev/s, without {:?} (held/without: {:.2}x mean, {:.2}x last round)",
-            format!("{mode:?}").to_lowercase(),
-            s.events_per_s,
-            s.secs,
-            s.publish_wal_bytes_per_event,
-            s.publish_wal_over_insert_wal,
-            s.insert_wal_bytes_per_event,
-            s.dead_tuples_per_event,
-            s.relay_backend_cpu_us_per_event,
-            s.relay_backends,
-            "",
-            s.writers_ratio,
-            s.writers_during_drain_commits_per_s,
-            s.drain_beside_writers_events_per_s,
-            s.writers_alone_commits_per_s,
-            "",
-            s.rounds_held_xmin_events_per_s,
-            s.rounds_free_events_per_s,
-            s.rounds_held_over_free,
-            s.last_round_held_over_free,
-        );
-        stages.push(s);
-    }
-    more_drains(&pools, &mut stages, &a).await;
-    // The control again, the producer at the pace the relays drained at
-    // beside the writers (their mean over the modes).
-    let pace = mean(
-        &stages
-            .iter()
-            .map(|s| s.drain_beside_writers_events_per_s)
-            .collect::<Vec<_>>(),
-    );
-    let paced_topic = new_topic("control-paced-").await;
-    let (paced_alone, paced_beside, paced) =
-        producer_control(&pools, &paced_topic, &a, Some(pace)).await;
-    println!(
-        " control at the relays' pace: writers {:.2}x alone beside a plain producer ({:.0} commits/s \
-         while it sends {} messages at {:.0} msg/s, {:.0} alone)",
-        paced_beside / paced_alone,
-        paced_beside,
-        a.writers_backlog,
-        paced,
-        paced_alone
-    );
+    let (mut stages, control, paced_control) = if a.latency_only {
+        (
+            modes.into_iter().map(Stage::new).collect(),
+            serde_json::Value::Null,
+            serde_json::Value::Null,
+        )
+    } else {
+        other_stages(&pools, &free, modes, &a).await
+    };
     if a.latency_secs > 0 {
         latencies(&pools, &mut stages, &a).await;
     }
@@ -1040,25 +1173,35 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             s.drains_cpu_us_per_event,
         );
         println!(
-            "{:>8}: commit → consumed at {:.0} ev/s ({} samples, {} runs): p50 {:.1} ms, p99 {:.1} ms",
+            "{:>8}: commit → consumed at {:.0} ev/s ({} samples, {} runs): p50 {:.1} ms, p99 {:.1} ms; \
+             commit → sent p50 {:.1}, p99 {:.1}; sent → consumed p50 {:.1}, p99 {:.1}",
             format!("{:?}", s.mode).to_lowercase(),
             s.latency_rate_per_s,
             s.latency_samples,
             s.latency_runs.len(),
             s.commit_consumed_p50_ms,
             s.commit_consumed_p99_ms,
+            s.commit_sent_p50_ms,
+            s.commit_sent_p99_ms,
+            s.sent_consumed_p50_ms,
+            s.sent_consumed_p99_ms,
         );
     }
     if let [m, p] = &stages[..] {
         println!(
             "progress / marks: drain {:.2}x (mean of the drains; {:.2}x of the stages' own); \
-             commit → consumed p50 {:.1} vs {:.1} ms, p99 {:.1} vs {:.1} ms",
+             commit → consumed p50 {:.1} vs {:.1} ms, p99 {:.1} vs {:.1} ms; \
+             commit → sent p50 {:.1} vs {:.1} ms, p99 {:.1} vs {:.1} ms",
             p.drains_events_per_s / m.drains_events_per_s,
             p.events_per_s / m.events_per_s,
             p.commit_consumed_p50_ms,
             m.commit_consumed_p50_ms,
             p.commit_consumed_p99_ms,
             m.commit_consumed_p99_ms,
+            p.commit_sent_p50_ms,
+            m.commit_sent_p50_ms,
+            p.commit_sent_p99_ms,
+            m.commit_sent_p99_ms,
         );
     }
     let ratio = match &stages[..] {
@@ -1077,12 +1220,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "latency_secs": a.latency_secs,
         "progress_over_marks_drain": ratio,
         "writers_beside_a_plain_producer": control,
-        "writers_beside_a_producer_at_the_relays_pace": {
-            "writers_alone_commits_per_s": paced_alone.round(),
-            "writers_beside_producer_commits_per_s": paced_beside.round(),
-            "writers_ratio": round2(paced_beside / paced_alone),
-            "producer_messages_per_s": paced.round(),
-        },
+        "writers_beside_a_producer_at_the_relays_pace": paced_control,
         "stages": stages,
     });
     println!("{json}");
