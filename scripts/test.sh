@@ -28,14 +28,14 @@ OUTBOX_TEST_INBOX_MODE=progress OUTBOX_TEST_DEDUP_MEMORY=1 cargo test -p outbox-
 echo "== the reliability scenarios' production-profile subset"
 OUTBOX_TEST_PROFILE=production cargo test -p outbox-cli --test reliability -- \
     relay_sigkilled_repeatedly consumer_killed_between long_transaction
-echo "== the relay's, the lanes', the held and scheduled rows', the refusals', the roles' and the operations' tests in the relay's progress mode"
+echo "== the relay's, the lanes', the held and scheduled rows', the refusals', the roles', the operations' and the timeouts' tests in the relay's progress mode"
 # Every test of these binaries but lanes'
 # relays_with_and_without_lanes_refuse_each_other, about relays without
 # lanes, which the progress mode refuses (progress_relay's
 # a_relay_without_lanes_is_refused). scripts/test-progress.sh runs every
 # suite in that mode.
 OUTBOX_TEST_RELAY_MODE=progress cargo test -p outbox-runtime --test relay --test lanes --test held \
-    --test scheduled --test refused --test ops --test roles -- \
+    --test scheduled --test refused --test ops --test roles --test timeouts -- \
     --skip relays_with_and_without_lanes_refuse_each_other
 echo "== the relay's reliability scenarios in the progress mode (production profile)"
 OUTBOX_TEST_RELAY_MODE=progress OUTBOX_TEST_PROFILE=production cargo test -p outbox-cli --test reliability -- \

@@ -173,10 +173,12 @@ impl Windows {
 /// whether any held row's hold has ended (else [`DUE`] is not run); and
 /// whether the outbox is partitioned (the fetch's statement: see
 /// [`super::fetch`]; read at each claim, as the table may be converted
-/// while relays run).
+/// while relays run). It starts with the claim's mark ([`CLAIM_MARK`]), as
+/// the claim's other statements do: waiting for a lock on the table, it is
+/// the claim in `pg_stat_activity`.
 static OWNED: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
-        "SELECT coalesce(array_agg((objid::int8 - $3)::int4), '{{}}'),
+        "{CLAIM_MARK} SELECT coalesce(array_agg((objid::int8 - $3)::int4), '{{}}'),
        pg_current_snapshot()::text,
        EXISTS (SELECT 1 FROM outbox_event
                WHERE held_until <= statement_timestamp() AND published_at IS NULL),
