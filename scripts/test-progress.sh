@@ -18,7 +18,9 @@ export OUTBOX_TEST_RELAY_MODE=progress
 # lanes' relays_with_and_without_lanes_refuse_each_other is about relays
 # without lanes, which the progress mode refuses (progress_relay's
 # a_relay_without_lanes_is_refused).
-cargo test --workspace "$@" -- --skip groups::consumer_groups_killed_and_restarted \
+# --no-fail-fast: every test binary runs, a failure in one does not hide
+# those of the others.
+cargo test --workspace --no-fail-fast "$@" -- --skip groups::consumer_groups_killed_and_restarted \
     --skip relays_with_and_without_lanes_refuse_each_other
 echo "== the consumer-groups reliability scenario, alone, both processors' modes"
 cargo test -p outbox-cli --test reliability -- groups::consumer_groups_killed_and_restarted
