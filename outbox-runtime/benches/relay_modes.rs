@@ -1161,17 +1161,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         latencies(&pools, &mut stages, &a).await;
     }
     for s in &stages {
-        println!(
-            "{:>8}: drains {:?} ev/s, mean {:.0}; CPU {:?} us/event, mean {:.1}",
-            format!("{:?}", s.mode).to_lowercase(),
-            s.drains.iter().map(|d| d.events_per_s).collect::<Vec<_>>(),
-            s.drains_events_per_s,
-            s.drains
-                .iter()
-                .map(|d| d.cpu_us_per_event)
-                .collect::<Vec<_>>(),
-            s.drains_cpu_us_per_event,
-        );
+        // None with `--latency-only`.
+        if !s.drains.is_empty() {
+            println!(
+                "{:>8}: drains {:?} ev/s, mean {:.0}; CPU {:?} us/event, mean {:.1}",
+                format!("{:?}", s.mode).to_lowercase(),
+                s.drains.iter().map(|d| d.events_per_s).collect::<Vec<_>>(),
+                s.drains_events_per_s,
+                s.drains
+                    .iter()
+                    .map(|d| d.cpu_us_per_event)
+                    .collect::<Vec<_>>(),
+                s.drains_cpu_us_per_event,
+            );
+        }
         println!(
             "{:>8}: commit → consumed at {:.0} ev/s ({} samples, {} runs): p50 {:.1} ms, p99 {:.1} ms; \
              commit → sent p50 {:.1}, p99 {:.1}; sent → consumed p50 {:.1}, p99 {:.1}",
