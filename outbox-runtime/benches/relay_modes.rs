@@ -1039,12 +1039,7 @@ async fn other_stages(
         produced,
         alone
     );
-    let control = serde_json::json!({
-        "writers_alone_commits_per_s": alone.round(),
-        "writers_beside_producer_commits_per_s": beside.round(),
-        "writers_ratio": round2(beside / alone),
-        "producer_messages_per_s": produced.round(),
-    });
+    let control = control_json(alone, beside, produced);
     let mut stages = Vec::new();
     for mode in modes {
         let s = stage(pools, free, mode, a).await;
@@ -1096,13 +1091,19 @@ async fn other_stages(
         paced,
         paced_alone
     );
-    let paced_control = serde_json::json!({
-        "writers_alone_commits_per_s": paced_alone.round(),
-        "writers_beside_producer_commits_per_s": paced_beside.round(),
-        "writers_ratio": round2(paced_beside / paced_alone),
-        "producer_messages_per_s": paced.round(),
-    });
+    let paced_control = control_json(paced_alone, paced_beside, paced);
     (stages, control, paced_control)
+}
+
+/// A writers' control as the JSON gives it: the writers' commits per
+/// second alone and beside the producer, their ratio, the producer's rate.
+fn control_json(alone: f64, beside: f64, produced: f64) -> serde_json::Value {
+    serde_json::json!({
+        "writers_alone_commits_per_s": alone.round(),
+        "writers_beside_producer_commits_per_s": beside.round(),
+        "writers_ratio": round2(beside / alone),
+        "producer_messages_per_s": produced.round(),
+    })
 }
 
 #[tokio::main]
