@@ -644,8 +644,11 @@ impl Loop<'_> {
     /// while the batch was claimed (see [`Loop::released_keys`]) or blocked,
     /// rows of blocked topics and of topics missing on the broker, rows behind a held row of their key (see
     /// [`held`]), and the later rows of these rows' keys in the batch.
-    fn send(&mut self, publisher: &mut Publisher, batch: Batch) -> InFlight {
+    fn send(&mut self, publisher: &mut Publisher, mut batch: Batch) -> InFlight {
         self.batches += 1;
+        if self.progress.is_some() {
+            self.behind_stated(&mut batch);
+        }
         let seq = self.batches;
         if batch.cut {
             self.cut = Some(seq);
@@ -735,6 +738,41 @@ impl Loop<'_> {
         }
     }
 
+    /// In the progress mode, a window's rows whose key has a row that a
+    /// batch still open gives a state of its own (a hold, a failure) wait
+    /// behind that row, as behind a held row: held, and published after it.
+    ///
+    /// A window's rows are not locked, and this batch was claimed while
+    /// that batch was open, its states not committed: the claim's probe
+    /// (see [`held`]) did not see that row held. It may also have found no
+    /// other held row before the key's later rows, the rows that row was
+    /// held behind having been marked published by a batch that ended
+    /// meanwhile: sent now, those rows would go out before it.
+    ///
+    /// Per topic, as the probe is: a row of another topic given a state
+    /// (one missing on the broker, say) holds back none of these.
+    fn behind_stated(&self, batch: &mut Batch) {
+        let Some(stated) = self.progress.as_ref().map(|p| &p.stated) else {
+            return;
+        };
+        if stated.is_empty() {
+            return;
+        }
+        let Batch { rows, progress, .. } = batch;
+        let Some(read) = progress.as_ref() else {
+            return;
+        };
+        for (i, row) in rows.iter_mut().enumerate() {
+            let window_row = read.lanes.get(i).copied().flatten().is_some();
+            if window_row
+                && row.behind_held_secs.is_none()
+                && stated.contains_key(&(row.topic.clone(), row.partition_key.clone()))
+            {
+                row.behind_held_secs = Some(0.0);
+            }
+        }
+    }
+
     /// Starts finishing a batch whose deliveries are judged: its marks (or,
     /// in the progress mode, its work after any carried) and commit, in the
     /// background.
@@ -795,6 +833,9 @@ impl Loop<'_> {
                 }
                 keep
             });
+            if let Some(mode) = self.progress.as_mut() {
+                mode.stated.retain(|_, last| *last > seq);
+            }
             self.ended = self.ended.max(seq);
             released = self.held.len() < before;
             match result {

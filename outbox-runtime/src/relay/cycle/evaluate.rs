@@ -188,6 +188,13 @@ impl Loop<'_> {
         for row in batch.rows.iter().filter(|r| stated.contains(&r.id)) {
             let entry = self.stated.entry(row.partition_key.clone()).or_insert(seq);
             *entry = (*entry).max(seq);
+            if let Some(mode) = self.progress.as_mut() {
+                let entry = mode
+                    .stated
+                    .entry((row.topic.clone(), row.partition_key.clone()))
+                    .or_insert(seq);
+                *entry = (*entry).max(seq);
+            }
         }
         Evaluated {
             published,

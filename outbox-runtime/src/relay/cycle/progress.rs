@@ -44,6 +44,11 @@ pub(in crate::relay) struct ProgressMode {
     /// before the claim. A relay whose positions the database refuses
     /// stops publishing.
     pub(super) failing: bool,
+    /// Topics and keys with a row that a batch still open gives a state of
+    /// its own, mapped to the last such batch's number: a window's later
+    /// rows of theirs in batches claimed meanwhile wait behind it (see
+    /// `Loop::behind_stated`).
+    pub(super) stated: HashMap<(String, String), u64>,
 }
 
 impl ProgressMode {
