@@ -326,7 +326,7 @@ impl Loop<'_> {
                                             .await?;
                                     }
                                     let skip = if claimable.any() && claimable.count > 0 {
-                                        batch::held_topics(&pool, claimable.scope).await.map_err(
+                                        windows.held_topics(&pool, claimable.scope).await.map_err(
                                             |e| Trouble::from(e).during(batch::HELD_TOPICS),
                                         )?
                                     } else {
