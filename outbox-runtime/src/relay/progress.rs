@@ -206,6 +206,7 @@ pub async fn load(conn: &mut PgConnection, slots: &[i16]) -> Result<Window> {
         listed: VecDeque::new(),
         complete: false,
         capped: false,
+        rows: Default::default(),
     })
 }
 
@@ -337,6 +338,54 @@ CROSS JOIN LATERAL (
     )
 });
 
+/// [`LIST_GROUPS`] with each row's columns, as the fetch returns them
+/// ([`COLUMNS`]: the probe of an earlier held row of its key included), for
+/// groups of windows that fit in a batch, the steady state (a few rows a
+/// claim): the list and the fetch in one round trip. `$5` is the most rows
+/// a group may list plus one; a group that has more is listed again
+/// without the columns ([`list_windows_rows`]).
+static LIST_GROUPS_ROWS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    let inner = "e.topic, e.txid";
+    assert_eq!(LIST_GROUPS.matches(inner).count(), 2);
+    let outer = "SELECT l.idx, w.lane_slot, w.id, w.event_id, w.tid,";
+    assert!(LIST_GROUPS.contains(outer));
+    // The probe as the claim's columns write it, over `w`.
+    let columns = super::claim::CLAIM_COLUMNS;
+    let start = columns.find("CASE WHEN (SELECT EXISTS").expect("the probe");
+    let end = columns
+        .find("END AS behind_held_secs")
+        .expect("the probe's end");
+    let probe = columns[start..end]
+        .replace("outbox_event.topic", "w.topic")
+        .replace("outbox_event.partition_key", "w.partition_key")
+        .replace("outbox_event.id", "w.id");
+    LIST_GROUPS
+        .replace(
+            inner,
+            "e.topic, e.txid, e.aggregate_type, e.aggregate_id, e.event_type, e.event_version,
+               e.created_at, e.partition_key, e.payload, e.headers, e.attempts",
+        )
+        .replace(
+            outer,
+            &format!(
+                "SELECT l.idx, w.lane_slot, w.id, w.event_id, w.tid, w.aggregate_type,
+       w.aggregate_id, w.event_type, w.event_version, w.created_at, w.topic, w.partition_key,
+       w.payload::text AS payload, w.headers::text AS headers, w.attempts,
+       {probe}END AS behind_held_secs,"
+            ),
+        )
+});
+
+/// A row of [`LIST_GROUPS_ROWS`].
+#[derive(sqlx::FromRow)]
+struct ListedRow {
+    idx: i64,
+    lane_slot: i16,
+    skipped: Option<String>,
+    #[sqlx(flatten)]
+    row: Row,
+}
+
 /// The most rows listed of each slot of `w`: a window lists at most
 /// `list_cap` ([`LIST_CAP`]) in all, as when listed alone.
 fn cap_of(w: &Window, list_cap: i64) -> i64 {
@@ -355,6 +404,26 @@ pub(crate) async fn list_windows(
     list_windows_capped(conn, windows, skip, LIST_CAP).await
 }
 
+/// [`list_windows`] for a claim with room for `room` rows: the windows that
+/// stand at the same place and have at most `room` rows in all are listed
+/// with their rows' columns ([`LIST_GROUPS_ROWS`]: no fetch for them), the
+/// others as [`list_windows`] does (a backlog's window is listed once more,
+/// once).
+pub(crate) async fn list_windows_rows(
+    conn: &mut PgConnection,
+    windows: &mut [&mut Window],
+    skip: &Skip,
+    room: i64,
+) -> Result<()> {
+    list_groups(conn, windows, skip, room.max(1), true).await?;
+    let mut rest: Vec<&mut Window> = windows
+        .iter_mut()
+        .filter(|w| !w.complete)
+        .map(|w| &mut **w)
+        .collect();
+    list_windows(conn, &mut rest, skip).await
+}
+
 /// [`list_windows`] with `list_cap` rows at most per window: the windows
 /// that stand at the same place in one scan per group ([`LIST_GROUPS`]);
 /// those whose group had more rows than its cap, and those capped before,
@@ -365,7 +434,7 @@ async fn list_windows_capped(
     skip: &Skip,
     list_cap: i64,
 ) -> Result<()> {
-    list_groups(conn, windows, skip, list_cap).await?;
+    list_groups(conn, windows, skip, list_cap, false).await?;
     let mut rest: Vec<&mut Window> = windows
         .iter_mut()
         .filter(|w| w.capped)
@@ -377,12 +446,15 @@ async fn list_windows_capped(
 /// Lists the windows of `windows` not capped before in groups
 /// ([`LIST_GROUPS`]): each group's windows are listed whole, or, if the
 /// group has more than `list_cap` rows a window, marked capped and left
-/// unlisted.
+/// unlisted. `with_rows`: with the rows' columns ([`LIST_GROUPS_ROWS`]),
+/// `list_cap` rows at most a group, and a group that has more is left
+/// unlisted, not capped.
 async fn list_groups(
     conn: &mut PgConnection,
     windows: &mut [&mut Window],
     skip: &Skip,
     list_cap: i64,
+    with_rows: bool,
 ) -> Result<()> {
     // Each group's place and its windows (a handful: linear searches).
     let mut groups: Vec<((String, String, i64), Vec<usize>)> = Vec::new();
@@ -404,7 +476,10 @@ async fn list_groups(
     }
     let caps: Vec<i64> = groups
         .iter()
-        .map(|(_, members)| list_cap.saturating_mul(members.len() as i64))
+        .map(|(_, members)| match with_rows {
+            true => list_cap,
+            false => list_cap.saturating_mul(members.len() as i64),
+        })
         .collect();
     let mut of_slot: std::collections::HashMap<i16, usize> = Default::default();
     let (mut slots, mut done, mut upto, mut after, mut limits) =
@@ -423,8 +498,8 @@ async fn list_groups(
         after.push(place.2);
         limits.push(cap.saturating_add(1));
     }
-    let rows: Vec<(i64, i16, i64, Uuid, String, Option<String>)> =
-        sqlx::query_as(LIST_GROUPS.as_str())
+    let rows: Vec<(i64, i16, Entry, Option<Row>)> = if with_rows {
+        let rows: Vec<ListedRow> = sqlx::query_as(LIST_GROUPS_ROWS.as_str())
             .bind(&slots)
             .bind(&done)
             .bind(&upto)
@@ -435,6 +510,29 @@ async fn list_groups(
             .bind(skip.fence.as_deref())
             .fetch_all(&mut *conn)
             .await?;
+        rows.into_iter()
+            .map(|r| {
+                let entry = (r.row.id, r.row.event_id, r.row.tid.clone(), r.skipped);
+                (r.idx, r.lane_slot, entry, Some(r.row))
+            })
+            .collect()
+    } else {
+        let rows: Vec<(i64, i16, i64, Uuid, String, Option<String>)> =
+            sqlx::query_as(LIST_GROUPS.as_str())
+                .bind(&slots)
+                .bind(&done)
+                .bind(&upto)
+                .bind(&after)
+                .bind(&limits)
+                .bind(&skip.topics)
+                .bind(&skip.since)
+                .bind(skip.fence.as_deref())
+                .fetch_all(&mut *conn)
+                .await?;
+        rows.into_iter()
+            .map(|(g, s, id, event, tid, skipped)| (g, s, (id, event, tid, skipped), None))
+            .collect()
+    };
     let mut counts = vec![0i64; groups.len()];
     for (g, ..) in &rows {
         if let Some(c) = usize::try_from(*g - 1).ok().and_then(|g| counts.get_mut(g)) {
@@ -442,24 +540,33 @@ async fn list_groups(
         }
     }
     let overflowed: Vec<bool> = counts.iter().zip(&caps).map(|(n, cap)| n > cap).collect();
-    let mut per: Vec<Vec<Entry>> = (0..windows.len()).map(|_| Vec::new()).collect();
-    for (g, s, id, event, tid, skipped) in rows {
+    let mut per: Vec<Vec<(Entry, Option<Row>)>> = (0..windows.len()).map(|_| Vec::new()).collect();
+    for (g, s, entry, row) in rows {
         let in_bounds =
             usize::try_from(g - 1).is_ok_and(|g| !overflowed.get(g).copied().unwrap_or(true));
         if let (true, Some(i)) = (in_bounds, of_slot.get(&s)) {
-            per[*i].push((id, event, tid, skipped));
+            per[*i].push((entry, row));
         }
     }
     for ((_, members), overflowed) in groups.iter().zip(overflowed) {
         for i in members {
             let w = &mut windows[*i];
             if overflowed {
-                w.capped = true;
+                // Listed again without the columns (`with_rows`), or slot
+                // by slot.
+                w.capped |= !with_rows;
                 continue;
             }
             let mut list = std::mem::take(&mut per[*i]);
-            list.sort_by_key(|r| r.0);
-            w.listed = list.into();
+            list.sort_by_key(|(r, _)| r.0);
+            let mut listed = VecDeque::with_capacity(list.len());
+            for (entry, row) in list {
+                if let Some(row) = row.filter(|_| entry.3.is_none()) {
+                    w.rows.insert(entry.1, row);
+                }
+                listed.push_back(entry);
+            }
+            w.listed = listed;
             w.complete = true;
         }
     }
@@ -705,6 +812,11 @@ pub struct Window {
     /// of it is listed slot by slot, in id order ([`LIST_MANY`]), not with
     /// the windows that stand where it does ([`LIST_GROUPS`]).
     capped: bool,
+    /// Rows listed with their columns by the claim running now
+    /// ([`list_windows_rows`]), by event id: handed over without a fetch.
+    /// Dropped when the claim ends ([`Window::drop_rows`]): a later claim
+    /// fetches what is left, as it may have changed since.
+    rows: std::collections::HashMap<Uuid, Row>,
 }
 
 /// What [`Window::next`] found.
@@ -728,6 +840,7 @@ impl Window {
             listed: VecDeque::new(),
             complete: false,
             capped: false,
+            rows: Default::default(),
         }
     }
 
@@ -902,6 +1015,18 @@ impl Window {
         self.listed.clear();
         self.complete = false;
         self.capped = false;
+        self.rows.clear();
+    }
+
+    /// The row of `event` listed with its columns by the claim running now,
+    /// if it was.
+    pub(crate) fn listed_row(&mut self, event: &Uuid) -> Option<Row> {
+        self.rows.remove(event)
+    }
+
+    /// Drops the rows listed with their columns (at the end of a claim).
+    pub(crate) fn drop_rows(&mut self) {
+        self.rows.clear();
     }
 }
 

@@ -363,7 +363,7 @@ pub(crate) async fn claim(
             list.then_some(w)
         })
         .collect();
-    super::list_windows(&mut tx, &mut to_list, &skip).await?;
+    super::list_windows_rows(&mut tx, &mut to_list, &skip, limit).await?;
     let limit_rows = usize::try_from(limit.max(1)).unwrap_or(usize::MAX);
     let all_slots: Vec<i16> = owned
         .iter()
@@ -432,12 +432,29 @@ pub(crate) async fn claim(
             }
         }
     }
-    let all: Vec<Listed> = takes.iter().flat_map(|(_, t)| t.iter().cloned()).collect();
+    // The rows listed with their columns (windows that fit in the batch),
+    // and the others fetched in one statement.
+    let mut by_event: HashMap<Uuid, Row> = HashMap::new();
+    let mut all: Vec<Listed> = Vec::new();
+    for (lane, taken) in &takes {
+        let mut window = windows.lanes.get_mut(lane).map(|l| &mut l.window);
+        for t in taken {
+            match window.as_mut().and_then(|w| w.listed_row(&t.1)) {
+                Some(row) => {
+                    by_event.insert(row.event_id, row);
+                }
+                None => all.push(t.clone()),
+            }
+        }
+    }
+    for lane in windows.lanes.values_mut() {
+        lane.window.drop_rows();
+    }
     if partitioned && !all.is_empty() {
         custom_plans(&mut tx, &mut custom).await?;
     }
     let fetched = super::fetch(&mut tx, &all, partitioned).await?;
-    let mut by_event: HashMap<Uuid, Row> = fetched.into_iter().map(|r| (r.event_id, r)).collect();
+    by_event.extend(fetched.into_iter().map(|r| (r.event_id, r)));
     let mut full = false;
     for (lane, taken) in takes {
         let generation = generations.get(&lane).copied().unwrap_or(0);

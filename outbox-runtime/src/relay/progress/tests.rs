@@ -456,6 +456,83 @@ async fn windows_at_one_place_are_listed_together_and_a_group_past_its_cap_slot_
     }
 }
 
+/// The windows of a claim listed with their rows' columns when they fit in
+/// its room (the list and the fetch in one statement): every row's columns
+/// as the fetch gives them. A group with more rows than the room is listed
+/// without them (and its rows fetched). Either way each window reads each
+/// row of its slots once, in id order.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn windows_that_fit_in_a_claim_are_listed_with_their_rows(pool: PgPool) {
+    enable(&pool).await.unwrap();
+    insert_over_40_keys(&pool).await;
+    // A held row of one key: the probe is in the columns.
+    sqlx::query(
+        "UPDATE outbox_event SET held_until = now() + interval '1 hour'
+         WHERE id = (SELECT min(id) FROM outbox_event WHERE partition_key = 'k7')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let lanes: Vec<Vec<i16>> = (0..2)
+        .map(|l| (0..64).filter(|s| s % 2 == l).collect())
+        .collect();
+    for (room, with_rows) in [(1_000, true), (50, false)] {
+        let mut behind = 0;
+        let mut windows = Vec::new();
+        for slots in &lanes {
+            windows.push(load(&mut conn, slots).await.unwrap());
+        }
+        let snapshot: String = sqlx::query_scalar("SELECT pg_current_snapshot()::text")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        let mut ready: Vec<&mut Window> = windows
+            .iter_mut()
+            .filter_map(|w| w.ready(&snapshot).then_some(w))
+            .collect();
+        list_windows_rows(&mut conn, &mut ready, &Skip::default(), room)
+            .await
+            .unwrap();
+        for (w, slots) in windows.iter_mut().zip(&lanes) {
+            assert!(w.complete && !w.capped, "room {room}");
+            assert_eq!(w.rows.len(), if with_rows { w.listed.len() } else { 0 });
+            let listed: Vec<Listed> = w
+                .listed
+                .iter()
+                .map(|(id, event, tid, _)| (*id, *event, tid.clone()))
+                .collect();
+            let fetched = fetch(&mut conn, &listed, false).await.unwrap();
+            assert_eq!(fetched.len(), listed.len());
+            if with_rows {
+                for f in &fetched {
+                    let mut r = w.listed_row(&f.event_id).expect("listed with its columns");
+                    // Seconds until the hold ends: from each statement's time.
+                    assert_eq!(r.behind_held_secs.is_some(), f.behind_held_secs.is_some());
+                    behind += usize::from(r.behind_held_secs.is_some());
+                    r.behind_held_secs = f.behind_held_secs;
+                    // Its place, as listed (the fetch does not return it).
+                    assert!(listed.iter().any(|l| l.1 == r.event_id && l.2 == r.tid));
+                    r.tid.clone_from(&f.tid);
+                    assert_eq!(format!("{r:?}"), format!("{f:?}"));
+                }
+            }
+            let want: Vec<i64> = sqlx::query_scalar(
+                "SELECT id FROM outbox_event WHERE lane_slot = ANY($1) AND held_until IS NULL
+                 ORDER BY id",
+            )
+            .bind(slots)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+            let read: Vec<i64> = listed.iter().map(|l| l.0).collect();
+            assert_eq!(read, want, "room {room}");
+        }
+        // The held row's key's later rows: 9 of its 10.
+        assert_eq!(behind, if with_rows { 9 } else { 0 });
+    }
+}
+
 /// A chunk stops at the byte budget (the first row comes alone when it is
 /// larger) and the rest of the window follows.
 #[sqlx::test(migrator = "outbox_core::MIGRATOR")]
@@ -748,8 +825,9 @@ async fn the_claims_kept_plans_do_not_depend_on_the_tables_statistics(pool: PgPo
                  SET LOCAL plan_cache_mode = force_generic_plan";
     sqlx::raw_sql(begin).execute(&mut *conn).await.unwrap();
     sqlx::raw_sql(&format!(
-        "PREPARE claim_list AS {}; PREPARE claim_groups AS {}; PREPARE claim_fetch AS {}",
-        *LIST_MANY, *LIST_GROUPS, *FETCH_AT
+        "PREPARE claim_list AS {}; PREPARE claim_groups AS {}; PREPARE claim_fetch AS {};
+         PREPARE claim_rows AS {}",
+        *LIST_MANY, *LIST_GROUPS, *FETCH_AT, *LIST_GROUPS_ROWS
     ))
     .execute(&mut *conn)
     .await
@@ -760,11 +838,13 @@ async fn the_claims_kept_plans_do_not_depend_on_the_tables_statistics(pool: PgPo
         .await
         .unwrap();
     assert_eq!(listed.len(), 3);
-    let listed = sqlx::raw_sql(&format!("EXECUTE claim_groups({group})"))
-        .fetch_all(&mut *conn)
-        .await
-        .unwrap();
-    assert_eq!(listed.len(), 3);
+    for groups in ["claim_groups", "claim_rows"] {
+        let listed = sqlx::raw_sql(&format!("EXECUTE {groups}({group})"))
+            .fetch_all(&mut *conn)
+            .await
+            .unwrap();
+        assert_eq!(listed.len(), 3);
+    }
     let fetched = sqlx::raw_sql(&format!("EXECUTE claim_fetch({fetch})"))
         .fetch_all(&mut *conn)
         .await
@@ -795,6 +875,7 @@ async fn the_claims_kept_plans_do_not_depend_on_the_tables_statistics(pool: PgPo
     for list in [
         format!("claim_list({list})"),
         format!("claim_groups({group})"),
+        format!("claim_rows({group})"),
     ] {
         let plan = plan_of(&mut conn, &format!("EXPLAIN EXECUTE {list}")).await;
         assert!(plan.contains(INDEX), "{plan}");
@@ -806,6 +887,7 @@ async fn the_claims_kept_plans_do_not_depend_on_the_tables_statistics(pool: PgPo
     for list in [
         format!("claim_list({list})"),
         format!("claim_groups({group})"),
+        format!("claim_rows({group})"),
     ] {
         let listed = sqlx::raw_sql(&format!("EXECUTE {list}"))
             .fetch_all(&mut *conn)
