@@ -814,8 +814,9 @@ pub struct Window {
     capped: bool,
     /// Rows listed with their columns by the claim running now
     /// ([`list_windows_rows`]), by event id: handed over without a fetch.
-    /// Dropped when the claim ends ([`Window::drop_rows`]): a later claim
-    /// fetches what is left, as it may have changed since.
+    /// Dropped when the claim ends ([`Window::drop_rows`]), and when the
+    /// next one starts ([`Window::ready`]): a later claim fetches what is
+    /// left, as it may have changed since.
     rows: std::collections::HashMap<Uuid, Row>,
 }
 
@@ -846,8 +847,11 @@ impl Window {
 
     /// Readies the window for a claim whose snapshot is `snapshot`: one
     /// finished is advanced, one without a snapshot takes this one. Returns
-    /// whether its rows are to be listed (see [`list_windows`]).
+    /// whether its rows are to be listed (see [`list_windows`]). Rows
+    /// listed with their columns by an earlier claim (one that failed before
+    /// it could drop them) are dropped: their state may have changed since.
     pub(crate) fn ready(&mut self, snapshot: &str) -> bool {
+        self.rows.clear();
         if self.listed.is_empty() && self.complete {
             self.advance();
         }
