@@ -31,7 +31,10 @@
 //! A window's rows are listed once (id, event id and `ctid`) and fetched a
 //! chunk at a time by their `ctid` (a TID scan: one page read for many
 //! rows), by `event_id` for those that moved since: a backlog of millions
-//! in one window is read in one pass, not once per chunk. The windows of a
+//! in one window is read in one pass, not once per chunk. A claim's windows
+//! that fit in its batch (the steady state) are listed with the rows'
+//! columns instead, and need no fetch: a claim's time is mostly its round
+//! trips. The windows of a
 //! claim's lanes that stand at the same place are listed in one scan of all
 //! their slots (`LIST_GROUPS`: a slot's rows are spread over the table,
 //! one page per row when read slot by slot); a window with more rows than
