@@ -501,8 +501,9 @@ async fn list_groups(
         after.push(place.2);
         limits.push(cap.saturating_add(1));
     }
-    let rows: Vec<(i64, i16, Entry, Option<Row>)> = if with_rows {
-        let rows: Vec<ListedRow> = sqlx::query_as(LIST_GROUPS_ROWS.as_str())
+    // Either list, with the same arguments.
+    let bind = |sql: &'static str| {
+        sqlx::query(sql)
             .bind(&slots)
             .bind(&done)
             .bind(&upto)
@@ -511,6 +512,10 @@ async fn list_groups(
             .bind(&skip.topics)
             .bind(&skip.since)
             .bind(skip.fence.as_deref())
+    };
+    let rows: Vec<(i64, i16, Entry, Option<Row>)> = if with_rows {
+        let rows: Vec<ListedRow> = bind(LIST_GROUPS_ROWS.as_str())
+            .try_map(|row| <ListedRow as sqlx::FromRow<_>>::from_row(&row))
             .fetch_all(&mut *conn)
             .await?;
         rows.into_iter()
@@ -520,18 +525,11 @@ async fn list_groups(
             })
             .collect()
     } else {
-        let rows: Vec<(i64, i16, i64, Uuid, String, Option<String>)> =
-            sqlx::query_as(LIST_GROUPS.as_str())
-                .bind(&slots)
-                .bind(&done)
-                .bind(&upto)
-                .bind(&after)
-                .bind(&limits)
-                .bind(&skip.topics)
-                .bind(&skip.since)
-                .bind(skip.fence.as_deref())
-                .fetch_all(&mut *conn)
-                .await?;
+        type Listing = (i64, i16, i64, Uuid, String, Option<String>);
+        let rows: Vec<Listing> = bind(LIST_GROUPS.as_str())
+            .try_map(|row| <Listing as sqlx::FromRow<_>>::from_row(&row))
+            .fetch_all(&mut *conn)
+            .await?;
         rows.into_iter()
             .map(|(g, s, id, event, tid, skipped)| (g, s, (id, event, tid, skipped), None))
             .collect()
