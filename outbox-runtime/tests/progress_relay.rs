@@ -882,6 +882,42 @@ async fn replay_and_the_event_page_see_what_the_positions_passed(pool: PgPool) {
     assert!(received.iter().all(|r| r.event_id() != poison_id));
 }
 
+/// Creates `topic` on the broker while a writer keeps committing events to
+/// it, 10 a transaction over keys k0–k19, `pause` between transactions:
+/// the topic is created `before` after the writer starts, and the writer
+/// stops `after` later. Returns the writer's events, in commit order.
+async fn write_while_created(
+    pool: &PgPool,
+    topic: &str,
+    pause: Duration,
+    before: Duration,
+    after: Duration,
+) -> Vec<uuid::Uuid> {
+    let writing = Arc::new(AtomicBool::new(true));
+    let writer = {
+        let (pool, topic, writing) = (pool.clone(), topic.to_owned(), writing.clone());
+        tokio::spawn(async move {
+            let mut ids = Vec::new();
+            let mut seq = 10_000;
+            while writing.load(Ordering::Relaxed) {
+                let mut uow = UnitOfWork::begin(&pool).await.unwrap();
+                for _ in 0..10 {
+                    ids.push(uow.record_message(message(&topic, &format!("k{}", seq % 20), seq)));
+                    seq += 1;
+                }
+                uow.commit().await.unwrap();
+                tokio::time::sleep(pause).await;
+            }
+            ids
+        })
+    };
+    tokio::time::sleep(before).await;
+    create_topic(&brokers(), topic).await;
+    tokio::time::sleep(after).await;
+    writing.store(false, Ordering::Relaxed);
+    writer.await.unwrap()
+}
+
 /// A topic missing on the broker is held as one row, not row by row: its
 /// events are passed over by the windows without being written, the other
 /// topic drains, `status`, the gauges and the cleanup still count them as
@@ -978,29 +1014,16 @@ async fn a_missing_topic_is_held_as_one_row_and_its_events_follow_once_it_exists
 
     // A writer keeps committing events of the missing topic (the same
     // keys, one transaction after another) while it is created.
-    let writing = Arc::new(AtomicBool::new(true));
-    let writer = {
-        let (pool, topic, writing) = (pool.clone(), missing.clone(), writing.clone());
-        tokio::spawn(async move {
-            let mut ids = Vec::new();
-            let mut seq = 10_000;
-            while writing.load(Ordering::Relaxed) {
-                let mut uow = UnitOfWork::begin(&pool).await.unwrap();
-                for _ in 0..10 {
-                    ids.push(uow.record_message(message(&topic, &format!("k{}", seq % 20), seq)));
-                    seq += 1;
-                }
-                uow.commit().await.unwrap();
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            ids
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    create_topic(&brokers(), &missing).await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    writing.store(false, Ordering::Relaxed);
-    committed_missing.extend(writer.await.unwrap());
+    committed_missing.extend(
+        write_while_created(
+            &pool,
+            &missing,
+            Duration::from_millis(20),
+            Duration::from_millis(500),
+            Duration::from_secs(3),
+        )
+        .await,
+    );
     assert!(
         wait_until_done(&pool, Duration::from_secs(60)).await,
         "pending: {}",
@@ -1062,29 +1085,16 @@ async fn rows_behind_held_rows_keep_their_keys_order_while_batches_overlap(pool:
         "every event passed over: {}",
         passed_over().await
     );
-    let writing = Arc::new(AtomicBool::new(true));
-    let writer = {
-        let (pool, topic, writing) = (pool.clone(), topic.clone(), writing.clone());
-        tokio::spawn(async move {
-            let mut ids = Vec::new();
-            let mut seq = 10_000;
-            while writing.load(Ordering::Relaxed) {
-                let mut uow = UnitOfWork::begin(&pool).await.unwrap();
-                for _ in 0..10 {
-                    ids.push(uow.record_message(message(&topic, &format!("k{}", seq % 20), seq)));
-                    seq += 1;
-                }
-                uow.commit().await.unwrap();
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            ids
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    create_topic(&brokers(), &topic).await;
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    writing.store(false, Ordering::Relaxed);
-    committed.extend(writer.await.unwrap());
+    committed.extend(
+        write_while_created(
+            &pool,
+            &topic,
+            Duration::from_millis(5),
+            Duration::from_millis(300),
+            Duration::from_secs(4),
+        )
+        .await,
+    );
     assert!(
         wait_until_done(&pool, Duration::from_secs(60)).await,
         "pending: {}",
