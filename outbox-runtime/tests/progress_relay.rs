@@ -883,12 +883,14 @@ async fn replay_and_the_event_page_see_what_the_positions_passed(pool: PgPool) {
 }
 
 /// Creates `topic` on the broker while a writer keeps committing events to
-/// it, 10 a transaction over keys k0–k19, `pause` between transactions:
+/// it, 10 a transaction over keys k0–k19 (k0 and k1 with `two_keys`),
+/// `pause` between transactions:
 /// the topic is created `before` after the writer starts, and the writer
 /// stops `after` later. Returns the writer's events, in commit order.
 async fn write_while_created(
     pool: &PgPool,
     topic: &str,
+    two_keys: bool,
     pause: Duration,
     before: Duration,
     after: Duration,
@@ -902,7 +904,8 @@ async fn write_while_created(
             while writing.load(Ordering::Relaxed) {
                 let mut uow = UnitOfWork::begin(&pool).await.unwrap();
                 for _ in 0..10 {
-                    ids.push(uow.record_message(message(&topic, &format!("k{}", seq % 20), seq)));
+                    let key = format!("k{}", seq % if two_keys { 2 } else { 20 });
+                    ids.push(uow.record_message(message(&topic, &key, seq)));
                     seq += 1;
                 }
                 uow.commit().await.unwrap();
@@ -1018,6 +1021,7 @@ async fn a_missing_topic_is_held_as_one_row_and_its_events_follow_once_it_exists
         write_while_created(
             &pool,
             &missing,
+            false,
             Duration::from_millis(20),
             Duration::from_millis(500),
             Duration::from_secs(3),
@@ -1089,6 +1093,7 @@ async fn rows_behind_held_rows_keep_their_keys_order_while_batches_overlap(pool:
         write_while_created(
             &pool,
             &topic,
+            false,
             Duration::from_millis(5),
             Duration::from_millis(300),
             Duration::from_secs(4),
@@ -1101,6 +1106,97 @@ async fn rows_behind_held_rows_keep_their_keys_order_while_batches_overlap(pool:
         progress::pending(&pool).await.unwrap()
     );
     handle.shutdown().await.unwrap();
+    let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(60)).await;
+    report_holes(&committed, &received);
+    verify(&committed, &received);
+}
+
+/// Once a released topic's held rows are out, its keys leave the held
+/// rows' path, even keys with rows in every batch. A missing topic's 1,000
+/// events over 20 keys are passed over, then released as held rows once
+/// the topic exists, while a writer keeps committing events of two of
+/// those keys, both in every transaction, so in every batch (batches of up
+/// to 1,000: a claim has room for the window's rows beside the held ones).
+/// The window's rows behind the held ones are held too (written twice: a
+/// hold, then a mark); once the released rows are out, the keys' later
+/// rows go out through the windows, written by no one: none of the
+/// writer's last third is marked. Each half of the relay's way out is
+/// needed: with a batch that holds such rows claimed after (not while) it
+/// ends, but the window rows' probe counting the held rows claimed with
+/// them, or the other way round, every one of the writer's events was
+/// marked (each batch held the keys' rows behind the holds of the one
+/// before). Every event arrives, each key in order.
+#[sqlx::test(migrator = "outbox_core::MIGRATOR")]
+async fn keys_with_rows_in_every_batch_leave_the_held_rows_path_once_it_is_empty(pool: PgPool) {
+    common::init_tracing();
+    let topic = unique_topic("progress-leave-held");
+    progress::enable(&pool).await.unwrap();
+    let mut committed = commit_messages(&pool, &topic, 1_000, 20, 100).await;
+    let handle = relay(&pool)
+        .missing_topic_hold(Duration::from_secs(1), Duration::from_secs(2))
+        .batch_size(1_000)
+        .spawn()
+        .unwrap();
+    let passed_over = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT coalesce(sum(rows), 0)::int8 FROM outbox_held_topic WHERE topic = $1",
+        )
+        .bind(&topic)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            passed_over().await >= 1_000
+        })
+        .await,
+        "every event passed over: {}",
+        passed_over().await
+    );
+    let written = write_while_created(
+        &pool,
+        &topic,
+        true,
+        Duration::from_millis(2),
+        Duration::from_millis(300),
+        Duration::from_secs(9),
+    )
+    .await;
+    assert!(
+        wait_until_done(&pool, Duration::from_secs(60)).await,
+        "pending: {}",
+        progress::pending(&pool).await.unwrap()
+    );
+    handle.shutdown().await.unwrap();
+    let last_third = written[written.len() * 2 / 3..].to_vec();
+    let marked = |ids: Vec<uuid::Uuid>| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM outbox_event
+                 WHERE event_id = ANY($1) AND published_at IS NOT NULL",
+            )
+            .bind(ids)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let (all_marked, late_marked) = (
+        marked(written.clone()).await,
+        marked(last_third.clone()).await,
+    );
+    eprintln!(
+        "the writer's {} events: {all_marked} marked; its last {}: {late_marked} marked",
+        written.len(),
+        last_third.len()
+    );
+    assert_eq!(
+        late_marked, 0,
+        "the keys' later rows go out through the windows, not the held rows' path"
+    );
+    committed.extend(written);
     let received = read_topic(&brokers(), &topic, committed.len(), Duration::from_secs(60)).await;
     report_holes(&committed, &received);
     verify(&committed, &received);

@@ -122,8 +122,10 @@ pub(super) struct Loop<'a> {
     /// When held rows were last released, and whether that release was
     /// cut at its limit (see [`held::release`]).
     pub(super) released: Option<(Instant, bool)>,
-    /// The number of a batch cut at the byte budget whose transaction has
-    /// not ended (see [`Batch::cut`]): no claim runs until it ends.
+    /// The number of a batch whose transaction must end before the next
+    /// claim: one cut at the byte budget (see [`Batch::cut`]), or one that
+    /// holds a window's rows behind held rows (see
+    /// [`Loop::holds_window_rows_behind`]).
     pub(super) cut: Option<u64>,
     /// With a rate limit: the earliest the next claim may run.
     pub(super) paced: Option<Instant>,
@@ -202,7 +204,9 @@ impl Loop<'_> {
             }
             if let Some(cut) = self.cut {
                 // A batch cut at the byte budget may lock rows it did not
-                // return: no claim until its transaction has ended.
+                // return, one holding window rows behind held rows writes
+                // holds the next claim must see: no claim until its
+                // transaction has ended.
                 if self.in_flight.as_ref().is_some_and(|f| f.seq == cut) {
                     claim_next = false;
                 } else {
@@ -650,7 +654,7 @@ impl Loop<'_> {
             self.behind_stated(&mut batch);
         }
         let seq = self.batches;
-        if batch.cut {
+        if batch.cut || self.holds_window_rows_behind(&batch) {
             self.cut = Some(seq);
         }
         let mut outcomes: Vec<Option<Outcome>> = Vec::with_capacity(batch.rows.len());
@@ -771,6 +775,25 @@ impl Loop<'_> {
                 row.behind_held_secs = Some(0.0);
             }
         }
+    }
+
+    /// In the progress mode, whether the batch holds window rows behind a
+    /// held row of their key: it ends before the next claim (see
+    /// [`Loop::cut`]). That claim then reads their holds, ended at once, as
+    /// held rows, and the key's later rows of the windows after them in the
+    /// same batch (see [`progress::fetch`](super::progress::fetch)). Claimed
+    /// while this batch is open, it would not see those holds, and would
+    /// hold the key's later rows behind them as well ([`Loop::behind_stated`]),
+    /// each batch the key's rows of the next: a key with rows in every batch
+    /// would never leave the held rows' path, each of its events written
+    /// twice (a hold, a mark).
+    fn holds_window_rows_behind(&self, batch: &Batch) -> bool {
+        let Some(read) = batch.progress.as_ref() else {
+            return false;
+        };
+        batch.rows.iter().enumerate().any(|(i, row)| {
+            row.behind_held_secs.is_some() && read.lanes.get(i).copied().flatten().is_some()
+        })
     }
 
     /// Starts finishing a batch whose deliveries are judged: its marks (or,

@@ -341,12 +341,19 @@ CROSS JOIN LATERAL (
     )
 });
 
+/// The probe's bound in [`super::claim::CLAIM_COLUMNS`]: held rows of the
+/// key before the row. In this mode the probe leaves out the held rows
+/// claimed in the same batch (their ids bound as an `int8[]`): they go out
+/// before the window's rows, in the same batch (see [`fetch`]).
+const PROBED: &str = "AND h.id < outbox_event.id";
+
 /// [`LIST_GROUPS`] with each row's columns, as the fetch returns them
-/// ([`COLUMNS`]: the probe of an earlier held row of its key included), for
-/// groups of windows that fit in a batch, the steady state (a few rows a
-/// claim): the list and the fetch in one round trip. `$5` is the most rows
-/// a group may list plus one; a group that has more is listed again
-/// without the columns ([`list_windows_rows`]).
+/// ([`COLUMNS`]: the probe of an earlier held row of its key included, the
+/// held rows of the claim `$9` left out), for groups of windows that fit
+/// in a batch, the steady state (a few rows a claim): the list and the
+/// fetch in one round trip. `$5` is the most rows a group may list plus
+/// one; a group that has more is listed again without the columns
+/// ([`list_windows_rows`]).
 static LIST_GROUPS_ROWS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     let inner = "e.topic, e.txid";
     assert_eq!(LIST_GROUPS.matches(inner).count(), 2);
@@ -361,7 +368,9 @@ static LIST_GROUPS_ROWS: std::sync::LazyLock<String> = std::sync::LazyLock::new(
     let probe = columns[start..end]
         .replace("outbox_event.topic", "w.topic")
         .replace("outbox_event.partition_key", "w.partition_key")
+        .replace(PROBED, &format!("{PROBED} AND h.id <> ALL($9::int8[])"))
         .replace("outbox_event.id", "w.id");
+    assert!(probe.contains("$9"));
     LIST_GROUPS
         .replace(
             inner,
@@ -411,14 +420,15 @@ pub(crate) async fn list_windows(
 /// stand at the same place and have at most `room` rows in all are listed
 /// with their rows' columns ([`LIST_GROUPS_ROWS`]: no fetch for them), the
 /// others as [`list_windows`] does (a backlog's window is listed once more,
-/// once).
+/// once). `due`: the held rows claimed with them (see [`fetch`]).
 pub(crate) async fn list_windows_rows(
     conn: &mut PgConnection,
     windows: &mut [&mut Window],
     skip: &Skip,
     room: i64,
+    due: &[i64],
 ) -> Result<()> {
-    list_groups(conn, windows, skip, room.max(1), true).await?;
+    list_groups(conn, windows, skip, room.max(1), Some(due)).await?;
     let mut rest: Vec<&mut Window> = windows
         .iter_mut()
         .filter(|w| !w.complete)
@@ -437,7 +447,7 @@ async fn list_windows_capped(
     skip: &Skip,
     list_cap: i64,
 ) -> Result<()> {
-    list_groups(conn, windows, skip, list_cap, false).await?;
+    list_groups(conn, windows, skip, list_cap, None).await?;
     let mut rest: Vec<&mut Window> = windows
         .iter_mut()
         .filter(|w| w.capped)
@@ -449,15 +459,15 @@ async fn list_windows_capped(
 /// Lists the windows of `windows` not capped before in groups
 /// ([`LIST_GROUPS`]): each group's windows are listed whole, or, if the
 /// group has more than `list_cap` rows a window, marked capped and left
-/// unlisted. `with_rows`: with the rows' columns ([`LIST_GROUPS_ROWS`]),
-/// `list_cap` rows at most a group, and a group that has more is left
-/// unlisted, not capped.
+/// unlisted. `with_rows` (the claim's held rows, as [`fetch`] takes them):
+/// with the rows' columns ([`LIST_GROUPS_ROWS`]), `list_cap` rows at most a
+/// group, and a group that has more is left unlisted, not capped.
 async fn list_groups(
     conn: &mut PgConnection,
     windows: &mut [&mut Window],
     skip: &Skip,
     list_cap: i64,
-    with_rows: bool,
+    with_rows: Option<&[i64]>,
 ) -> Result<()> {
     // Each group's place and its windows (a handful: linear searches).
     let mut groups: Vec<((String, String, i64), Vec<usize>)> = Vec::new();
@@ -480,8 +490,8 @@ async fn list_groups(
     let caps: Vec<i64> = groups
         .iter()
         .map(|(_, members)| match with_rows {
-            true => list_cap,
-            false => list_cap.saturating_mul(members.len() as i64),
+            Some(_) => list_cap,
+            None => list_cap.saturating_mul(members.len() as i64),
         })
         .collect();
     let mut of_slot: std::collections::HashMap<i16, usize> = Default::default();
@@ -513,8 +523,9 @@ async fn list_groups(
             .bind(&skip.since)
             .bind(skip.fence.as_deref())
     };
-    let rows: Vec<(i64, i16, Entry, Option<Row>)> = if with_rows {
+    let rows: Vec<(i64, i16, Entry, Option<Row>)> = if let Some(due) = with_rows {
         let rows: Vec<ListedRow> = bind(LIST_GROUPS_ROWS.as_str())
+            .bind(due)
             .try_map(|row| <ListedRow as sqlx::FromRow<_>>::from_row(&row))
             .fetch_all(&mut *conn)
             .await?;
@@ -555,7 +566,7 @@ async fn list_groups(
             if overflowed {
                 // Listed again without the columns (`with_rows`), or slot
                 // by slot.
-                w.capped |= !with_rows;
+                w.capped |= with_rows.is_none();
                 continue;
             }
             let mut list = std::mem::take(&mut per[*i]);
@@ -714,18 +725,25 @@ static FETCH_AT_PARTITIONED: std::sync::LazyLock<String> = std::sync::LazyLock::
 /// written, the fetch of a chunk walked it in id order, 62 ms for 800 rows
 /// instead of a TID scan's 2); after the claim's mark, as in the default
 /// mode. Without the rows' places (`ctid`): only the default mode's mark
-/// uses them, and turning each into text cost about 0.15 µs a row.
+/// uses them, and turning each into text cost about 0.15 µs a row. Without
+/// the default mode's held keys; `$2` is the held rows of the claim, which
+/// the probe of an earlier held row of the key leaves out (see [`fetch`]).
 static COLUMNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     let unpublished = "WHERE published_at IS NULL AND parked_at IS NULL AND held_until IS NULL";
     assert!(super::claim::CLAIM_COLUMNS.contains(unpublished));
     let place = "ctid::text AS tid";
     assert!(super::claim::CLAIM_COLUMNS.contains(place));
+    let keys = "\n  AND partition_key <> ALL($2::text[])";
+    assert!(super::claim::CLAIM_COLUMNS.ends_with(keys));
+    assert!(super::claim::CLAIM_COLUMNS.contains(PROBED));
     let columns = super::claim::CLAIM_COLUMNS
         .replace(
             unpublished,
             "WHERE num_nulls(published_at, parked_at, held_until) = 3",
         )
-        .replace(place, "''::text AS tid");
+        .replace(place, "''::text AS tid")
+        .replace(keys, "")
+        .replace(PROBED, &format!("{PROBED} AND h.id <> ALL($2::int8[])"));
     format!("{} {columns}", super::claim::CLAIM_MARK)
 });
 
@@ -747,10 +765,18 @@ pub(crate) type Listed = (i64, Uuid, String);
 /// their own, in id order: by `ctid` (a TID scan; [`FETCH_AT_PARTITIONED`]
 /// when `partitioned`), then by event id those that moved since they were
 /// listed. One statement for a claim's lanes.
+///
+/// `due`: the held rows claimed in the same batch, which go out before
+/// these. A row's probe of an earlier held row of its key leaves them out:
+/// a key whose only held rows are in the batch sends its window rows after
+/// them, in the same batch, instead of holding them too (a hold, then a
+/// mark: each batch would hold the key's rows behind the holds of the one
+/// before, for as long as the key had rows in every batch).
 pub(crate) async fn fetch(
     conn: &mut PgConnection,
     taken: &[Listed],
     partitioned: bool,
+    due: &[i64],
 ) -> Result<Vec<Row>> {
     if taken.is_empty() {
         return Ok(Vec::new());
@@ -761,13 +787,11 @@ pub(crate) async fn fetch(
         let (low, high) = (ids.iter().min(), ids.iter().max());
         sqlx::query_as(&FETCH_AT_PARTITIONED)
             .bind(&tids)
-            .bind(Vec::<String>::new())
+            .bind(due)
             .bind(low)
             .bind(high)
     } else {
-        sqlx::query_as(&FETCH_AT)
-            .bind(&tids)
-            .bind(Vec::<String>::new())
+        sqlx::query_as(&FETCH_AT).bind(&tids).bind(due)
     };
     let mut rows: Vec<Row> = query.fetch_all(&mut *conn).await?;
     // Only the events listed at those places.
@@ -783,7 +807,7 @@ pub(crate) async fn fetch(
         let more: Vec<Row> = sqlx::query_as(&FETCH_BY_ID)
             .persistent(false)
             .bind(&moved)
-            .bind(Vec::<String>::new())
+            .bind(due)
             .fetch_all(&mut *conn)
             .await?;
         rows.extend(more);
@@ -905,7 +929,7 @@ impl Window {
             };
             // Planned with its arguments here (see above): the partitions'
             // bounds serve either layout.
-            let rows = fetch(conn, &taken, true).await?;
+            let rows = fetch(conn, &taken, true, &[]).await?;
             let (mut bytes, mut keep) = (0i64, 0);
             for r in &rows {
                 if keep > 0 && bytes >= budget {

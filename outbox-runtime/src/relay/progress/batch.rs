@@ -363,7 +363,6 @@ pub(crate) async fn claim(
             list.then_some(w)
         })
         .collect();
-    super::list_windows_rows(&mut tx, &mut to_list, &skip, limit).await?;
     let limit_rows = usize::try_from(limit.max(1)).unwrap_or(usize::MAX);
     let all_slots: Vec<i16> = owned
         .iter()
@@ -397,6 +396,10 @@ pub(crate) async fn claim(
         .unwrap_or(rows.len());
     let cut = keep < rows.len();
     rows.truncate(keep);
+    // The windows' rows, their probe of an earlier held row of their key
+    // leaving out the held rows above: those go out first, in this batch.
+    let due: Vec<i64> = rows.iter().map(|r| r.id).collect();
+    super::list_windows_rows(&mut tx, &mut to_list, &skip, limit, &due).await?;
     let mut bytes: i64 = rows.iter().map(|r| r.bytes() as i64).sum();
     read.lanes = vec![None; rows.len()];
     let n = owned.len();
@@ -453,7 +456,7 @@ pub(crate) async fn claim(
     if partitioned && !all.is_empty() {
         custom_plans(&mut tx, &mut custom).await?;
     }
-    let fetched = super::fetch(&mut tx, &all, partitioned).await?;
+    let fetched = super::fetch(&mut tx, &all, partitioned, &due).await?;
     by_event.extend(fetched.into_iter().map(|r| (r.event_id, r)));
     let mut full = false;
     for (lane, taken) in takes {
