@@ -778,21 +778,25 @@ impl Loop<'_> {
     }
 
     /// In the progress mode, whether the batch holds window rows behind a
-    /// held row of their key: it ends before the next claim (see
-    /// [`Loop::cut`]). That claim then reads their holds, ended at once, as
-    /// held rows, and the key's later rows of the windows after them in the
-    /// same batch (see [`progress::fetch`](super::progress::fetch)). Claimed
-    /// while this batch is open, it would not see those holds, and would
-    /// hold the key's later rows behind them as well ([`Loop::behind_stated`]),
-    /// each batch the key's rows of the next: a key with rows in every batch
-    /// would never leave the held rows' path, each of its events written
-    /// twice (a hold, a mark).
+    /// held row of their key whose hold has ended (or that a batch still
+    /// open gives a state: [`Loop::behind_stated`]): it ends before the next
+    /// claim (see [`Loop::cut`]). That claim then reads their holds, ended
+    /// at once, as held rows, and the key's later rows of the windows after
+    /// them in the same batch (see [`progress::fetch`](super::progress::fetch)).
+    /// Claimed while this batch is open, it would not see those holds, and
+    /// would hold the key's later rows behind them as well, each batch the
+    /// key's rows of the next: a key with rows in every batch would never
+    /// leave the held rows' path, each of its events written twice (a hold,
+    /// a mark). Rows behind a hold that has not ended (a key blocked after
+    /// a failure) wait for it whatever the next claim does: those do not
+    /// cost the loop its overlap.
     fn holds_window_rows_behind(&self, batch: &Batch) -> bool {
         let Some(read) = batch.progress.as_ref() else {
             return false;
         };
         batch.rows.iter().enumerate().any(|(i, row)| {
-            row.behind_held_secs.is_some() && read.lanes.get(i).copied().flatten().is_some()
+            row.behind_held_secs.is_some_and(|secs| secs <= 0.0)
+                && read.lanes.get(i).copied().flatten().is_some()
         })
     }
 
