@@ -766,8 +766,9 @@ pub(crate) type Listed = (i64, Uuid, String);
 /// when `partitioned`), then by event id those that moved since they were
 /// listed. One statement for a claim's lanes.
 ///
-/// `due`: the held rows claimed in the same batch, which go out before
-/// these. A row's probe of an earlier held row of its key leaves them out:
+/// `due`: the held rows claimed in the same batch that go out before these
+/// through the same producer (not one that failed before: see
+/// [`batch::claim`]). A row's probe of an earlier held row of its key leaves them out:
 /// a key whose only held rows are in the batch sends its window rows after
 /// them, in the same batch, instead of holding them too (a hold, then a
 /// mark: each batch would hold the key's rows behind the holds of the one

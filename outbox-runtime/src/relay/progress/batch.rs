@@ -398,7 +398,15 @@ pub(crate) async fn claim(
     rows.truncate(keep);
     // The windows' rows, their probe of an earlier held row of their key
     // leaving out the held rows above: those go out first, in this batch.
-    let due: Vec<i64> = rows.iter().map(|r| r.id).collect();
+    // Not a row that failed before: it goes alone, through a producer of
+    // its own, and its key's later rows wait for the next batch (see
+    // `publish`): a window's row behind it is held, as before, not left
+    // without a state (which would send its lane back to it).
+    let due: Vec<i64> = rows
+        .iter()
+        .filter(|r| r.attempts == 0)
+        .map(|r| r.id)
+        .collect();
     super::list_windows_rows(&mut tx, &mut to_list, &skip, limit, &due).await?;
     let mut bytes: i64 = rows.iter().map(|r| r.bytes() as i64).sum();
     read.lanes = vec![None; rows.len()];
