@@ -126,7 +126,7 @@ pub(super) struct Loop<'a> {
     /// claim: one cut at the byte budget (see [`Batch::cut`]), or one that
     /// holds a window's rows behind held rows (see
     /// [`Loop::holds_window_rows_behind`]).
-    pub(super) cut: Option<u64>,
+    pub(super) claim_after: Option<u64>,
     /// With a rate limit: the earliest the next claim may run.
     pub(super) paced: Option<Instant>,
     /// Batches handed to the producer so far.
@@ -202,12 +202,12 @@ impl Loop<'_> {
                     claim_next = false;
                 }
             }
-            if let Some(cut) = self.cut {
+            if let Some(after) = self.claim_after {
                 // A batch cut at the byte budget may lock rows it did not
                 // return, one holding window rows behind held rows writes
                 // holds the next claim must see: no claim until its
                 // transaction has ended.
-                if self.in_flight.as_ref().is_some_and(|f| f.seq == cut) {
+                if self.in_flight.as_ref().is_some_and(|f| f.seq == after) {
                     claim_next = false;
                 } else {
                     self.finish_marking().await;
@@ -655,7 +655,7 @@ impl Loop<'_> {
         }
         let seq = self.batches;
         if batch.cut || self.holds_window_rows_behind(&batch) {
-            self.cut = Some(seq);
+            self.claim_after = Some(seq);
         }
         let mut outcomes: Vec<Option<Outcome>> = Vec::with_capacity(batch.rows.len());
         let mut go = Vec::with_capacity(batch.rows.len());
@@ -780,7 +780,7 @@ impl Loop<'_> {
     /// In the progress mode, whether the batch holds window rows behind a
     /// held row of their key whose hold has ended (or that a batch still
     /// open gives a state: [`Loop::behind_stated`]): it ends before the next
-    /// claim (see [`Loop::cut`]). That claim then reads their holds, ended
+    /// claim (see [`Loop::claim_after`]). That claim then reads their holds, ended
     /// at once, as held rows, and the key's later rows of the windows after
     /// them in the same batch (see [`progress::fetch`](super::progress::fetch)).
     /// Claimed while this batch is open, it would not see those holds, and
@@ -847,8 +847,8 @@ impl Loop<'_> {
                     work: None,
                 })
                 .and_then(|r| r);
-            if self.cut.is_some_and(|cut| cut <= seq) {
-                self.cut = None;
+            if self.claim_after.is_some_and(|after| after <= seq) {
+                self.claim_after = None;
             }
             let before = self.held.len();
             self.held.retain(|_, last| *last > seq);

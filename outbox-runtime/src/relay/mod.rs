@@ -7,8 +7,9 @@
 //! One loop per relay overlaps the database and the broker: while batch *n*
 //! is being delivered, batch *n+1* is claimed; while batch *n+1* is being
 //! delivered, batch *n* is marked published and committed. A batch is
-//! bounded by rows and by bytes; after one cut at its byte budget, the next
-//! claim waits until it has committed (`Loop::cut`). Batch *n+1* is
+//! bounded by rows and by bytes; after one cut at its byte budget (or, in
+//! the progress mode, one holding window rows behind held rows), the next
+//! claim waits until it has committed (`Loop::claim_after`). Batch *n+1* is
 //! handed to the producer only after every delivery of batch *n* is known, so
 //! a key that failed in batch *n* sends nothing of batch *n+1*; a key with a
 //! row left unpublished in a batch stays out of claims and sends until that
@@ -263,7 +264,7 @@ impl Relay {
             ended: 0,
             claim_floor: 0,
             released: None,
-            cut: None,
+            claim_after: None,
             paced: None,
             batches: 0,
             producer_unusable: false,
