@@ -882,6 +882,44 @@ async fn replay_and_the_event_page_see_what_the_positions_passed(pool: PgPool) {
     assert!(received.iter().all(|r| r.event_id() != poison_id));
 }
 
+/// Events of `topic` the windows passed over while it is held as missing.
+async fn passed_over(pool: &PgPool, topic: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT coalesce(sum(rows), 0)::int8 FROM outbox_held_topic WHERE topic = $1",
+    )
+    .bind(topic)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Enables the progress mode, commits 1,000 events of `topic` (missing on
+/// the broker) over keys k0–k19, and starts a relay with batches of
+/// `batch_size` that holds the topic (rechecked within 2 s); returns once
+/// every event is passed over, with the events and the relay.
+async fn pass_over_missing_topic(
+    pool: &PgPool,
+    topic: &str,
+    batch_size: usize,
+) -> (Vec<uuid::Uuid>, outbox_runtime::RelayHandle) {
+    progress::enable(pool).await.unwrap();
+    let committed = commit_messages(pool, topic, 1_000, 20, 100).await;
+    let handle = relay(pool)
+        .missing_topic_hold(Duration::from_secs(1), Duration::from_secs(2))
+        .batch_size(batch_size)
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            passed_over(pool, topic).await >= 1_000
+        })
+        .await,
+        "every event passed over: {}",
+        passed_over(pool, topic).await
+    );
+    (committed, handle)
+}
+
 /// Creates `topic` on the broker while a writer keeps committing events to
 /// it, 10 a transaction over keys k0–k19 (k0 and k1 with `two_keys`),
 /// `pause` between transactions:
@@ -951,22 +989,13 @@ async fn a_missing_topic_is_held_as_one_row_and_its_events_follow_once_it_exists
     )
     .await;
     assert_eq!(verify(&committed_good, &received), 0);
-    let passed_over = || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT coalesce(sum(rows), 0)::int8 FROM outbox_held_topic WHERE topic = $1",
-        )
-        .bind(&missing)
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-    };
     assert!(
         eventually(Duration::from_secs(30), || async {
-            passed_over().await >= 2_000
+            passed_over(&pool, &missing).await >= 2_000
         })
         .await,
         "every event of the missing topic passed over: {}",
-        passed_over().await
+        passed_over(&pool, &missing).await
     );
     let holds: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_held_topic")
         .fetch_one(&pool)
@@ -1035,7 +1064,7 @@ async fn a_missing_topic_is_held_as_one_row_and_its_events_follow_once_it_exists
     );
     handle.shutdown().await.unwrap();
     assert_eq!(
-        passed_over().await,
+        passed_over(&pool, &missing).await,
         0,
         "the hold is gone once the topic exists"
     );
@@ -1065,30 +1094,7 @@ async fn a_missing_topic_is_held_as_one_row_and_its_events_follow_once_it_exists
 async fn rows_behind_held_rows_keep_their_keys_order_while_batches_overlap(pool: PgPool) {
     common::init_tracing();
     let topic = unique_topic("progress-behind-held");
-    progress::enable(&pool).await.unwrap();
-    let mut committed = commit_messages(&pool, &topic, 1_000, 20, 100).await;
-    let handle = relay(&pool)
-        .missing_topic_hold(Duration::from_secs(1), Duration::from_secs(2))
-        .batch_size(10)
-        .spawn()
-        .unwrap();
-    let passed_over = || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT coalesce(sum(rows), 0)::int8 FROM outbox_held_topic WHERE topic = $1",
-        )
-        .bind(&topic)
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-    };
-    assert!(
-        eventually(Duration::from_secs(30), || async {
-            passed_over().await >= 1_000
-        })
-        .await,
-        "every event passed over: {}",
-        passed_over().await
-    );
+    let (mut committed, handle) = pass_over_missing_topic(&pool, &topic, 10).await;
     committed.extend(
         write_while_created(
             &pool,
@@ -1130,30 +1136,7 @@ async fn rows_behind_held_rows_keep_their_keys_order_while_batches_overlap(pool:
 async fn keys_with_rows_in_every_batch_leave_the_held_rows_path_once_it_is_empty(pool: PgPool) {
     common::init_tracing();
     let topic = unique_topic("progress-leave-held");
-    progress::enable(&pool).await.unwrap();
-    let mut committed = commit_messages(&pool, &topic, 1_000, 20, 100).await;
-    let handle = relay(&pool)
-        .missing_topic_hold(Duration::from_secs(1), Duration::from_secs(2))
-        .batch_size(1_000)
-        .spawn()
-        .unwrap();
-    let passed_over = || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT coalesce(sum(rows), 0)::int8 FROM outbox_held_topic WHERE topic = $1",
-        )
-        .bind(&topic)
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-    };
-    assert!(
-        eventually(Duration::from_secs(30), || async {
-            passed_over().await >= 1_000
-        })
-        .await,
-        "every event passed over: {}",
-        passed_over().await
-    );
+    let (mut committed, handle) = pass_over_missing_topic(&pool, &topic, 1_000).await;
     let written = write_while_created(
         &pool,
         &topic,
